@@ -1,0 +1,1 @@
+"""ShardFlow's user side: the `shardflow` command line and Python client."""

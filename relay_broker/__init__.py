@@ -1,0 +1,1 @@
+"""The Redis side of ShardFlow: connections, stream names, publish/consume/ack, embedded Redis."""

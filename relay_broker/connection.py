@@ -1,0 +1,76 @@
+"""Connect to Redis from a URL and retry transport errors (only those) with tenacity.
+
+URLs: redis://[user:password@]host:port/db, rediss:// (TLS; CA and client certs as query options or
+keyword arguments), unix:///path/to/socket?db=0. Job-level failures are never retried here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from tenacity import (
+    retry,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from schemas.errors import TransportError
+from schemas.settings import DEFAULTS
+
+T = TypeVar("T")
+TRANSPORT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+
+
+def transport_retry(attempts: int = DEFAULTS.connect_attempts) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Decorator: retry on Redis transport errors with jittered backoff, then raise TransportError."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        inner = retry(
+            retry=retry_if_exception_type(TRANSPORT_ERRORS),
+            stop=stop_after_attempt(attempts),
+            wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
+            reraise=True,
+        )(fn)
+
+        def call(*args: Any, **kwargs: Any) -> T:
+            try:
+                return inner(*args, **kwargs)
+            except TRANSPORT_ERRORS as e:
+                raise TransportError(f"Redis unreachable after {attempts} attempts: {e}") from e
+
+        call.__name__ = getattr(fn, "__name__", "call")
+        call.__doc__ = fn.__doc__
+        return call
+
+    return wrap
+
+
+def connect(
+    url: str = DEFAULTS.redis_url,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    check: bool = True,
+    **kwargs: Any,
+) -> redis.Redis:
+    """Open a Redis client for `url` (bytes responses); PING it (with retries) unless check=False."""
+    opts: dict[str, Any] = {
+        "socket_timeout": DEFAULTS.socket_timeout_s,
+        "socket_connect_timeout": 10.0,
+        "health_check_interval": 30,
+    }
+    opts.update(kwargs)
+    if username is not None:
+        opts["username"] = username
+    if password is not None:
+        opts["password"] = password
+    try:
+        client = redis.Redis.from_url(url, **opts)
+    except ValueError as e:
+        raise TransportError(f"bad Redis URL {url!r}: {e}") from None
+    if check:
+        transport_retry()(client.ping)()
+    return client

@@ -1,0 +1,135 @@
+"""Stream names and the relay operations: publish, consume through a group, ack, reply, trim.
+
+Layout (all under one prefix):
+  {prefix}:tail:requests            new sessions; every tail replica reads it through one group
+  {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
+  {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from relay_broker.connection import transport_retry
+from schemas.errors import ReplyTimeout
+from schemas.settings import DEFAULTS
+
+Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)
+
+
+@dataclass(frozen=True)
+class StreamNames:
+    """Every Redis key name the relay uses, derived from one prefix."""
+
+    prefix: str = DEFAULTS.prefix
+
+    @property
+    def shared_requests(self) -> str:
+        return f"{self.prefix}:tail:requests"
+
+    @property
+    def tail_group(self) -> str:
+        return f"{self.prefix}:tails"
+
+    def tail_requests(self, tail_id: str) -> str:
+        return f"{self.prefix}:tail:{tail_id}:requests"
+
+    def reply(self, session_id: str) -> str:
+        return f"{self.prefix}:reply:{session_id}"
+
+
+@transport_retry()
+def publish(r: redis.Redis, stream: str, fields: dict, maxlen: int = DEFAULTS.request_stream_maxlen) -> bytes:
+    """Append one entry to `stream`, trimming it to about `maxlen` entries."""
+    return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
+
+
+@transport_retry()
+def send_reply(r: redis.Redis, stream: str, fields: dict) -> None:
+    """Append a reply to a session's stream, keep it short and let it expire when abandoned."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xadd(stream, fields, maxlen=DEFAULTS.reply_stream_maxlen, approximate=True)
+    pipe.expire(stream, DEFAULTS.reply_ttl_s)
+    pipe.execute()
+
+
+@transport_retry()
+def delete_keys(r: redis.Redis, *keys: str) -> None:
+    if keys:
+        r.delete(*keys)
+
+
+@dataclass
+class GroupReader:
+    """Reads streams through one consumer group: own pending entries first, then new ones."""
+
+    r: redis.Redis
+    group: str
+    consumer: str
+    streams: list[str]
+    _pending_done: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        for s in self.streams:
+            self._create_group(s)
+
+    @transport_retry()
+    def _create_group(self, stream: str) -> None:
+        try:
+            self.r.xgroup_create(stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    @transport_retry()
+    def read(self, count: int = 16, block_ms: int = DEFAULTS.block_ms) -> list[Entry]:
+        """Return up to `count` entries; blocks up to block_ms when there is nothing new."""
+        if not self._pending_done:
+            got = self._flatten(self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, "0"), count=count))
+            got = [e for e in got if e[2]]  # entries deleted while pending come back empty
+            if got:
+                return got
+            self._pending_done = True
+        return self._flatten(
+            self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"), count=count, block=block_ms)
+        )
+
+    @staticmethod
+    def _flatten(resp: list | None) -> list[Entry]:
+        return [(s, i, f) for s, entries in (resp or []) for i, f in entries]
+
+    @transport_retry()
+    def ack(self, stream: bytes | str, entry_id: bytes) -> None:
+        """Acknowledge and delete a handled entry, so streams stay bounded."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xack(stream, self.group, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+
+
+@dataclass
+class ReplyReader:
+    """Reads one session's reply stream in order, remembering where it stopped."""
+
+    r: redis.Redis
+    stream: str
+    last_id: bytes = b"0-0"
+
+    def next(self, timeout_s: float = DEFAULTS.reply_timeout_s) -> dict[bytes, bytes]:
+        """Return the next reply's fields; raise ReplyTimeout if none comes within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise ReplyTimeout(f"no reply on {self.stream} within {timeout_s:.1f}s")
+            got = self._read(min(left_ms, DEFAULTS.block_ms))
+            if got:
+                self.last_id, fields = got[0][1][0]
+                return fields
+
+    @transport_retry()
+    def _read(self, block_ms: int) -> list:
+        return self.r.xread({self.stream: self.last_id}, count=1, block=block_ms)

@@ -1,0 +1,44 @@
+"""ShardFlow's one exception hierarchy.
+
+TransportError: Redis could not be reached or answered in time; retried with tenacity where it happens.
+JobError: the generation itself failed (bad request, bad packet, remote failure); never retried by the
+transport layer, left to the job system (RQ) to retry or fail.
+"""
+
+from __future__ import annotations
+
+
+class ShardFlowError(Exception):
+    """Base of every error ShardFlow raises on purpose."""
+
+
+class TransportError(ShardFlowError):
+    """Redis unreachable, a connection dropped, or no answer in time."""
+
+
+class ReplyTimeout(TransportError):
+    """The tail did not answer a round in time (tail dead, restarting, or overloaded)."""
+
+
+class JobError(ShardFlowError):
+    """A generation failed for a reason that retrying the transport cannot fix."""
+
+
+class InvalidRequest(JobError):
+    """A generation request is malformed or impossible (never worth retrying)."""
+
+
+class PacketError(JobError):
+    """A packet failed validation: malformed, truncated, oversized, wrong version, bad tensor."""
+
+
+class SessionError(JobError):
+    """A packet names a session the tail does not hold, or arrives out of order."""
+
+
+class RemoteError(JobError):
+    """The tail answered a round with an error."""
+
+
+class ModelLoadError(ShardFlowError):
+    """A model or shard could not be loaded as asked."""

@@ -1,0 +1,195 @@
+"""Relay packets between head and tail, and their Redis stream encoding.
+
+A stream entry holds field `h` (the JSON header, one of the models below) and one binary field
+`t.<name>` per tensor the header declares. Decoding validates size caps, the JSON, the version, each
+tensor's dtype/shape/byte length, and the packet's own consistency before anything is computed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from schemas.errors import PacketError
+from schemas.requests import SCHEMA_VERSION, FinishReason, SamplingParams, SessionId, TokenId
+from schemas.settings import DEFAULTS
+from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
+
+HEADER = b"h"
+TENSOR_PREFIX = b"t."
+
+# How the draft distribution q travels: none (greedy), point (deterministic drafter: q(x)=1),
+# sparse (indices + probabilities of its support), dense (full vocabulary rows).
+QKind = Literal["none", "point", "sparse", "dense"]
+TailId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{0,64}$")]
+
+
+class RoundPacket(BaseModel):
+    """Head -> tail: hidden states of [input_ids, draft_ids] at positions start_pos.. to verify."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: Literal["round"] = "round"
+    session_id: SessionId
+    round_id: int = Field(ge=0)
+    start_pos: int = Field(ge=0, description="Position of input_ids[0]; the tail holds 0..start_pos.")
+    input_ids: list[TokenId] = Field(min_length=1, description="Committed tokens not yet cached.")
+    draft_ids: list[TokenId] = Field(max_length=64)
+    sampling: SamplingParams
+    eos_token_ids: list[TokenId] = Field(max_length=16)
+    max_new: int = Field(ge=1, description="Tokens this round may still commit before 'length'.")
+    q_kind: QKind
+    tensors: dict[str, TensorMeta] = Field(max_length=4)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RoundPacket:
+        n, k = len(self.input_ids) + len(self.draft_ids), len(self.draft_ids)
+        hidden = self.tensors.get("hidden")
+        if hidden is None or len(hidden.shape) != 2 or hidden.shape[0] != n:
+            raise ValueError(f"tensor 'hidden' must be [{n}, hidden_size]")
+        need: dict[str, int] = {"none": 0, "point": 0, "sparse": 2, "dense": 1}
+        if (self.sampling.greedy or k == 0) != (self.q_kind == "none"):
+            raise ValueError(f"q_kind {self.q_kind!r} does not fit {k} drafts at this temperature")
+        if len(self.tensors) != 1 + need[self.q_kind]:
+            raise ValueError(f"q_kind {self.q_kind!r} needs {need[self.q_kind]} q tensors")
+        for name in {"sparse": ("q_idx", "q_val"), "dense": ("q",)}.get(self.q_kind, ()):
+            meta = self.tensors.get(name)
+            if meta is None or len(meta.shape) != 2 or meta.shape[0] != k:
+                raise ValueError(f"tensor {name!r} must have {k} rows")
+        return self
+
+
+class ClosePacket(BaseModel):
+    """Head -> tail: the session is over; free its cache."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: Literal["close"] = "close"
+    session_id: SessionId
+
+
+class Verdict(BaseModel):
+    """Tail -> head: the tokens one round commits (accepted drafts + correction/bonus, stops applied)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: Literal["verdict"] = "verdict"
+    session_id: SessionId
+    round_id: int = Field(ge=0)
+    accepted: int = Field(ge=0, description="Draft tokens the target accepted.")
+    tokens: list[TokenId] = Field(description="Tokens committed this round, after EOS/length stops.")
+    next_token: TokenId | None = Field(description="Correction or bonus token; None if a stop cut it.")
+    finish_reason: FinishReason | None = None
+    tail_id: TailId = ""
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class ErrorReply(BaseModel):
+    """Tail -> head: the round (or the whole packet) could not be processed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: Literal["error"] = "error"
+    session_id: SessionId
+    round_id: int | None = None
+    error: str
+    tail_id: TailId = ""
+
+
+HeadMessage = Annotated[RoundPacket | ClosePacket, Field(discriminator="kind")]
+TailMessage = Annotated[Verdict | ErrorReply, Field(discriminator="kind")]
+_HEAD = TypeAdapter(HeadMessage)
+_TAIL = TypeAdapter(TailMessage)
+
+
+def encode_round(packet_fields: dict, tensors: dict[str, torch.Tensor]) -> tuple[RoundPacket, dict]:
+    """Build a RoundPacket from header fields + tensors and return it with its stream fields."""
+    metas, raws = {}, {}
+    for name, t in tensors.items():
+        metas[name], raws[TENSOR_PREFIX + name.encode()] = encode_tensor(t)
+    packet = RoundPacket(**packet_fields, tensors=metas)
+    return packet, {HEADER: packet.model_dump_json().encode(), **raws}
+
+
+def encode_message(msg: BaseModel) -> dict[bytes, bytes]:
+    """Stream fields of a header-only message (close, verdict, error)."""
+    return {HEADER: msg.model_dump_json().encode()}
+
+
+def _header(fields: dict, max_bytes: int) -> bytes:
+    if not isinstance(fields, dict) or HEADER not in fields:
+        raise PacketError("packet has no header field 'h'")
+    total = sum(len(k) + len(v) for k, v in fields.items())
+    if total > max_bytes:
+        raise PacketError(f"packet of {total} bytes exceeds the cap of {max_bytes}")
+    head = fields[HEADER]
+    if len(head) > DEFAULTS.max_header_bytes:
+        raise PacketError(f"header of {len(head)} bytes exceeds the cap of {DEFAULTS.max_header_bytes}")
+    return head
+
+
+def _check_version(head: bytes) -> None:
+    try:
+        raw = json.loads(head)
+    except ValueError as e:
+        raise PacketError(f"header is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise PacketError("header is not a JSON object")
+    if raw.get("v") != SCHEMA_VERSION:
+        raise PacketError(f"unsupported packet version {raw.get('v')!r} (this build speaks {SCHEMA_VERSION})")
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()[:3]]
+    return "invalid packet: " + "; ".join(parts)
+
+
+def decode_head_message(
+    fields: dict, *, max_bytes: int = DEFAULTS.max_packet_bytes, device: str | torch.device = "cpu"
+) -> tuple[RoundPacket | ClosePacket, dict[str, torch.Tensor]]:
+    """Validate and decode one head -> tail stream entry; raise PacketError with a clear reason."""
+    head = _header(fields, max_bytes)
+    _check_version(head)
+    try:
+        msg = _HEAD.validate_json(head)
+    except ValidationError as e:
+        raise PacketError(_validation_message(e)) from None
+    if isinstance(msg, ClosePacket):
+        return msg, {}
+    expected = {TENSOR_PREFIX + n.encode() for n in msg.tensors} | {HEADER}
+    if set(fields) != expected:
+        extra = sorted(k.decode(errors="replace") for k in set(fields) ^ expected)
+        raise PacketError(f"packet fields do not match its header: {extra}")
+    tensors = {
+        name: decode_tensor(meta, fields[TENSOR_PREFIX + name.encode()], device=device)
+        for name, meta in msg.tensors.items()
+    }
+    return msg, tensors
+
+
+def decode_tail_message(fields: dict) -> Verdict | ErrorReply:
+    """Validate and decode one tail -> head reply."""
+    head = _header(fields, DEFAULTS.max_header_bytes + 64)
+    _check_version(head)
+    try:
+        return _TAIL.validate_json(head)
+    except ValidationError as e:
+        raise PacketError(_validation_message(e)) from None
+
+
+def peek_session(fields: object) -> tuple[str | None, int | None]:
+    """Best-effort (session_id, round_id) of a packet that failed validation, for error replies."""
+    try:
+        raw = json.loads(fields[HEADER])  # type: ignore[index]
+        sid = TypeAdapter(SessionId).validate_python(raw["session_id"])
+        rid = raw.get("round_id")
+        return sid, rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None
+    except Exception:
+        return None, None

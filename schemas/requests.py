@@ -1,0 +1,119 @@
+"""What a user asks for (GenerationRequest) and what they get back (GenerationResult)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.settings import DEFAULTS
+
+SCHEMA_VERSION = 1
+
+SessionId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+FinishReason = Literal["eos", "length", "stop"]
+
+
+class SamplingParams(BaseModel):
+    """How tokens are chosen; temperature 0 means greedy. Applied identically to target and draft."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept; 1 = off.")
+    top_k: int = Field(0, ge=0, description="Most likely tokens kept; 0 = off.")
+    seed: int | None = Field(None, ge=0, lt=1 << 63, description="Fixes the random draws.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class DraftSettings(BaseModel):
+    """Which drafter proposes tokens and how many per round."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["model", "ngram", "none"] = Field(
+        "model", description="'model' uses the head's draft model if it has one, else n-gram."
+    )
+    k: int = Field(DEFAULTS.draft_k, ge=0, le=64, description="Draft tokens per round.")
+    ngram_max: int = Field(DEFAULTS.ngram_max, ge=1, le=16)
+    ngram_min: int = Field(DEFAULTS.ngram_min, ge=1, le=16)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=1 << 20)
+
+
+class GenerationRequest(BaseModel):
+    """One generation: exactly one of prompt, messages or prompt_ids, plus how to decode it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    prompt: str | None = Field(None, max_length=1 << 20)
+    messages: list[ChatMessage] | None = Field(None, max_length=1024)
+    prompt_ids: list[TokenId] | None = Field(None, max_length=1 << 20)
+    chat_template: bool | None = Field(
+        None, description="Apply the tokenizer's chat template to `prompt`; None = if it has one."
+    )
+    max_new_tokens: int = Field(DEFAULTS.max_new_tokens, ge=1, le=1 << 20)
+    sampling: SamplingParams = SamplingParams()
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=16
+    )
+    draft: DraftSettings = DraftSettings()
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerationRequest:
+        given = [x for x in (self.prompt, self.messages, self.prompt_ids) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, messages or prompt_ids")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("prompt is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if self.draft.ngram_min > self.draft.ngram_max:
+            raise ValueError("draft.ngram_min exceeds draft.ngram_max")
+        return self
+
+
+class RoundTimings(BaseModel):
+    """Milliseconds spent per stage, summed over a generation's rounds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_ms: float = 0.0
+    head_forward_ms: float = 0.0
+    relay_ms: float = 0.0
+    tail_forward_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+class GenerationResult(BaseModel):
+    """The outcome of one generation, as stored and returned."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1] = SCHEMA_VERSION
+    session_id: SessionId
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    mean_accepted: float = Field(description="Draft tokens accepted per round.")
+    tokens_per_round: float = Field(description="Tokens committed per round (accepted + 1).")
+    tokens_per_s: float
+    timings: RoundTimings

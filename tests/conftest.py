@@ -1,0 +1,121 @@
+"""Shared fixtures: one real Redis per test session, tiny models saved to disk, tail processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from producer.local import spawn_tail, wait_for_tails
+from relay_broker.connection import connect
+from relay_broker.embedded import EmbeddedRedis
+from relay_broker.streams import StreamNames
+from workers.tiny_models import build_tokenizer, save_noisy_copy, save_tiny_model
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+PROMPTS = [
+    "Hello world! How are you today?",
+    "The quick brown fox",
+    "Once upon a time there was",
+    "Numbers like 1, 2, 3, 42 and",
+    "def main():\n    print(",
+    "The capital of France is",
+    "Water boils at",
+    "Redis streams carry activations",
+    "A head worker runs the lower layers;",
+    "Speculative decoding drafts tokens cheaply and",
+    "I am fine, thank you very much. I am fine, thank you",
+    "the the the the the",
+    "1, 2, 3, 1, 2, 3, 1, 2,",
+    "Tokyo",
+    "x",
+    "Hello Hello Hello world world",
+    "The lazy dog near the river bank jumps over the quick brown fox near the",
+    "return 0\n",
+    "Paris, and the capital of Japan",
+    "one hundred degrees Celsius at sea level.",
+]
+
+
+@dataclass
+class ModelSet:
+    family: str
+    target: Path
+    drafter: Path  # a noisy copy: agrees with the target part of the time
+    same: Path  # an exact copy: every draft accepted
+    n_layers: int
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_client(redis_server):
+    return connect(redis_server.url)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, ModelSet]:
+    root = tmp_path_factory.mktemp("models")
+    tok = build_tokenizer()
+    out = {}
+    for family in ("qwen2", "llama"):
+        target = save_tiny_model(root / family, family, tokenizer=tok)
+        out[family] = ModelSet(
+            family, target, save_noisy_copy(target, root / f"{family}-draft", 0.02),
+            save_noisy_copy(target, root / f"{family}-same", 0.0), 4,
+        )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizers(models):
+    """Each family's tokenizer as the workers load it (transformers picks its class by model type)."""
+    return {f: AutoTokenizer.from_pretrained(m.target) for f, m in models.items()}
+
+
+@pytest.fixture(scope="session")
+def hf_models(models):
+    return {f: AutoModelForCausalLM.from_pretrained(m.target, dtype=torch.float32).eval() for f, m in models.items()}
+
+
+class Tails:
+    """Tail processes started on demand, one per (model, split), each on its own key prefix."""
+
+    def __init__(self, url: str, logdir: Path) -> None:
+        self.url, self.logdir = url, logdir
+        self.procs: dict[tuple, tuple[subprocess.Popen, StreamNames]] = {}
+
+    def get(self, target: Path, split: int, n_layers: int, extra: tuple[str, ...] = ()) -> StreamNames:
+        key = (str(target), split, extra)
+        if key not in self.procs or self.procs[key][0].poll() is not None:
+            names = StreamNames(f"t{len(self.procs)}-{os.getpid()}")
+            proc = spawn_tail(target, (split, n_layers), self.url, prefix=names.prefix, extra=list(extra),
+                              log_path=self.logdir / f"{names.prefix}.log")
+            wait_for_tails(connect(self.url), names, proc=proc)
+            self.procs[key] = (proc, names)
+        return self.procs[key][1]
+
+    def close(self) -> None:
+        for proc, _ in self.procs.values():
+            proc.terminate()
+        for proc, _ in self.procs.values():
+            proc.wait(20)
+
+
+@pytest.fixture(scope="session")
+def tails(redis_server, tmp_path_factory) -> Iterator[Tails]:
+    t = Tails(redis_server.url, tmp_path_factory.mktemp("tail-logs"))
+    yield t
+    t.close()

@@ -1,0 +1,1 @@
+"""ShardFlow workers: shard loading, drafters, the head loop and the tail loop."""

@@ -1,0 +1,108 @@
+"""Drafters behind one small interface: a draft model, or model-free n-gram prompt lookup.
+
+A drafter makes one `DraftSession` per generation; `propose(context, k, sampling, gen)` returns up to
+k tokens and, when sampling, the distribution q each was drawn from. A model session keeps its own KV
+cache and re-syncs it to the committed context at every call: it crops to the longest prefix it holds
+and feeds what is missing, so after a fully accepted round it consumes the last draft and the bonus
+token before drafting again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from schemas.requests import SamplingParams
+from workers.kvcache import KVCache
+from workers.sampling import warp
+from workers.shard import Shard
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    q: torch.Tensor | None = None  # [k, V] draft probabilities (model drafter, sampling only)
+    point: bool = False  # deterministic proposals: q(x) = 1
+
+
+class DraftSession(Protocol):
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft: ...
+
+
+class Drafter(Protocol):
+    name: str
+
+    def new_session(self) -> DraftSession: ...
+
+
+class ModelDrafter:
+    """A full causal LM that shares the target's tokenizer, run with its own KV cache."""
+
+    name = "model"
+
+    def __init__(self, shard: Shard) -> None:
+        if shard.embed is None or shard.lm_head is None:
+            raise ValueError("a draft model needs its embedding and LM head")
+        self.shard = shard
+
+    def new_session(self) -> ModelDraftSession:
+        return ModelDraftSession(self.shard)
+
+
+class ModelDraftSession:
+    def __init__(self, shard: Shard) -> None:
+        self.shard, self.cache, self.tokens = shard, KVCache(), []  # tokens: what the cache holds
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Make the cache hold context[:-1] + feed the rest; return the next-token logits."""
+        keep = 0
+        limit = min(len(self.tokens), len(context) - 1)
+        while keep < limit and self.tokens[keep] == context[keep]:
+            keep += 1
+        self.cache.crop(keep)
+        feed = torch.tensor(context[keep:], device=self.shard.device)
+        self.tokens = list(context)
+        return self.shard(feed, keep, self.cache, logits_last=1)[-1]
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
+        logits = self._sync(context)
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(k):
+            if sampling.greedy:
+                tok = int(logits.argmax())
+            else:
+                probs = warp(logits[None], sampling)[0]
+                tok = int(torch.multinomial(probs, 1, generator=gen))
+                qs.append(probs)
+            tokens.append(tok)
+            if i < k - 1:
+                step = torch.tensor([tok], device=self.shard.device)
+                logits = self.shard(step, len(self.tokens), self.cache, logits_last=1)[-1]
+                self.tokens.append(tok)
+        return Draft(tokens, torch.stack(qs) if qs else None)
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n-gram, copy what followed."""
+
+    name = "ngram"
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def new_session(self) -> NgramDrafter:
+        return self
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
+        ctx = torch.tensor(context)
+        for n in range(min(self.ngram_max, len(context) - 1), self.ngram_min - 1, -1):
+            windows = ctx[:-1].unfold(0, n, 1)  # every n-gram that has at least one token after it
+            hits = (windows == ctx[-n:]).all(dim=1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return Draft(context[start : start + k], point=True)
+        return Draft([], point=True)

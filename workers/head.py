@@ -1,0 +1,132 @@
+"""The head side of a split generation: drafter + lower shard, talking to a tail through Redis.
+
+    runtime = HeadRuntime.load("Qwen/Qwen2.5-7B-Instruct", layers=(0, 14), draft="Qwen/Qwen2.5-0.5B-Instruct")
+    result = generate(GenerationRequest(prompt="Hello"), runtime, connect(url))
+
+Each round: draft up to K tokens, run the lower shard over [uncached committed tokens, drafts], send
+one packet, wait for the verdict, commit, and roll the shard's KV cache back to the committed prefix
+(the drafter re-syncs itself at its next proposal). The first round goes to the shared tail stream;
+later rounds go to the tail that holds the session's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+import torch
+from transformers import AutoTokenizer
+
+from relay_broker.streams import StreamNames
+from schemas.errors import InvalidRequest
+from schemas.requests import GenerationRequest, GenerationResult
+from workers.drafters import DraftSession, ModelDrafter, NgramDrafter
+from workers.rounds import RoundLoop
+from workers.shard import Shard, load_shard, resolve_model_dir
+
+log = logging.getLogger("shardflow.head")
+TokenCallback = Callable[[list[int], list[int]], None]
+
+
+def eos_ids_of(model_dir: Path, config: object) -> list[int]:
+    """EOS ids from generation_config.json (as `generate` uses them), else from the model config."""
+    gen_cfg = model_dir / "generation_config.json"
+    eos = json.loads(gen_cfg.read_text()).get("eos_token_id") if gen_cfg.exists() else None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+@dataclass
+class HeadRuntime:
+    """What a head worker keeps loaded: tokenizer, lower shard, optional draft model."""
+
+    tokenizer: object
+    shard: Shard
+    draft_model: ModelDrafter | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, target: str | Path, layers: tuple[int, int], *, draft: str | Path | None = None,
+             device: str = "cpu", dtype: torch.dtype | None = None) -> HeadRuntime:
+        """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given."""
+        model_dir = resolve_model_dir(target)
+        shard = load_shard(model_dir, layers, embed=True, head=False, device=device, dtype=dtype)
+        drafter = None
+        if draft is not None:
+            drafter = ModelDrafter(load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype))
+            if drafter.shard.config.vocab_size < shard.config.vocab_size:
+                raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        return cls(tok, shard, drafter, eos_ids_of(model_dir, shard.config))
+
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """Token ids of the request's prompt (chat template for messages, and for prompts if asked or
+        if the tokenizer has one); raises InvalidRequest if it cannot fit the model."""
+        tok = self.tokenizer
+        if req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+        else:
+            has_template = bool(getattr(tok, "chat_template", None))
+            use_template = req.messages is not None or (req.chat_template if req.chat_template is not None else has_template)
+            if use_template and not has_template:
+                raise InvalidRequest("this model's tokenizer has no chat template")
+            if use_template:
+                msgs = [m.model_dump() for m in req.messages] if req.messages else [{"role": "user", "content": req.prompt}]
+                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
+                ids = tok.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+            else:
+                ids = tok.encode(req.prompt)  # type: ignore[attr-defined]
+        vocab = self.shard.config.vocab_size
+        if not ids:
+            raise InvalidRequest("the prompt encodes to no tokens")
+        if max(ids) >= vocab:
+            raise InvalidRequest(f"prompt token id {max(ids)} is outside the vocabulary of {vocab}")
+        limit = getattr(self.shard.config, "max_position_embeddings", None)
+        if limit and len(ids) + req.max_new_tokens > limit:
+            raise InvalidRequest(
+                f"prompt of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds the context of {limit}"
+            )
+        return ids
+
+    def drafter_for(self, req: GenerationRequest) -> DraftSession | None:
+        """The draft session a request asks for ('model' falls back to n-gram without a draft model)."""
+        if req.draft.kind == "none" or req.draft.k == 0:
+            return None
+        if req.draft.kind == "model" and self.draft_model is not None:
+            return self.draft_model.new_session()
+        return NgramDrafter(req.draft.ngram_max, req.draft.ngram_min)
+
+
+def generate(
+    req: GenerationRequest,
+    runtime: HeadRuntime,
+    r: redis.Redis,
+    *,
+    names: StreamNames | None = None,
+    session_id: str | None = None,
+    on_tokens: TokenCallback | None = None,
+    reply_timeout_s: float | None = None,
+) -> GenerationResult:
+    """Run one split speculative generation against the tails reachable through `r`."""
+    prompt = runtime.prompt_ids(req)
+    if req.sampling.seed is None and not req.sampling.greedy:
+        req = req.model_copy(update={"sampling": req.sampling.model_copy(update={"seed": secrets.randbits(62)})})
+    loop = RoundLoop(
+        req=req,
+        runtime=runtime,
+        r=r,
+        names=names or StreamNames(),
+        session_id=session_id or secrets.token_hex(12),
+        prompt=prompt,
+        on_tokens=on_tokens,
+        reply_timeout_s=reply_timeout_s,
+    )
+    return loop.run()

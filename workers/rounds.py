@@ -1,0 +1,158 @@
+"""One generation's round loop on the head (see workers/head.py for the entry point)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+import torch
+
+from relay_broker.streams import ReplyReader, StreamNames, delete_keys, publish
+from schemas.errors import PacketError, RemoteError, ShardFlowError
+from schemas.packets import ClosePacket, ErrorReply, Verdict, decode_tail_message, encode_message, encode_round
+from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
+from schemas.settings import DEFAULTS
+from workers.drafters import Draft
+from workers.kvcache import KVCache
+from workers.sampling import encode_q, round_generator
+from workers.stopping import StopStrings
+
+log = logging.getLogger("shardflow.head")
+
+
+class RoundLoop:
+    """State of one generation on the head: caches, committed tokens, stats."""
+
+    def __init__(self, *, req: GenerationRequest, runtime, r: redis.Redis, names: StreamNames, session_id: str,
+                 prompt: list[int], on_tokens: Callable[[list[int], list[int]], None] | None,
+                 reply_timeout_s: float | None) -> None:
+        self.req, self.rt, self.r, self.names, self.sid = req, runtime, r, names, session_id
+        self.on_tokens, self.reply_timeout_s = on_tokens, reply_timeout_s
+        self.prompt, self.committed, self.pending = list(prompt), list(prompt), list(prompt)
+        self.generated: list[int] = []
+        self.cache = KVCache()
+        self.stream = names.shared_requests
+        self.pinned = False
+        self.reader = ReplyReader(r, names.reply(session_id))
+        self.drafter = runtime.drafter_for(req)
+        self.stops = StopStrings(runtime.tokenizer, req.stop)
+        self.t = RoundTimings()
+        self.rounds = self.drafted = self.accepted = 0
+
+    def run(self) -> GenerationResult:
+        start = time.perf_counter()
+        finish: FinishReason | None = None
+        try:
+            while finish is None:
+                finish = self._round(self.rounds)
+                self.rounds += 1
+        finally:
+            self._close()
+        self.t.total_ms = (time.perf_counter() - start) * 1000
+        n = len(self.generated)
+        return GenerationResult(
+            session_id=self.sid,
+            text=self.rt.tokenizer.decode(self.generated, skip_special_tokens=True),
+            token_ids=self.generated,
+            finish_reason=finish,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=n,
+            rounds=self.rounds,
+            drafted_tokens=self.drafted,
+            accepted_tokens=self.accepted,
+            mean_accepted=self.accepted / max(self.rounds, 1),
+            tokens_per_round=n / max(self.rounds, 1),
+            tokens_per_s=n / max(self.t.total_ms / 1000, 1e-9),
+            timings=self.t,
+        )
+
+    def _draft(self, rid: int, k: int) -> Draft:
+        if self.drafter is None or k <= 0:
+            return Draft([])
+        gen = round_generator(self.req.sampling.seed or 0, rid, "draft")
+        return self.drafter.propose(self.committed, k, self.req.sampling, gen)
+
+    def _q(self, draft: Draft) -> tuple[str, dict[str, torch.Tensor]]:
+        if not draft.tokens or self.req.sampling.greedy:
+            return "none", {}
+        if draft.point or draft.q is None:
+            return "point", {}
+        return encode_q(draft.q)
+
+    def _round(self, rid: int) -> FinishReason | None:
+        remaining = self.req.max_new_tokens - len(self.generated)
+        t0 = time.perf_counter()
+        draft = self._draft(rid, min(self.req.draft.k, remaining - 1))
+        t1 = time.perf_counter()
+        start = len(self.committed) - len(self.pending)
+        with torch.inference_mode():
+            ids = torch.tensor(self.pending + draft.tokens, device=self.rt.shard.device)
+            hidden = self.rt.shard(ids, start, self.cache)
+        t2 = time.perf_counter()
+        q_kind, q_tensors = self._q(draft)
+        header = dict(
+            session_id=self.sid, round_id=rid, start_pos=start, input_ids=self.pending, draft_ids=draft.tokens,
+            sampling=self.req.sampling, eos_token_ids=self.rt.eos_token_ids, max_new=remaining, q_kind=q_kind,
+        )
+        _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
+        publish(self.r, self.stream, fields)
+        verdict = self._await(rid)
+        t3 = time.perf_counter()
+        self._account(draft, verdict, (t1 - t0, t2 - t1, t3 - t2))
+        return self._commit(draft, verdict, start)
+
+    def _await(self, rid: int) -> Verdict:
+        timeout = self.reply_timeout_s if self.reply_timeout_s is not None else DEFAULTS.reply_timeout_s
+        while True:
+            msg = decode_tail_message(self.reader.next(timeout))
+            if isinstance(msg, ErrorReply):
+                if msg.round_id is None or msg.round_id == rid:
+                    raise RemoteError(f"tail {msg.tail_id or '?'} failed round {rid}: {msg.error}")
+                continue
+            if msg.round_id == rid:
+                return msg
+            log.debug("session %s: dropping stale verdict for round %s", self.sid, msg.round_id)
+
+    def _account(self, draft: Draft, v: Verdict, spans: tuple[float, float, float]) -> None:
+        draft_s, head_s, wait_s = spans
+        tail_ms, verify_ms = v.timings.get("tail_forward_ms", 0.0), v.timings.get("verify_ms", 0.0)
+        self.t.draft_ms += draft_s * 1000
+        self.t.head_forward_ms += head_s * 1000
+        self.t.tail_forward_ms += tail_ms
+        self.t.verify_ms += verify_ms
+        self.t.relay_ms += max(wait_s * 1000 - tail_ms - verify_ms, 0.0)
+        self.drafted += len(draft.tokens)
+        self.accepted += v.accepted
+
+    def _commit(self, draft: Draft, v: Verdict, start: int) -> FinishReason | None:
+        kept = min(v.accepted, len(v.tokens))
+        if v.accepted > len(draft.tokens) or v.tokens[:kept] != draft.tokens[:kept]:
+            raise PacketError(f"verdict for round {v.round_id} does not match the drafts sent")
+        if not self.pinned:
+            self.stream, self.pinned = self.names.tail_requests(v.tail_id), True
+        finish = v.finish_reason
+        new: list[int] = []
+        for tok in v.tokens:
+            new.append(tok)
+            self.committed.append(tok)
+            if self.stops.hit(self.committed):
+                finish = "stop"
+                break
+        self.generated += new
+        if finish is None:
+            if v.next_token is None:
+                raise PacketError(f"verdict for round {v.round_id} has neither a next token nor a finish")
+            self.cache.crop(start + len(self.pending) + v.accepted)
+            self.pending = [v.next_token]
+        if self.on_tokens is not None and new:
+            self.on_tokens(new, self.generated)
+        return finish
+
+    def _close(self) -> None:
+        try:
+            publish(self.r, self.stream, encode_message(ClosePacket(session_id=self.sid)))
+            delete_keys(self.r, self.names.reply(self.sid))
+        except ShardFlowError as e:
+            log.warning("session %s: could not close cleanly: %s", self.sid, e)

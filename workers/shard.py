@@ -1,0 +1,168 @@
+"""Load a slice of a Hugging Face causal LM's layers and run it.
+
+`load_shard(model, (a, b), embed=..., head=...)` builds the model skeleton on the meta device and
+materialises only layers [a, b) (plus the embedding and/or final norm + LM head when asked), reading
+just those tensors from the safetensors files. Tied embeddings are handled: a tail's LM head is read
+from the embedding tensor. Qwen2 and Llama families (and others laid out like them) are supported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from schemas.errors import ModelLoadError
+from workers.kvcache import KVCache
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A local model directory, or a hub id downloaded (weights as safetensors) into the HF cache."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as e:
+        raise ModelLoadError(f"{model!r} is neither a local directory nor a reachable hub model: {e}") from None
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map each tensor name of a safetensors checkpoint (single or multi-file) to its file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: model_dir / f for k, f in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.exists():
+        raise ModelLoadError(f"no safetensors weights in {model_dir}")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _read_tensors(files: dict[str, Path], names: dict[str, str], dtype: torch.dtype, device: str) -> dict:
+    """Read checkpoint tensors `names` (local name -> checkpoint name) and cast them."""
+    missing = [c for c in names.values() if c not in files]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks tensors {missing[:4]}")
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for local, ckpt in names.items():
+        by_file.setdefault(files[ckpt], []).append((local, ckpt))
+    for path, pairs in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for local, ckpt in pairs:
+                out[local] = f.get_tensor(ckpt).to(device=device, dtype=dtype)
+    return out
+
+
+def _materialise(module: nn.Module, prefix: str, files: dict, dtype: torch.dtype, device: str, alias: dict | None = None) -> None:
+    """Load `module`'s parameters/buffers saved under `prefix` (alias: local name -> checkpoint name)."""
+    state = dict(module.state_dict(keep_vars=True))
+    names = {k: (alias or {}).get(k, f"{prefix}{k}") for k in state}
+    module.load_state_dict(_read_tensors(files, names, dtype, device), assign=True, strict=True)
+
+
+def _prefix_of(root: nn.Module, target: nn.Module) -> str:
+    for name, mod in root.named_modules():
+        if mod is target:
+            return f"{name}." if name else ""
+    raise ModelLoadError("model layout not understood (module not found)")
+
+
+class Shard(nn.Module):
+    """Layers [start, end) of a causal LM, optionally with the embedding and/or norm + LM head."""
+
+    def __init__(self, config: PretrainedConfig, layer_range: tuple[int, int], layers: nn.ModuleList,
+                 rotary: nn.Module, embed: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None) -> None:
+        super().__init__()
+        self.config, self.layer_range = config, layer_range
+        self.layers, self.rotary, self.embed, self.norm, self.lm_head = layers, rotary, embed, norm, lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def forward(self, x: torch.Tensor, start_pos: int, cache: KVCache, logits_last: int = 0) -> torch.Tensor:
+        """Run the shard over x (token ids [n] with an embedding, else hidden states [n, h]).
+
+        Positions are start_pos..start_pos+n-1 and `cache` must hold exactly start_pos positions.
+        Returns hidden states [n, h], or logits [logits_last, vocab] of the last rows when the shard
+        has an LM head and logits_last > 0.
+        """
+        if cache.length != start_pos:
+            raise ValueError(f"cache holds {cache.length} positions, round starts at {start_pos}")
+        h = self.embed(x)[None] if self.embed is not None else x[None]
+        n = h.shape[1]
+        pos = torch.arange(start_pos, start_pos + n, device=h.device)[None]
+        cos_sin = self.rotary(h, pos)
+        mask = None
+        if n > 1:
+            total = start_pos + n
+            mask = torch.ones(n, total, dtype=torch.bool, device=h.device).tril(diagonal=start_pos)[None, None]
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=cos_sin, position_ids=pos,
+                      past_key_values=cache, use_cache=True)
+        if self.lm_head is None or logits_last <= 0:
+            return h[0]
+        return self.lm_head(self.norm(h[0, -logits_last:]))
+
+
+def load_shard(
+    model: str | Path,
+    layers: tuple[int, int] | None = None,
+    *,
+    embed: bool,
+    head: bool,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Shard:
+    """Load layers [a, b) (None = all) of `model`, plus its embedding and/or norm + LM head."""
+    model_dir = resolve_model_dir(model)
+    config = AutoConfig.from_pretrained(model_dir)
+    n_layers = config.num_hidden_layers
+    a, b = layers if layers is not None else (0, n_layers)
+    if not 0 <= a < b <= n_layers:
+        raise ModelLoadError(f"layers {a}:{b} outside the model's 0:{n_layers}")
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    base = skeleton.get_decoder()
+    if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
+        raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
+    files = weight_files(model_dir)
+    kept = nn.ModuleList(base.layers[a:b])
+    for layer in kept:
+        _materialise(layer, _prefix_of(skeleton, layer), files, dtype, device)
+    embed_mod = norm_mod = head_mod = None
+    embed_name = f"{_prefix_of(skeleton, base.embed_tokens)}weight"
+    if embed:
+        embed_mod = base.embed_tokens
+        _materialise(embed_mod, "", files, dtype, device, {"weight": embed_name})
+    if head:
+        norm_mod, head_mod = base.norm, skeleton.get_output_embeddings()
+        _materialise(norm_mod, _prefix_of(skeleton, norm_mod), files, dtype, device)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if tied and embed_mod is not None:
+            head_mod.weight = embed_mod.weight
+        else:
+            src = embed_name if tied else f"{_prefix_of(skeleton, head_mod)}weight"
+            _materialise(head_mod, "", files, dtype, device, {"weight": src})
+    rotary = type(base.rotary_emb)(config=config).to(device)
+    shard = Shard(config, (a, b), kept, rotary, embed_mod, norm_mod, head_mod).eval()
+    left = [n for n, p in shard.named_parameters() if p.is_meta] + [n for n, t in shard.named_buffers() if t.is_meta]
+    if left:
+        raise ModelLoadError(f"tensors left unloaded: {left[:4]}")
+    return shard

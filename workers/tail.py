@@ -1,0 +1,181 @@
+"""The tail worker: upper shard + final norm + LM head, verification, one KV cache per session.
+
+Run it with `shardflow tail --target MODEL --layers A:B --redis-url URL`. It reads new sessions from
+the shared request stream (one consumer group for all tail replicas) and later rounds from its own
+stream, verifies each round's drafts, rolls its cache back to the committed prefix, and replies on the
+session's reply stream. A bad packet gets a logged error (and an error reply when it names a session);
+the worker keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import redis
+import torch
+
+from relay_broker.streams import GroupReader, StreamNames, send_reply
+from schemas.errors import PacketError, SessionError, ShardFlowError
+from schemas.packets import ClosePacket, ErrorReply, RoundPacket, Verdict, decode_head_message, encode_message, peek_session
+from schemas.settings import DEFAULTS
+from workers.kvcache import KVCache
+from workers.sampling import decode_q, round_generator, warp
+from workers.shard import Shard
+from workers.stopping import cut_at_stops
+from workers.verify import verify_greedy, verify_sampling
+
+log = logging.getLogger("shardflow.tail")
+
+
+def default_tail_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:24]
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class TailSession:
+    cache: KVCache = field(default_factory=KVCache)
+    last_round: int = -1
+    last_reply: dict | None = None
+    touched: float = field(default_factory=time.monotonic)
+
+
+class SessionStore:
+    """Sessions by id: least recently used dropped beyond max_sessions, idle ones after ttl_s."""
+
+    def __init__(self, max_sessions: int = DEFAULTS.max_sessions, ttl_s: float = DEFAULTS.session_ttl_s) -> None:
+        self.max_sessions, self.ttl_s = max_sessions, ttl_s
+        self._by_id: OrderedDict[str, TailSession] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, sid: str) -> TailSession | None:
+        sess = self._by_id.get(sid)
+        if sess is not None:
+            self._by_id.move_to_end(sid)
+            sess.touched = time.monotonic()
+        return sess
+
+    def open(self, sid: str) -> TailSession:
+        self._by_id[sid] = sess = TailSession()
+        self._by_id.move_to_end(sid)
+        while len(self._by_id) > self.max_sessions:
+            old, _ = self._by_id.popitem(last=False)
+            log.info("session %s dropped (more than %d sessions)", old, self.max_sessions)
+        return sess
+
+    def drop(self, sid: str) -> None:
+        self._by_id.pop(sid, None)
+
+    def expire(self) -> None:
+        cutoff = time.monotonic() - self.ttl_s
+        for sid in [s for s, v in self._by_id.items() if v.touched < cutoff]:
+            log.info("session %s expired after %.0fs idle", sid, self.ttl_s)
+            del self._by_id[sid]
+
+
+class TailWorker:
+    """Serves rounds for many sessions from Redis streams until stopped."""
+
+    def __init__(self, shard: Shard, r: redis.Redis, *, names: StreamNames | None = None, tail_id: str | None = None,
+                 max_sessions: int = DEFAULTS.max_sessions, session_ttl_s: float = DEFAULTS.session_ttl_s) -> None:
+        if shard.lm_head is None:
+            raise ValueError("a tail shard needs the final norm and LM head")
+        self.shard, self.r = shard, r
+        self.names = names or StreamNames()
+        self.tail_id = tail_id or default_tail_id()
+        self.sessions = SessionStore(max_sessions, session_ttl_s)
+        self.stop_event = threading.Event()
+        self.reader = GroupReader(r, self.names.tail_group, self.tail_id,
+                                  [self.names.shared_requests, self.names.tail_requests(self.tail_id)])
+
+    def serve(self) -> None:
+        """Handle packets until `stop_event` is set."""
+        log.info("tail %s serving layers %s on %s", self.tail_id, self.shard.layer_range, self.names.shared_requests)
+        while not self.stop_event.is_set():
+            for stream, entry_id, fields in self.reader.read():
+                self.handle(fields)
+                self.reader.ack(stream, entry_id)
+            self.sessions.expire()
+
+    def handle(self, fields: dict) -> None:
+        """Process one stream entry; never raises for a bad packet."""
+        sid, rid = peek_session(fields)
+        try:
+            msg, tensors = decode_head_message(fields, device=self.shard.device)
+            if isinstance(msg, ClosePacket):
+                self.sessions.drop(msg.session_id)
+                return
+            reply = self.round(msg, tensors)
+        except ShardFlowError as e:
+            self._fail(sid, rid, str(e), error=False)
+            return
+        except Exception as e:  # a bug or a device error: report it, keep serving
+            self._fail(sid, rid, f"internal error: {type(e).__name__}: {e}", error=True)
+            return
+        if reply is not None:
+            send_reply(self.r, self.names.reply(msg.session_id), reply)
+
+    def _fail(self, sid: str | None, rid: int | None, reason: str, *, error: bool) -> None:
+        (log.exception if error else log.warning)("bad packet (session %s, round %s): %s", sid, rid, reason)
+        if sid is None:
+            return
+        self.sessions.drop(sid)  # its cache may be half-updated
+        msg = ErrorReply(session_id=sid, round_id=rid, error=reason, tail_id=self.tail_id)
+        send_reply(self.r, self.names.reply(sid), encode_message(msg))
+
+    def _session_for(self, p: RoundPacket) -> TailSession | None:
+        sess = self.sessions.get(p.session_id)
+        if sess is not None and p.round_id <= sess.last_round:
+            return None  # duplicate or late
+        if p.start_pos == 0 and p.round_id == 0:
+            return self.sessions.open(p.session_id)
+        if sess is None:
+            raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
+        if p.start_pos != sess.cache.length:
+            raise SessionError(f"round {p.round_id} starts at {p.start_pos}, the session holds {sess.cache.length}")
+        return sess
+
+    @torch.inference_mode()
+    def round(self, p: RoundPacket, tensors: dict[str, torch.Tensor]) -> dict | None:
+        """Verify one round; return the reply's stream fields (None for a duplicate already answered)."""
+        sess = self._session_for(p)
+        if sess is None:
+            dup = self.sessions.get(p.session_id)
+            return dup.last_reply if dup is not None and dup.last_round == p.round_id else None
+        cfg = self.shard.config
+        hidden = tensors["hidden"]
+        if not hidden.is_floating_point() or hidden.shape[1] != cfg.hidden_size:
+            raise PacketError(f"hidden states must be float [n, {cfg.hidden_size}], got {hidden.dtype} {list(hidden.shape)}")
+        k = len(p.draft_ids)
+        t0 = time.perf_counter()
+        logits = self.shard(hidden.to(self.shard.dtype), p.start_pos, sess.cache, logits_last=k + 1)
+        t1 = time.perf_counter()
+        drafts = torch.tensor(p.draft_ids, dtype=torch.long, device=logits.device)
+        if p.sampling.greedy:
+            accepted, nxt = verify_greedy(logits, drafts)
+        else:
+            probs = warp(logits, p.sampling)
+            q = decode_q(p.q_kind, drafts, tensors, probs.shape[-1])
+            gen = round_generator(p.sampling.seed or 0, p.round_id, "verify", logits.device)
+            accepted, nxt = verify_sampling(probs, drafts, q, gen)  # type: ignore[arg-type]
+        tokens, finish = cut_at_stops(p.draft_ids[:accepted] + [nxt], p.eos_token_ids, p.max_new)
+        sess.cache.crop(p.start_pos + len(p.input_ids) + accepted)
+        t2 = time.perf_counter()
+        verdict = Verdict(
+            session_id=p.session_id, round_id=p.round_id, accepted=accepted, tokens=tokens,
+            next_token=nxt if len(tokens) == accepted + 1 else None, finish_reason=finish, tail_id=self.tail_id,
+            timings={"tail_forward_ms": (t1 - t0) * 1000, "verify_ms": (t2 - t1) * 1000},
+        )
+        sess.last_round, sess.last_reply = p.round_id, encode_message(verdict)
+        if finish is not None:
+            self.sessions.drop(p.session_id)
+        return sess.last_reply

@@ -1,0 +1,95 @@
+"""Tiny random models and a tiny tokenizer, built and saved to disk for tests and CPU benches.
+
+The models are real transformers checkpoints (config + safetensors + tokenizer), so every test runs
+the real loading path. Inits are large enough that greedy output varies instead of repeating a token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Redis streams carry activations between two machines far apart.",
+    "Speculative decoding drafts tokens cheaply and verifies them in one pass.",
+    "A head worker runs the lower layers; a tail worker runs the upper layers.",
+    "Once upon a time there was a small model that wanted to be large.",
+    "Numbers like 1, 2, 3, 42 and 1000 appear in many sentences too.",
+    "Hello world! How are you today? I am fine, thank you very much.",
+    "def main():\n    print('hello')\n    return 0\n",
+    "The capital of France is Paris, and the capital of Japan is Tokyo.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a built-in corpus (takes milliseconds)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(family: str, vocab_size: int, *, layers: int = 4, hidden: int = 64, init: float = 0.25):
+    """A Qwen2-shaped (untied head) or Llama-shaped (tied embeddings) tiny config."""
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        initializer_range=init, eos_token_id=0, bos_token_id=0, pad_token_id=0,
+    )
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def save_tiny_model(
+    out: str | Path,
+    family: str = "qwen2",
+    *,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    **config_kw: object,
+) -> Path:
+    """Build a random model of `family`, save it (+ tokenizer) as a real checkpoint; return its dir."""
+    out = Path(out)
+    tok = tokenizer or build_tokenizer()
+    config = tiny_config(family, vocab_size or len(tok), **config_kw)  # type: ignore[arg-type]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kw)
+    tok.save_pretrained(out)
+    return out
+
+
+def save_noisy_copy(src: str | Path, out: str | Path, noise: float, seed: int = 1) -> Path:
+    """Save a copy of a model with Gaussian noise added to its weights: a drafter that agrees often."""
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-3))
+    model.save_pretrained(out)
+    PreTrainedTokenizerFast.from_pretrained(src).save_pretrained(out)
+    return Path(out)
