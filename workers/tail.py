@@ -166,7 +166,7 @@ class TailWorker:
             probs = warp(logits, p.sampling)
             q = decode_q(p.q_kind, drafts, tensors, probs.shape[-1])
             gen = round_generator(p.sampling.seed or 0, p.round_id, "verify", logits.device)
-            accepted, nxt = verify_sampling(probs, drafts, q, gen)  # type: ignore[arg-type]
+            accepted, nxt = verify_sampling(probs, drafts, q, gen)
         tokens, finish = cut_at_stops(p.draft_ids[:accepted] + [nxt], p.eos_token_ids, p.max_new)
         sess.cache.crop(p.start_pos + len(p.input_ids) + accepted)
         t2 = time.perf_counter()

@@ -22,10 +22,14 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]
 
 
 def verify_sampling(
-    p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, gen: torch.Generator
+    p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, gen: torch.Generator
 ) -> tuple[int, int]:
     """(accepted drafts, next token) by rejection sampling; p [k+1, V] target and q [k, V] draft probs."""
     k = drafts.shape[0]
+    if k == 0 or q is None:
+        if k:
+            raise PacketError("sampled drafts arrived without their draft distribution")
+        return 0, int(torch.multinomial(p[0], 1, generator=gen))
     uniforms = torch.rand(k, generator=gen, device=gen.device).tolist() if k else []
     rows = torch.arange(k, device=p.device)
     d = drafts.to(p.device)
