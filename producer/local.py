@@ -22,17 +22,40 @@ from schemas.errors import TransportError
 from schemas.requests import GenerationRequest, GenerationResult
 
 
-def spawn_tail(target: str | Path, layers: tuple[int, int], redis_url: str, *, prefix: str = "shardflow",
-               name: str | None = None, extra: list[str] | None = None, log_path: Path | None = None) -> subprocess.Popen:
+def spawn_tail(
+    target: str | Path,
+    layers: tuple[int, int],
+    redis_url: str,
+    *,
+    prefix: str = "shardflow",
+    name: str | None = None,
+    extra: list[str] | None = None,
+    log_path: Path | None = None,
+) -> subprocess.Popen:
     """Start `shardflow tail` as a child process."""
-    args = [sys.executable, "-m", "producer.cli", "tail", "--target", str(target), "--layers", f"{layers[0]}:{layers[1]}",
-            "--redis-url", redis_url, "--prefix", prefix, *(["--name", name] if name else []), *(extra or [])]
+    args = [
+        sys.executable,
+        "-m",
+        "producer.cli",
+        "tail",
+        "--target",
+        str(target),
+        "--layers",
+        f"{layers[0]}:{layers[1]}",
+        "--redis-url",
+        redis_url,
+        "--prefix",
+        prefix,
+        *(["--name", name] if name else []),
+        *(extra or []),
+    ]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT if log_path else None)
 
 
-def wait_for_tails(r: redis.Redis, names: StreamNames, count: int = 1, timeout_s: float = 60.0,
-                   proc: subprocess.Popen | None = None) -> None:
+def wait_for_tails(
+    r: redis.Redis, names: StreamNames, count: int = 1, timeout_s: float = 60.0, proc: subprocess.Popen | None = None
+) -> None:
     """Block until `count` tails read the shared stream (or the tail process exits)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -48,8 +71,9 @@ def wait_for_tails(r: redis.Redis, names: StreamNames, count: int = 1, timeout_s
     raise TransportError(f"{count} tail(s) not ready within {timeout_s}s")
 
 
-def run_local(target: str | Path | None, split: int | None, draft: str | None,
-              requests: list[GenerationRequest]) -> Iterator[GenerationResult]:
+def run_local(
+    target: str | Path | None, split: int | None, draft: str | None, requests: list[GenerationRequest]
+) -> Iterator[GenerationResult]:
     """Yield the result of each request, served by a local tail process over an embedded Redis."""
     from workers.head import HeadRuntime, generate
 

@@ -10,18 +10,19 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
-from tenacity import (
-    retry,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
+import redis.exceptions
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from schemas.errors import TransportError
 from schemas.settings import DEFAULTS
 
 T = TypeVar("T")
 TRANSPORT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+AUTH_ERRORS = (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, TRANSPORT_ERRORS) and not isinstance(e, AUTH_ERRORS)
 
 
 def transport_retry(attempts: int = DEFAULTS.connect_attempts) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -29,7 +30,7 @@ def transport_retry(attempts: int = DEFAULTS.connect_attempts) -> Callable[[Call
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         inner = retry(
-            retry=retry_if_exception_type(TRANSPORT_ERRORS),
+            retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(attempts),
             wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
             reraise=True,
@@ -38,6 +39,8 @@ def transport_retry(attempts: int = DEFAULTS.connect_attempts) -> Callable[[Call
         def call(*args: Any, **kwargs: Any) -> T:
             try:
                 return inner(*args, **kwargs)
+            except AUTH_ERRORS as e:
+                raise TransportError(f"Redis refused the credentials: {e}") from e
             except TRANSPORT_ERRORS as e:
                 raise TransportError(f"Redis unreachable after {attempts} attempts: {e}") from e
 
@@ -54,6 +57,7 @@ def connect(
     username: str | None = None,
     password: str | None = None,
     check: bool = True,
+    attempts: int = DEFAULTS.connect_attempts,
     **kwargs: Any,
 ) -> redis.Redis:
     """Open a Redis client for `url` (bytes responses); PING it (with retries) unless check=False."""
@@ -72,5 +76,5 @@ def connect(
     except ValueError as e:
         raise TransportError(f"bad Redis URL {url!r}: {e}") from None
     if check:
-        transport_retry()(client.ping)()
+        transport_retry(attempts)(client.ping)()
     return client

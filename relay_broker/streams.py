@@ -88,7 +88,9 @@ class GroupReader:
     def read(self, count: int = 16, block_ms: int = DEFAULTS.block_ms) -> list[Entry]:
         """Return up to `count` entries; blocks up to block_ms when there is nothing new."""
         if not self._pending_done:
-            got = self._flatten(self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, "0"), count=count))
+            got = self._flatten(
+                self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, "0"), count=count)
+            )
             got = [e for e in got if e[2]]  # entries deleted while pending come back empty
             if got:
                 return got

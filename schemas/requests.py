@@ -64,9 +64,7 @@ class GenerationRequest(BaseModel):
     )
     max_new_tokens: int = Field(DEFAULTS.max_new_tokens, ge=1, le=1 << 20)
     sampling: SamplingParams = SamplingParams()
-    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
-        default_factory=list, max_length=16
-    )
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)
     draft: DraftSettings = DraftSettings()
 
     @model_validator(mode="after")

@@ -73,9 +73,7 @@ def decode_tensor(
     if meta.numel > max_elements:
         raise PacketError(f"tensor of {meta.numel} elements exceeds the cap of {max_elements}")
     if len(raw) != meta.nbytes:
-        raise PacketError(
-            f"tensor {meta.dtype}{meta.shape} needs {meta.nbytes} bytes, got {len(raw)} (truncated?)"
-        )
+        raise PacketError(f"tensor {meta.dtype}{meta.shape} needs {meta.nbytes} bytes, got {len(raw)} (truncated?)")
     dtype = DTYPES[meta.dtype]
     if meta.numel == 0:
         return torch.empty(meta.shape, dtype=dtype, device=device)

@@ -20,7 +20,7 @@ def reference(family: str, hf, tokenizer) -> list[list[int]]:
         for p in PROMPTS:
             ids = torch.tensor([tokenizer.encode(p)])
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW)
-            outs.append(out[0, ids.shape[1]:].tolist())
+            outs.append(out[0, ids.shape[1] :].tolist())
         _refs[family] = outs
     return _refs[family]
 
@@ -51,8 +51,9 @@ def test_greedy_parity(family, split, drafter, k, models, hf_models, tokenizers,
     expected = reference(family, hf_models[family], tokenizers[family])
     accepted = 0
     for prompt, want in zip(PROMPTS, expected, strict=True):
-        req = GenerationRequest(prompt=prompt, max_new_tokens=NEW, chat_template=False,
-                                draft=DraftSettings(kind=drafter, k=k))
+        req = GenerationRequest(
+            prompt=prompt, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(kind=drafter, k=k)
+        )
         got = generate(req, runtime, redis_client, names=names)
         assert got.token_ids == want, f"prompt {prompt!r}"
         assert got.finish_reason == ("eos" if want[-1] == 0 and len(want) < NEW else "length")

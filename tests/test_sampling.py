@@ -39,10 +39,15 @@ def chi2_pvalue(counts: Counter, probs: dict[tuple, float], n: int) -> float:
     return float(chisquare(obs, [e * n / total for e in exp]).pvalue)
 
 
-@pytest.mark.parametrize("s", [
-    SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=7),
-    SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.9, top_k=20, top_p=0.5),
-])
+@pytest.mark.parametrize(
+    "s",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=7),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.5),
+    ],
+)
 def test_warp_matches_transformers(s):
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     scores = TemperatureLogitsWarper(s.temperature)(None, logits)
@@ -113,11 +118,14 @@ def exact_distribution(target, s: SamplingParams) -> dict[tuple, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("drafter", "s"), [
-    ("model", SamplingParams(temperature=1.0)),
-    ("model", SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
-    ("ngram", SamplingParams(temperature=1.0)),
-])
+@pytest.mark.parametrize(
+    ("drafter", "s"),
+    [
+        ("model", SamplingParams(temperature=1.0)),
+        ("model", SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
+        ("ngram", SamplingParams(temperature=1.0)),
+    ],
+)
 def test_split_sampling_matches_target_distribution(small_vocab, redis_client, drafter, s):
     target, draft_model, names = small_vocab
     runtime = HeadRuntime.load(target, (0, 1), draft=draft_model if drafter == "model" else None)
@@ -125,8 +133,12 @@ def test_split_sampling_matches_target_distribution(small_vocab, redis_client, d
     counts: Counter = Counter()
     accepted = drafted = 0
     for seed in range(DRAWS):
-        req = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=NEW, sampling=s.model_copy(update={"seed": seed}),
-                                draft=DraftSettings(kind=drafter, k=2))
+        req = GenerationRequest(
+            prompt_ids=PROMPT,
+            max_new_tokens=NEW,
+            sampling=s.model_copy(update={"seed": seed}),
+            draft=DraftSettings(kind=drafter, k=2),
+        )
         got = generate(req, runtime, redis_client, names=names)
         counts[tuple(got.token_ids)] += 1
         accepted += got.accepted_tokens
@@ -141,8 +153,12 @@ def test_fixed_seed_reproduces(small_vocab, redis_client):
     runtime.eos_token_ids = []
 
     def run(seed: int) -> list[int]:
-        req = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=24, draft=DraftSettings(k=3),
-                                sampling=SamplingParams(temperature=1.0, seed=seed))
+        req = GenerationRequest(
+            prompt_ids=PROMPT,
+            max_new_tokens=24,
+            draft=DraftSettings(k=3),
+            sampling=SamplingParams(temperature=1.0, seed=seed),
+        )
         return generate(req, runtime, redis_client, names=names).token_ids
 
     assert run(7) == run(7)

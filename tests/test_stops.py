@@ -24,7 +24,7 @@ def setup(models, hf_models, tokenizers, tails):
 def hf_generate(hf, tok, prompt: str, **kw) -> list[int]:
     ids = torch.tensor([tok.encode(prompt)])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kw)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_eos_inside_accepted_drafts(setup, redis_client):
@@ -57,12 +57,16 @@ def test_stop_strings(setup, redis_client):
     for prompt in PROMPTS:
         ref = hf_generate(hf, tok, prompt, max_new_tokens=20)
         pieces = [(i, tok.decode([t])) for i, t in enumerate(ref)]
-        hit = next(((i, s) for i, s in pieces if i >= 2 and len(s.strip()) >= 2 and s.isascii() and s.strip().isalnum()), None)
+        hit = next(
+            ((i, s) for i, s in pieces if i >= 2 and len(s.strip()) >= 2 and s.isascii() and s.strip().isalnum()), None
+        )
         if hit is None:
             continue
         stop = hit[1].strip()
         want = hf_generate(hf, tok, prompt, max_new_tokens=20, stop_strings=[stop], tokenizer=tok)
-        req = GenerationRequest(prompt=prompt, max_new_tokens=20, chat_template=False, stop=[stop], draft=DraftSettings(k=4))
+        req = GenerationRequest(
+            prompt=prompt, max_new_tokens=20, chat_template=False, stop=[stop], draft=DraftSettings(k=4)
+        )
         got = generate(req, noisy, redis_client, names=names)
         assert got.token_ids == want, f"{prompt!r} stop {stop!r}"
         assert got.finish_reason == "stop" and len(want) < 20

@@ -54,8 +54,15 @@ class HeadRuntime:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def load(cls, target: str | Path, layers: tuple[int, int], *, draft: str | Path | None = None,
-             device: str = "cpu", dtype: torch.dtype | None = None) -> HeadRuntime:
+    def load(
+        cls,
+        target: str | Path,
+        layers: tuple[int, int],
+        *,
+        draft: str | Path | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given."""
         model_dir = resolve_model_dir(target)
         shard = load_shard(model_dir, layers, embed=True, head=False, device=device, dtype=dtype)
@@ -75,11 +82,17 @@ class HeadRuntime:
             ids = list(req.prompt_ids)
         else:
             has_template = bool(getattr(tok, "chat_template", None))
-            use_template = req.messages is not None or (req.chat_template if req.chat_template is not None else has_template)
+            use_template = req.messages is not None or (
+                req.chat_template if req.chat_template is not None else has_template
+            )
             if use_template and not has_template:
                 raise InvalidRequest("this model's tokenizer has no chat template")
             if use_template:
-                msgs = [m.model_dump() for m in req.messages] if req.messages else [{"role": "user", "content": req.prompt}]
+                msgs = (
+                    [m.model_dump() for m in req.messages]
+                    if req.messages
+                    else [{"role": "user", "content": req.prompt}]
+                )
                 text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
                 ids = tok.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
             else:

@@ -25,9 +25,18 @@ log = logging.getLogger("shardflow.head")
 class RoundLoop:
     """State of one generation on the head: caches, committed tokens, stats."""
 
-    def __init__(self, *, req: GenerationRequest, runtime, r: redis.Redis, names: StreamNames, session_id: str,
-                 prompt: list[int], on_tokens: Callable[[list[int], list[int]], None] | None,
-                 reply_timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        *,
+        req: GenerationRequest,
+        runtime,
+        r: redis.Redis,
+        names: StreamNames,
+        session_id: str,
+        prompt: list[int],
+        on_tokens: Callable[[list[int], list[int]], None] | None,
+        reply_timeout_s: float | None,
+    ) -> None:
         self.req, self.rt, self.r, self.names, self.sid = req, runtime, r, names, session_id
         self.on_tokens, self.reply_timeout_s = on_tokens, reply_timeout_s
         self.prompt, self.committed, self.pending = list(prompt), list(prompt), list(prompt)
@@ -93,8 +102,15 @@ class RoundLoop:
         t2 = time.perf_counter()
         q_kind, q_tensors = self._q(draft)
         header = dict(
-            session_id=self.sid, round_id=rid, start_pos=start, input_ids=self.pending, draft_ids=draft.tokens,
-            sampling=self.req.sampling, eos_token_ids=self.rt.eos_token_ids, max_new=remaining, q_kind=q_kind,
+            session_id=self.sid,
+            round_id=rid,
+            start_pos=start,
+            input_ids=self.pending,
+            draft_ids=draft.tokens,
+            sampling=self.req.sampling,
+            eos_token_ids=self.rt.eos_token_ids,
+            max_new=remaining,
+            q_kind=q_kind,
         )
         _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
         publish(self.r, self.stream, fields)

@@ -62,7 +62,9 @@ def _read_tensors(files: dict[str, Path], names: dict[str, str], dtype: torch.dt
     return out
 
 
-def _materialise(module: nn.Module, prefix: str, files: dict, dtype: torch.dtype, device: str, alias: dict | None = None) -> None:
+def _materialise(
+    module: nn.Module, prefix: str, files: dict, dtype: torch.dtype, device: str, alias: dict | None = None
+) -> None:
     """Load `module`'s parameters/buffers saved under `prefix` (alias: local name -> checkpoint name)."""
     state = dict(module.state_dict(keep_vars=True))
     names = {k: (alias or {}).get(k, f"{prefix}{k}") for k in state}
@@ -79,8 +81,16 @@ def _prefix_of(root: nn.Module, target: nn.Module) -> str:
 class Shard(nn.Module):
     """Layers [start, end) of a causal LM, optionally with the embedding and/or norm + LM head."""
 
-    def __init__(self, config: PretrainedConfig, layer_range: tuple[int, int], layers: nn.ModuleList,
-                 rotary: nn.Module, embed: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_range: tuple[int, int],
+        layers: nn.ModuleList,
+        rotary: nn.Module,
+        embed: nn.Module | None,
+        norm: nn.Module | None,
+        lm_head: nn.Module | None,
+    ) -> None:
         super().__init__()
         self.config, self.layer_range = config, layer_range
         self.layers, self.rotary, self.embed, self.norm, self.lm_head = layers, rotary, embed, norm, lm_head
@@ -111,8 +121,14 @@ class Shard(nn.Module):
             total = start_pos + n
             mask = torch.ones(n, total, dtype=torch.bool, device=h.device).tril(diagonal=start_pos)[None, None]
         for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_embeddings=cos_sin, position_ids=pos,
-                      past_key_values=cache, use_cache=True)
+            h = layer(
+                h,
+                attention_mask=mask,
+                position_embeddings=cos_sin,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
         if self.lm_head is None or logits_last <= 0:
             return h[0]
         return self.lm_head(self.norm(h[0, -logits_last:]))

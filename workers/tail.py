@@ -23,7 +23,15 @@ import torch
 
 from relay_broker.streams import GroupReader, StreamNames, send_reply
 from schemas.errors import PacketError, SessionError, ShardFlowError
-from schemas.packets import ClosePacket, ErrorReply, RoundPacket, Verdict, decode_head_message, encode_message, peek_session
+from schemas.packets import (
+    ClosePacket,
+    ErrorReply,
+    RoundPacket,
+    Verdict,
+    decode_head_message,
+    encode_message,
+    peek_session,
+)
 from schemas.settings import DEFAULTS
 from workers.kvcache import KVCache
 from workers.sampling import decode_q, round_generator, warp
@@ -85,17 +93,27 @@ class SessionStore:
 class TailWorker:
     """Serves rounds for many sessions from Redis streams until stopped."""
 
-    def __init__(self, shard: Shard, r: redis.Redis, *, names: StreamNames | None = None, tail_id: str | None = None,
-                 max_sessions: int = DEFAULTS.max_sessions, session_ttl_s: float = DEFAULTS.session_ttl_s) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        r: redis.Redis,
+        *,
+        names: StreamNames | None = None,
+        tail_id: str | None = None,
+        max_sessions: int = DEFAULTS.max_sessions,
+        session_ttl_s: float = DEFAULTS.session_ttl_s,
+        max_packet_bytes: int = DEFAULTS.max_packet_bytes,
+    ) -> None:
         if shard.lm_head is None:
             raise ValueError("a tail shard needs the final norm and LM head")
-        self.shard, self.r = shard, r
+        self.shard, self.r, self.max_packet_bytes = shard, r, max_packet_bytes
         self.names = names or StreamNames()
         self.tail_id = tail_id or default_tail_id()
         self.sessions = SessionStore(max_sessions, session_ttl_s)
         self.stop_event = threading.Event()
-        self.reader = GroupReader(r, self.names.tail_group, self.tail_id,
-                                  [self.names.shared_requests, self.names.tail_requests(self.tail_id)])
+        self.reader = GroupReader(
+            r, self.names.tail_group, self.tail_id, [self.names.shared_requests, self.names.tail_requests(self.tail_id)]
+        )
 
     def serve(self) -> None:
         """Handle packets until `stop_event` is set."""
@@ -110,7 +128,7 @@ class TailWorker:
         """Process one stream entry; never raises for a bad packet."""
         sid, rid = peek_session(fields)
         try:
-            msg, tensors = decode_head_message(fields, device=self.shard.device)
+            msg, tensors = decode_head_message(fields, max_bytes=self.max_packet_bytes, device=self.shard.device)
             if isinstance(msg, ClosePacket):
                 self.sessions.drop(msg.session_id)
                 return
@@ -154,7 +172,9 @@ class TailWorker:
         cfg = self.shard.config
         hidden = tensors["hidden"]
         if not hidden.is_floating_point() or hidden.shape[1] != cfg.hidden_size:
-            raise PacketError(f"hidden states must be float [n, {cfg.hidden_size}], got {hidden.dtype} {list(hidden.shape)}")
+            raise PacketError(
+                f"hidden states must be float [n, {cfg.hidden_size}], got {hidden.dtype} {list(hidden.shape)}"
+            )
         k = len(p.draft_ids)
         t0 = time.perf_counter()
         logits = self.shard(hidden.to(self.shard.dtype), p.start_pos, sess.cache, logits_last=k + 1)
@@ -171,8 +191,13 @@ class TailWorker:
         sess.cache.crop(p.start_pos + len(p.input_ids) + accepted)
         t2 = time.perf_counter()
         verdict = Verdict(
-            session_id=p.session_id, round_id=p.round_id, accepted=accepted, tokens=tokens,
-            next_token=nxt if len(tokens) == accepted + 1 else None, finish_reason=finish, tail_id=self.tail_id,
+            session_id=p.session_id,
+            round_id=p.round_id,
+            accepted=accepted,
+            tokens=tokens,
+            next_token=nxt if len(tokens) == accepted + 1 else None,
+            finish_reason=finish,
+            tail_id=self.tail_id,
             timings={"tail_forward_ms": (t1 - t0) * 1000, "verify_ms": (t2 - t1) * 1000},
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict)

@@ -48,9 +48,17 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 def tiny_config(family: str, vocab_size: int, *, layers: int = 4, hidden: int = 64, init: float = 0.25):
     """A Qwen2-shaped (untied head) or Llama-shaped (tied embeddings) tiny config."""
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        initializer_range=init, eos_token_id=0, bos_token_id=0, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=init,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=0,
     )
     if family == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install ShardFlow with its test and demo extras. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null
+# torch first, pinned, so a CPU machine gets the CPU build rather than a multi-GB CUDA one where it can.
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${SHARDFLOW_TORCH_VERSION:-2.13.0}"
+python -m pip install -q -e ".[test,demo]"

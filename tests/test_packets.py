@@ -1,0 +1,108 @@
+"""Bad packets get clear errors (logged, and to their session); the tail keeps serving others."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from relay_broker.streams import ReplyReader, publish
+from schemas.packets import HEADER, decode_tail_message, encode_round
+from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
+from tests.conftest import PROMPTS
+from workers.head import HeadRuntime, generate
+
+CAP = 200_000
+
+
+def round_header(sid: str, **over) -> dict:
+    base = dict(
+        session_id=sid,
+        round_id=0,
+        start_pos=0,
+        input_ids=[1, 2, 3],
+        draft_ids=[],
+        sampling=SamplingParams(),
+        eos_token_ids=[0],
+        max_new=4,
+        q_kind="none",
+    )
+    return {**base, **over}
+
+
+def good_fields(sid: str, hidden_size: int = 64, n: int = 3, **over) -> dict:
+    over.setdefault("input_ids", [1 + i % 9 for i in range(n - len(over.get("draft_ids", [])))])
+    return encode_round(round_header(sid, **over), {"hidden": torch.randn(n, hidden_size)})[1]
+
+
+def bad_packets() -> list[tuple[str | None, dict, str]]:
+    """(session it names, stream fields, expected error fragment)."""
+    trunc = good_fields("trunc")
+    trunc[b"t.hidden"] = trunc[b"t.hidden"][:-5]
+    wrong_v = good_fields("wrongv")
+    wrong_v[HEADER] = json.dumps({**json.loads(wrong_v[HEADER]), "v": 99}).encode()
+    extra = good_fields("extra")
+    extra[HEADER] = json.dumps({**json.loads(extra[HEADER]), "surprise": 1}).encode()
+    dense = good_fields("sparseq", draft_ids=[5], sampling=SamplingParams(temperature=1.0), q_kind="point", n=4)
+    dense[HEADER] = json.dumps({**json.loads(dense[HEADER]), "q_kind": "sparse"}).encode()
+    bad_idx = encode_round(
+        round_header("badidx", draft_ids=[5], sampling=SamplingParams(temperature=1.0), q_kind="sparse"),
+        {"hidden": torch.randn(4, 64), "q_idx": torch.tensor([[999999]], dtype=torch.int32), "q_val": torch.ones(1, 1)},
+    )[1]
+    return [
+        (None, {b"x": b"1"}, ""),
+        (None, {HEADER: b"{not json"}, ""),
+        ("trunc", trunc, "truncated"),
+        ("wrongv", wrong_v, "unsupported packet version 99"),
+        ("extra", extra, "Extra inputs are not permitted"),
+        ("big", good_fields("big", n=CAP // 256 + 10), "exceeds the cap"),
+        ("ghost", good_fields("ghost", round_id=3, start_pos=7), "unknown session ghost"),
+        ("narrow", good_fields("narrow", hidden_size=32), "hidden states must be"),
+        ("sparseq", dense, "needs 2 q tensors"),
+        ("badidx", bad_idx, "outside the vocabulary"),
+        ("badtype", {HEADER: good_fields("badtype")[HEADER], b"t.hidden": b"\x00" * 100}, "needs 768 bytes, got 100"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def guarded_tail(models, tails):
+    ms = models["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(CAP)))
+    log = tails.logdir / f"{names.prefix}.log"
+    return ms, names, log
+
+
+def test_bad_packets_get_clear_errors_while_others_run(guarded_tail, redis_client, hf_models, tokenizers):
+    ms, names, log = guarded_tail
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter)
+    tok, hf = tokenizers["qwen2"], hf_models["qwen2"]
+    results: dict[str, list[int]] = {}
+
+    def real_generations() -> None:
+        for p in PROMPTS[:6]:
+            req = GenerationRequest(prompt=p, max_new_tokens=16, chat_template=False, draft=DraftSettings(k=4))
+            results[p] = generate(req, runtime, redis_client, names=names).token_ids
+
+    packets = bad_packets()
+    worker = threading.Thread(target=real_generations)
+    worker.start()
+    for _ in range(3):
+        for _, fields, _ in packets:
+            publish(redis_client, names.shared_requests, fields)
+    worker.join(120)
+    assert not worker.is_alive()
+
+    for sid, _, fragment in bad_packets():
+        if sid is None:
+            continue
+        reply = decode_tail_message(ReplyReader(redis_client, names.reply(sid)).next(30))
+        assert reply.kind == "error" and fragment in reply.error, (sid, reply)
+    for p in PROMPTS[:6]:
+        ids = torch.tensor([tok.encode(p)])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+        assert results[p] == want[0, ids.shape[1] :].tolist()
+    text = log.read_text()
+    assert text.count("bad packet") >= 3 * len(bad_packets())
+    assert "packet has no header" in text and "header is not JSON" in text

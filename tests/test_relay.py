@@ -1,0 +1,87 @@
+"""Relay plumbing: embedded Redis (TCP and unix socket), URLs with ACL users, transport retries."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from relay_broker.connection import connect, transport_retry
+from relay_broker.embedded import EmbeddedRedis, free_port
+from relay_broker.streams import GroupReader, ReplyReader, StreamNames, publish, send_reply
+from schemas.errors import ReplyTimeout, TransportError
+
+
+def test_embedded_unix_socket_and_clean_stop():
+    server = EmbeddedRedis(unix_socket=True).start()
+    path = server.socket_path
+    assert connect(server.url).ping()
+    server.stop()
+    assert not path.exists()
+    with pytest.raises(TransportError):
+        connect(f"unix://{path}", socket_connect_timeout=0.2, attempts=2)
+
+
+def test_acl_user_and_password(redis_server):
+    admin = connect(redis_server.url)
+    admin.acl_setuser("sf-head", enabled=True, passwords=["+s3cret"], keys=["shardflow:*"], commands=["+@all"])
+    try:
+        url = redis_server.url.replace("redis://", "redis://sf-head:s3cret@")
+        assert connect(url).set("shardflow:acl-check", 1)
+        assert connect(redis_server.url, username="sf-head", password="s3cret").get("shardflow:acl-check") == b"1"
+        with pytest.raises(TransportError, match="credentials"):
+            connect(redis_server.url, username="sf-head", password="wrong")
+        with pytest.raises(redis.ResponseError, match="no permissions"):
+            connect(url).set("elsewhere", 1)
+    finally:
+        admin.acl_deluser("sf-head")
+
+
+def test_transport_errors_retried_job_errors_not():
+    calls = {"net": 0, "bug": 0}
+
+    @transport_retry(attempts=3)
+    def net() -> None:
+        calls["net"] += 1
+        raise redis.ConnectionError("down")
+
+    @transport_retry(attempts=3)
+    def bug() -> None:
+        calls["bug"] += 1
+        raise ValueError("not a transport problem")
+
+    with pytest.raises(TransportError, match="after 3 attempts"):
+        net()
+    with pytest.raises(ValueError):
+        bug()
+    assert calls == {"net": 3, "bug": 1}
+
+
+def test_unreachable_redis_is_a_transport_error():
+    with pytest.raises(TransportError):
+        connect(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2, attempts=2)
+    with pytest.raises(TransportError, match="bad Redis URL"):
+        connect("http://nope")
+
+
+def test_group_reader_pending_first_then_new(redis_client):
+    names = StreamNames("relaytest")
+    reader = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])
+    publish(redis_client, names.shared_requests, {b"h": b"1"})
+    ((stream, entry_id, fields),) = reader.read(block_ms=100)
+    assert fields == {b"h": b"1"}
+    again = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])  # a restart
+    assert [e[1] for e in again.read(block_ms=100)] == [entry_id]  # unacked entry comes back first
+    again.ack(stream, entry_id)
+    assert redis_client.xlen(names.shared_requests) == 0
+    assert again.read(block_ms=50) == []
+
+
+def test_reply_reader_order_and_timeout(redis_client):
+    stream = StreamNames("relaytest").reply("s1")
+    send_reply(redis_client, stream, {b"h": b"a"})
+    send_reply(redis_client, stream, {b"h": b"b"})
+    reader = ReplyReader(redis_client, stream)
+    assert reader.next(1)[b"h"] == b"a" and reader.next(1)[b"h"] == b"b"
+    assert 0 < redis_client.ttl(stream) <= 600
+    with pytest.raises(ReplyTimeout):
+        reader.next(0.2)

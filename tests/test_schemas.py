@@ -1,0 +1,115 @@
+"""Schemas and the tensor codec: round trips, caps, and clear validation errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from schemas.errors import PacketError
+from schemas.packets import HEADER, Verdict, decode_head_message, decode_tail_message, encode_message, encode_round
+from schemas.requests import GenerationRequest, SamplingParams
+from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
+from workers.sampling import decode_q, encode_q
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+)
+def test_tensor_round_trip(dtype):
+    t = (torch.randn(3, 5) * 100).to(dtype)
+    meta, raw = encode_tensor(t)
+    assert meta.shape == [3, 5] and len(raw) == meta.nbytes
+    assert torch.equal(decode_tensor(meta, raw), t)
+
+
+def test_tensor_codec_rejects_bad_input():
+    meta, raw = encode_tensor(torch.ones(4, 4))
+    with pytest.raises(PacketError, match="truncated"):
+        decode_tensor(meta, raw[:-1])
+    with pytest.raises(PacketError, match="exceeds the cap"):
+        decode_tensor(TensorMeta(dtype="float32", shape=[1 << 20, 1 << 10]), b"")
+    with pytest.raises(ValidationError):
+        TensorMeta(dtype="object", shape=[1])  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        TensorMeta(dtype="float32", shape=[-1])
+    with pytest.raises(PacketError, match="allow-list"):
+        encode_tensor(torch.ones(2, dtype=torch.complex64))
+
+
+def header(**over):
+    base = dict(
+        session_id="s1",
+        round_id=0,
+        start_pos=0,
+        input_ids=[1, 2],
+        draft_ids=[3],
+        sampling=SamplingParams(),
+        eos_token_ids=[0],
+        max_new=5,
+        q_kind="none",
+    )
+    return {**base, **over}
+
+
+def test_round_packet_round_trip():
+    q = torch.zeros(1, 50)
+    q[0, 3], q[0, 7] = 0.75, 0.25
+    kind, qt = encode_q(q)
+    assert kind == "sparse"
+    _, fields = encode_round(
+        header(sampling=SamplingParams(temperature=1.0), q_kind=kind), {"hidden": torch.randn(3, 8), **qt}
+    )
+    msg, tensors = decode_head_message(fields)
+    assert msg.draft_ids == [3] and tensors["hidden"].shape == (3, 8)
+    assert torch.equal(decode_q(kind, torch.tensor([3]), tensors, 50), q)
+    assert encode_q(torch.full((2, 4), 0.25))[0] == "dense"
+
+
+@pytest.mark.parametrize(
+    ("over", "msg"),
+    [
+        (dict(q_kind="point"), "does not fit"),
+        (dict(sampling=SamplingParams(temperature=1.0)), "does not fit"),
+        (dict(session_id="no spaces allowed"), "pattern"),
+        (dict(input_ids=[]), "at least 1"),
+        (dict(input_ids=[1, 2, 3]), "must be \\[4, hidden_size\\]"),
+    ],
+)
+def test_round_packet_validation(over, msg):
+    with pytest.raises(ValidationError, match=msg):
+        encode_round(header(**over), {"hidden": torch.randn(3, 8)})
+
+
+def test_packet_fields_must_match_header():
+    _, fields = encode_round(header(), {"hidden": torch.randn(3, 8)})
+    fields[b"t.extra"] = b"123"
+    with pytest.raises(PacketError, match="do not match"):
+        decode_head_message(fields)
+    with pytest.raises(PacketError, match="exceeds the cap"):
+        decode_head_message(fields, max_bytes=50)
+
+
+def test_tail_message_round_trip_and_errors():
+    v = Verdict(session_id="s", round_id=2, accepted=1, tokens=[4, 5], next_token=5)
+    assert decode_tail_message(encode_message(v)) == v
+    with pytest.raises(PacketError, match="version"):
+        decode_tail_message({HEADER: b'{"v": 2, "kind": "verdict"}'})
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        (dict(prompt="  "), "prompt is empty"),
+        (dict(prompt="a", messages=[{"role": "user", "content": "b"}]), "exactly one"),
+        (dict(prompt="a", max_new_tokens=0), "greater than or equal to 1"),
+        (dict(prompt="a", sampling={"temperature": -1}), "greater than or equal to 0"),
+        (dict(prompt="a", sampling={"top_p": 0}), "greater than 0"),
+        (dict(prompt="a", sampling={"top_p": 1.5}), "less than or equal to 1"),
+        (dict(prompt="a", stop=[""]), "at least 1 character"),
+        (dict(prompt="a", unknown=1), "Extra inputs"),
+    ],
+)
+def test_request_validation(kw, msg):
+    with pytest.raises(ValidationError, match=msg):
+        GenerationRequest(**kw)
