@@ -44,7 +44,14 @@ def measure(model: str, layers: tuple[int, int], embed: bool, head: bool) -> dic
 
     from workers.shard import load_shard, weight_files
 
-    torch.ones(1)  # let torch allocate its own state before the baseline
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # Import the model's code and warm up the CPU kernels before the baseline, so the growth below is
+    # the shard's own memory, not one-time library state.
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    with torch.inference_mode():
+        torch.nn.Linear(64, 64)(torch.randn(4, 64))
     files = weight_files(Path(model))
     ckpt_bytes = sum(p.stat().st_size for p in set(files.values()))
     from workers.kvcache import KVCache
