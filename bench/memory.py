@@ -41,10 +41,9 @@ def peak_rss_bytes() -> int:
 
 def measure(model: str, layers: tuple[int, int], embed: bool, head: bool) -> dict:
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from workers.shard import load_shard, weight_files
-
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     # Import the model's code and warm up the CPU kernels before the baseline, so the growth below is
     # the shard's own memory, not one-time library state.

@@ -1,0 +1,64 @@
+"""Drafters: the draft model's cache re-syncs exactly (the reference system's full-hit bug), n-gram lookup,
+and the tail's session store bounds."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
+from tests.conftest import PROMPTS
+from workers.drafters import ModelDrafter, NgramDrafter
+from workers.head import HeadRuntime, generate
+from workers.shard import load_shard
+from workers.tail import SessionStore
+
+GREEDY = SamplingParams()
+
+
+def test_model_drafter_resyncs_after_full_hit_and_rejection(models, tokenizers):
+    ms = models["qwen2"]
+    drafter = ModelDrafter(load_shard(ms.drafter, None, embed=True, head=True))
+    gen = torch.Generator()
+    ctx = tokenizers["qwen2"].encode(PROMPTS[0])
+    live = drafter.new_session()
+    first = live.propose(ctx, 4, GREEDY, gen).tokens
+    for committed in (ctx + first + [7], ctx + first[:2] + [9]):  # full hit + bonus; rejection + correction
+        again = live.propose(committed, 4, GREEDY, gen).tokens
+        fresh = drafter.new_session().propose(committed, 4, GREEDY, gen).tokens
+        assert again == fresh
+        assert live.cache.length == len(committed) + 3  # context + all drafts but the last
+        live.propose(ctx, 4, GREEDY, gen)  # rewind for the next case
+
+
+def test_exact_copy_drafter_is_always_accepted(models, tails, redis_client):
+    """With the target itself as drafter, every draft must be accepted: no cache holes after full hits."""
+    ms = models["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers)
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.same)
+    for prompt in PROMPTS[:5]:
+        req = GenerationRequest(prompt=prompt, max_new_tokens=25, chat_template=False, draft=DraftSettings(k=4))
+        got = generate(req, runtime, redis_client, names=names)
+        assert got.accepted_tokens == got.drafted_tokens > 0
+        assert got.rounds == 5 or got.finish_reason == "eos"
+
+
+def test_ngram_drafter_copies_latest_match():
+    d = NgramDrafter(ngram_max=3, ngram_min=1)
+    gen = torch.Generator()
+    assert d.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 2, GREEDY, gen).tokens == [5, 6]
+    assert d.propose([5, 1, 7, 7, 1], 3, GREEDY, gen).tokens == [7, 7, 1]
+    assert d.propose([1, 2, 3], 3, GREEDY, gen).tokens == []
+    assert d.propose([4], 3, GREEDY, gen).point
+
+
+def test_session_store_bounds_count_and_idle_time():
+    store = SessionStore(max_sessions=2, ttl_s=0.05)
+    store.open("a"), store.open("b")
+    store.get("a")
+    store.open("c")  # "b" is least recently used
+    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    time.sleep(0.08)
+    store.expire()
+    assert len(store) == 0
