@@ -1,37 +1,54 @@
-"""The one documented place for ShardFlow's defaults.
+"""The one documented place for ShardFlow's configuration and defaults.
 
-Every tunable number the workers, relay and CLI fall back on lives here, with what it means.
-Command-line flags override these per process; nothing else hard-codes them.
+`Settings` is a pydantic settings model: every field below can be set from the environment as
+`SHARDFLOW_<FIELD>` (e.g. `SHARDFLOW_REDIS_URL`, `SHARDFLOW_QUEUE`, `SHARDFLOW_RESULT_TTL_S`), and the
+command-line flags of `shardflow` override them per process. `DEFAULTS` is the process-wide instance
+read once at import; nothing else hard-codes these numbers.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class Defaults(BaseModel):
-    """Defaults shared by every ShardFlow process (read-only)."""
+class Settings(BaseSettings):
+    """Configuration shared by every ShardFlow process (read-only once loaded)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="SHARDFLOW_", frozen=True, extra="ignore")
 
+    # --- Redis, as queue and relay ---
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis used as queue and relay.")
-    prefix: str = Field("shardflow", description="Namespace of every Redis key ShardFlow writes.")
+    prefix: str = Field("shardflow", description="Namespace of every relay key ShardFlow writes.")
+    socket_timeout_s: float = Field(30.0, description="Redis socket timeout; must exceed block_ms.")
+    connect_attempts: int = Field(8, description="Attempts for a Redis operation on transport errors.")
+    block_ms: int = Field(1000, description="Redis BLOCK time of stream reads.")
+    # --- jobs (RQ) ---
+    queue: str = Field("shardflow", description="RQ queue that head workers serve and producers fill.")
+    result_ttl_s: int = Field(7 * 24 * 3600, description="How long finished results are kept.")
+    failure_ttl_s: int = Field(7 * 24 * 3600, description="How long failed jobs are kept.")
+    job_timeout_s: int = Field(3600, description="Longest one generation job may run.")
+    job_retries: int = Field(3, description="Automatic retries of a job after a transient failure.")
+    retry_intervals_s: list[int] = Field([2, 10, 30], description="Backoff between automatic retries.")
+    heartbeat_s: float = Field(2.0, description="Head worker heartbeat period while a job runs.")
+    heartbeat_ttl_s: int = Field(8, description="A running job with no heartbeat this long is abandoned.")
+    maintenance_s: int = Field(3, description="How often head workers look for abandoned jobs.")
+    progress_interval_s: float = Field(0.2, description="Least time between progress/token updates of a job.")
+    # --- generation ---
     draft_k: int = Field(8, description="Draft tokens proposed per round (K).")
     ngram_max: int = Field(3, description="Longest n-gram the prompt-lookup drafter matches.")
     ngram_min: int = Field(1, description="Shortest n-gram the prompt-lookup drafter matches.")
     max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
+    reply_timeout_s: float = Field(60.0, description="How long a head waits for a tail's verdict.")
+    # --- relay packets and tail sessions ---
     max_packet_bytes: int = Field(64 << 20, description="Largest packet (header + tensors) accepted.")
     max_header_bytes: int = Field(1 << 20, description="Largest JSON header of a packet accepted.")
     max_tensor_elements: int = Field(1 << 26, description="Largest element count of one tensor.")
-    reply_timeout_s: float = Field(60.0, description="How long a head waits for a tail's verdict.")
-    block_ms: int = Field(1000, description="Redis BLOCK time of stream reads (socket timeout is above).")
-    socket_timeout_s: float = Field(30.0, description="Redis socket timeout; must exceed block_ms.")
     request_stream_maxlen: int = Field(10_000, description="Approximate cap of a tail request stream.")
     reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
     reply_ttl_s: int = Field(600, description="Expiry of a session's reply stream after its last write.")
     max_sessions: int = Field(256, description="Sessions a tail keeps KV caches for (least recent go).")
     session_ttl_s: float = Field(600.0, description="Idle time after which a tail drops a session.")
-    connect_attempts: int = Field(8, description="Attempts for a Redis operation on transport errors.")
 
 
-DEFAULTS = Defaults()
+DEFAULTS = Settings()

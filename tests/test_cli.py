@@ -21,7 +21,7 @@ def test_cli_generate_against_cli_tail(models, tails, redis_server, redis_client
         [
             sys.executable,
             "-m",
-            "producer.cli",
+            "producer",
             "generate",
             prompt,
             "--target",
@@ -65,7 +65,7 @@ def test_cli_rejects_bad_layers():
 
 def test_local_command_runs_end_to_end():
     res = subprocess.run(
-        [sys.executable, "-m", "producer.cli", "local", "Hello world", "--max-new-tokens", "8", "--json"],
+        [sys.executable, "-m", "producer", "local", "Hello world", "--max-new-tokens", "8", "--json"],
         capture_output=True,
         text=True,
         timeout=180,

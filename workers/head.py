@@ -26,6 +26,7 @@ from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest
 from schemas.requests import GenerationRequest, GenerationResult
 from workers.drafters import DraftSession, ModelDrafter, NgramDrafter
+from workers.prompts import encode_prompt
 from workers.rounds import RoundLoop
 from workers.shard import Shard, load_shard, resolve_model_dir
 
@@ -74,40 +75,13 @@ class HeadRuntime:
         tok = AutoTokenizer.from_pretrained(model_dir)
         return cls(tok, shard, drafter, eos_ids_of(model_dir, shard.config))
 
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.shard.config, "max_position_embeddings", None)
+
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
-        """Token ids of the request's prompt (chat template for messages, and for prompts if asked or
-        if the tokenizer has one); raises InvalidRequest if it cannot fit the model."""
-        tok = self.tokenizer
-        if req.prompt_ids is not None:
-            ids = list(req.prompt_ids)
-        else:
-            has_template = bool(getattr(tok, "chat_template", None))
-            use_template = req.messages is not None or (
-                req.chat_template if req.chat_template is not None else has_template
-            )
-            if use_template and not has_template:
-                raise InvalidRequest("this model's tokenizer has no chat template")
-            if use_template:
-                msgs = (
-                    [m.model_dump() for m in req.messages]
-                    if req.messages
-                    else [{"role": "user", "content": req.prompt}]
-                )
-                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
-                ids = tok.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
-            else:
-                ids = tok.encode(req.prompt)  # type: ignore[attr-defined]
-        vocab = self.shard.config.vocab_size
-        if not ids:
-            raise InvalidRequest("the prompt encodes to no tokens")
-        if max(ids) >= vocab:
-            raise InvalidRequest(f"prompt token id {max(ids)} is outside the vocabulary of {vocab}")
-        limit = getattr(self.shard.config, "max_position_embeddings", None)
-        if limit and len(ids) + req.max_new_tokens > limit:
-            raise InvalidRequest(
-                f"prompt of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds the context of {limit}"
-            )
-        return ids
+        """Token ids of the request's prompt; raises InvalidRequest if it cannot fit the model."""
+        return encode_prompt(self.tokenizer, req, self.shard.config.vocab_size, self.context_length)
 
     def drafter_for(self, req: GenerationRequest) -> DraftSession | None:
         """The draft session a request asks for ('model' falls back to n-gram without a draft model)."""

