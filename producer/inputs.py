@@ -50,13 +50,12 @@ def _looks_jsonl(path: str, lines: list[str]) -> bool:
 
 def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
     """Build requests from prompt arguments and/or a file; collect every error with its place."""
-    items: list[tuple[str, dict | str]] = []
-    errors: list[str] = []
+    items: list[tuple[str, dict | str | None, str | None]] = []  # (where, data, parse error) in input order
     for i, a in enumerate(args, 1):
         if a == "-":
             file = "-"
         else:
-            items.append((f"argument {i}", a))
+            items.append((f"argument {i}", a, None))
     if file is not None:
         try:
             text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
@@ -68,19 +67,21 @@ def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
             if not line.strip():
                 continue
             if not jsonl:
-                items.append((f"line {n}", line))
+                items.append((f"line {n}", line, None))
                 continue
             try:
                 obj = json.loads(line)
             except ValueError as e:
-                errors.append(f"line {n}: invalid JSON: {e.msg}")
+                items.append((f"line {n}", None, f"invalid JSON: {e.msg}"))
                 continue
-            if not isinstance(obj, dict):
-                errors.append(f"line {n}: expected a JSON object")
-                continue
-            items.append((f"line {n}", obj))
-    requests, sources = [], []
-    for where, item in items:
+            items.append(
+                (f"line {n}", obj, None) if isinstance(obj, dict) else (f"line {n}", None, "expected a JSON object")
+            )
+    requests, sources, errors = [], [], []
+    for where, item, problem in items:
+        if item is None:
+            errors.append(f"{where}: {problem}")
+            continue
         data = _merge(defaults, item if isinstance(item, dict) else {"prompt": item})
         try:
             requests.append(GenerationRequest.model_validate(data))

@@ -36,7 +36,7 @@ def spawn_tail(
     args = [
         sys.executable,
         "-m",
-        "producer.cli",
+        "producer",
         "tail",
         "--target",
         str(target),

@@ -1,0 +1,308 @@
+"""The job system end to end: real Redis, real tail and head worker processes, the producer CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from producer.cli import main
+from producer.client import Client
+from producer.local import spawn_tail, wait_for_tails
+from relay_broker.streams import StreamNames
+from tests.conftest import PROMPTS
+
+SPLIT = 2
+
+
+def head_worker(target: Path, url: str, queue: str, prefix: str, log: Path, name: str) -> subprocess.Popen:
+    env = {**os.environ, "SHARDFLOW_HEARTBEAT_TTL_S": "4", "SHARDFLOW_HEARTBEAT_S": "1", "SHARDFLOW_MAINTENANCE_S": "2"}
+    args = [
+        sys.executable,
+        "-m",
+        "producer",
+        "head",
+        "--target",
+        str(target),
+        "--layers",
+        f"0:{SPLIT}",
+        "--queue",
+        queue,
+        "--prefix",
+        prefix,
+        "--redis-url",
+        url,
+        "--threads",
+        "1",
+        "--name",
+        name,
+    ]
+    return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for_worker(r, queue: str, timeout: float = 60) -> None:
+    from rq import Worker
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if Worker.count(connection=r, queue=Queue(queue, connection=r)) > 0:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("head worker did not start")
+
+
+class Env:
+    """A queue + prefix served by one tail and one head worker process."""
+
+    def __init__(self, name: str, models, redis_server, redis_client, tmp: Path, tail_extra: list[str] | None = None):
+        self.ms, self.url, self.r, self.tmp = models["qwen2"], redis_server.url, redis_client, tmp
+        self.queue, self.prefix = f"q-{name}", f"p-{name}"
+        self.opts = ["--queue", self.queue, "--prefix", self.prefix, "--redis-url", self.url]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.start_tail(tail_extra)
+        self.procs["head"] = head_worker(
+            self.ms.target, self.url, self.queue, self.prefix, tmp / "head.log", f"{name}-h1"
+        )
+        wait_for_worker(self.r, self.queue)
+        self.client = Client(redis_client, prefix=self.prefix, queue=self.queue)
+
+    def start_tail(self, extra: list[str] | None = None) -> None:
+        proc = spawn_tail(
+            self.ms.target,
+            (SPLIT, self.ms.n_layers),
+            self.url,
+            prefix=self.prefix,
+            extra=["--threads", "1", *(extra or [])],
+            log_path=self.tmp / "tail.log",
+        )
+        wait_for_tails(self.r, StreamNames(self.prefix), proc=proc)
+        self.procs["tail"] = proc
+
+    def cli(self, *args: str, input: str | None = None):
+        return CliRunner().invoke(main, [*args, *self.opts], input=input)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def env(models, redis_server, redis_client, tmp_path_factory):
+    e = Env("main", models, redis_server, redis_client, tmp_path_factory.mktemp("jobs"))
+    yield e
+    e.close()
+
+
+def reference(hf, tok, prompt: str, n: int) -> list[int]:
+    ids = torch.tensor([tok.encode(prompt)])
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)[
+        0, ids.shape[1] :
+    ].tolist()
+
+
+def test_jsonl_batch_of_20_equals_generate(env, hf_models, tokenizers, tmp_path):
+    lines = [
+        {"prompt": p, "max_new_tokens": 8 + i % 5, "chat_template": False, "draft": {"k": 1 + i % 6}}
+        for i, p in enumerate(PROMPTS)
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "producer",
+            "enqueue",
+            "--file",
+            str(path),
+            "--wait",
+            "--json",
+            "--timeout",
+            "180",
+            *env.opts,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["jobs"]) == 20 and "progress: " in out.stderr  # plain progress lines off a terminal
+    for line, job in zip(lines, data["jobs"], strict=True):
+        assert job["status"] == "finished"
+        want = reference(hf_models["qwen2"], tokenizers["qwen2"], line["prompt"], line["max_new_tokens"])
+        assert job["result"]["token_ids"] == want
+        assert job["result"]["completion_tokens"] == len(want)
+        assert job["progress"]["tokens"] == len(want)
+    batch = data["batch_id"]
+    status = env.cli("status", batch, "--json")
+    assert status.exit_code == 0 and json.loads(status.output)["counts"] == {"finished": 20}
+    res = env.cli("results", batch, "--jsonl", "-o", str(tmp_path / "out.jsonl"))
+    assert res.exit_code == 0
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["job_id"] for r in rows] == [f"{batch}-{i:05d}" for i in range(20)]
+    assert all(r["result"]["finish_reason"] in ("length", "eos") for r in rows)
+
+
+def test_follow_streams_text_and_info(env):
+    res = env.cli("enqueue", "Hello world! How are you today?", "--no-chat-template", "--max-new-tokens", "12")
+    batch = res.output.strip()
+    follow = env.cli("results", batch, "--follow", "--timeout", "60")
+    assert follow.exit_code == 0 and follow.output.startswith("[0] ")
+    view = env.client.views(env.client.resolve(batch))[0]
+    assert view.result["text"] in follow.output
+    info = env.cli("info", "--json")
+    q = next(q for q in json.loads(info.output)["queues"] if q["queue"] == env.queue)
+    assert q["workers"] >= 1 and q["finished"] >= 1
+    rq_info = subprocess.run(
+        [str(Path(sys.executable).parent / "rq"), "info", "--url", env.url, env.queue],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert rq_info.returncode == 0 and env.queue in rq_info.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment", "code"),
+    [
+        (["enqueue", ""], "argument 1: prompt is empty", 2),
+        (["enqueue", "hi", "--max-new-tokens", "0"], "max_new_tokens: Input should be greater than or equal to 1", 2),
+        (["enqueue", "hi", "--temperature", "-1"], "sampling.temperature", 2),
+        (["enqueue", "hi", "--top-p", "0"], "sampling.top_p", 2),
+        (["enqueue", "hi", "--top-p", "1.5"], "sampling.top_p", 2),
+        (["enqueue", "--file", "/nonexistent/prompts.txt"], "cannot read /nonexistent/prompts.txt", 2),
+        (["enqueue", "word " * 2100], "exceeds the model's context of 2048 tokens", 2),
+        (["status", "no-such-batch"], "no batch or job 'no-such-batch'", 3),
+        (["results", "no-such-batch"], "no batch or job 'no-such-batch'", 3),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_enqueues_nothing(env, args, fragment, code):
+    before = sorted(env.r.keys(f"{env.prefix}:batch:*")), Queue(env.queue, connection=env.r).count
+    res = env.cli(*args)
+    assert res.exit_code == code, res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0], res.output
+    assert (sorted(env.r.keys(f"{env.prefix}:batch:*")), Queue(env.queue, connection=env.r).count) == before
+
+
+def test_bad_jsonl_lines_are_all_reported(env, tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": \n\n{"prompt": "x", "top_p": 2}\n{"prompt": "ok"}\n[1]\n')
+    before = Queue(env.queue, connection=env.r).count
+    res = env.cli("enqueue", "--file", str(path))
+    assert res.exit_code == 2
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert [e.split(":")[1].strip() for e in errors] == ["line 2", "line 4", "line 6"]
+    assert "invalid JSON" in errors[0] and "top_p" in errors[1] and "JSON object" in errors[2]
+    assert Queue(env.queue, connection=env.r).count == before
+
+
+def test_stdin_prompts(env):
+    res = env.cli(
+        "enqueue",
+        "-",
+        "--no-chat-template",
+        "--max-new-tokens",
+        "3",
+        "--wait",
+        "--json",
+        input="first prompt\n\nsecond prompt\n",
+    )
+    assert res.exit_code == 0, res.output
+    jobs = json.loads(res.output.splitlines()[-1])["jobs"]
+    assert [j["prompt"] for j in jobs] == ["first prompt", "second prompt"]
+
+
+def test_job_payloads_hold_no_pickle(env):
+    res = env.cli("enqueue", "payload check", "--no-chat-template", "--max-new-tokens", "2", "--wait", "--json")
+    job_id = json.loads(res.output.splitlines()[-1])["jobs"][0]["job_id"]
+    raw = env.r.hgetall(f"rq:job:{job_id}")
+    payload = json.loads(zlib.decompress(raw[b"data"]))
+    assert payload[0] == "workers.jobs.run_generation" and payload[2][0]["prompt"] == "payload check"
+    assert json.loads(raw[b"meta"])["batch"] in job_id
+    for key in (f"rq:job:{job_id}", f"{env.prefix}:result:{job_id}"):
+        blob = b"".join(env.r.hgetall(key).values()) if key.startswith("rq:") else env.r.get(key)
+        assert b"\x80\x04\x95" not in blob and b"\x80\x05\x95" not in blob  # pickle protocol 4/5 frames
+    json.loads(env.r.get(f"{env.prefix}:result:{job_id}"))
+
+
+def test_forged_job_function_is_refused(env, tmp_path):
+    marker = tmp_path / "pwned"
+    q = Queue(env.queue, connection=env.r, serializer=JSONSerializer)
+    job = q.enqueue_call("os.system", args=(f"touch {marker}",), job_id="forged-1")
+    for _ in range(100):
+        if job.get_status() in ("failed", "finished"):
+            break
+        time.sleep(0.1)
+    assert job.get_status() == "failed" and not marker.exists()
+    assert "not allow-listed" in job.latest_result().exc_string
+    assert "refused job forged-1" in (env.tmp / "head.log").read_text()
+
+
+def test_rejected_generation_fails_with_reason_then_retry_finishes(
+    models, redis_server, redis_client, tmp_path, hf_models, tokenizers
+):
+    e = Env("reject", models, redis_server, redis_client, tmp_path, tail_extra=["--max-packet-bytes", "600"])
+    try:
+        prompt = PROMPTS[5]
+        res = e.cli(
+            "enqueue",
+            prompt,
+            "--no-chat-template",
+            "--max-new-tokens",
+            "6",
+            "--retries",
+            "0",
+            "--wait",
+            "--timeout",
+            "60",
+        )
+        assert res.exit_code == 1
+        batch = e.r.keys(f"{e.prefix}:batch:*")[0].decode().rsplit(":", 1)[-1]
+        status = e.cli("status", batch)
+        assert "failed" in status.output and "exceeds the cap of 600" in status.output
+        e.procs["tail"].kill()
+        e.start_tail()
+        res = e.cli("retry", batch, "--wait", "--timeout", "60")
+        assert res.exit_code == 0, res.output
+        view = e.client.views(e.client.resolve(batch))[0]
+        assert view.status == "finished" and view.error is None
+        assert view.result["token_ids"] == reference(hf_models["qwen2"], tokenizers["qwen2"], prompt, 6)
+    finally:
+        e.close()
+
+
+def test_killed_head_worker_job_is_retried_and_finishes(
+    models, redis_server, redis_client, tmp_path, hf_models, tokenizers
+):
+    e = Env("kill", models, redis_server, redis_client, tmp_path)
+    try:
+        prompt, n = PROMPTS[1], 600
+        batch = e.cli("enqueue", prompt, "--no-chat-template", "--max-new-tokens", str(n), "--drafter", "none")
+        job_id = e.client.resolve(batch.output.strip())[0]
+        deadline = time.monotonic() + 60
+        while not e.client.views([job_id])[0].progress and time.monotonic() < deadline:
+            time.sleep(0.05)
+        e.procs["head"].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        e.procs["head2"] = head_worker(e.ms.target, e.url, e.queue, e.prefix, tmp_path / "head2.log", "kill-h2")
+        while e.client.views([job_id])[0].status != "finished" and time.monotonic() < killed_at + 120:
+            time.sleep(0.2)
+        view = e.client.views([job_id])[0]
+        assert view.status == "finished", view
+        assert view.result["token_ids"] == reference(hf_models["qwen2"], tokenizers["qwen2"], prompt, n)
+    finally:
+        e.close()
