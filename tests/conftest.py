@@ -109,7 +109,7 @@ class Tails:
                 (split, n_layers),
                 self.url,
                 prefix=names.prefix,
-                extra=list(extra),
+                extra=["--threads", "1", *extra],
                 log_path=self.logdir / f"{names.prefix}.log",
             )
             wait_for_tails(connect(self.url), names, proc=proc)

@@ -275,6 +275,8 @@ def test_rejected_generation_fails_with_reason_then_retry_finishes(
         status = e.cli("status", batch)
         assert "failed" in status.output and "exceeds the cap of 600" in status.output
         e.procs["tail"].kill()
+        e.procs["tail"].wait()  # a dying tail's blocked read could still be handed the next packet
+        time.sleep(3.5)  # let its consumer entry go stale so only the new tail counts as ready
         e.start_tail()
         res = e.cli("retry", batch, "--wait", "--timeout", "60")
         assert res.exit_code == 0, res.output
