@@ -308,3 +308,21 @@ def test_killed_head_worker_job_is_retried_and_finishes(
         assert view.result["token_ids"] == reference(hf_models["qwen2"], tokenizers["qwen2"], prompt, n)
     finally:
         e.close()
+
+
+def test_cancel_queued_and_running_then_retry(env):
+    res = env.cli("enqueue", "one", "two", "--no-chat-template", "--max-new-tokens", "1500", "--drafter", "none")
+    batch = res.output.strip()
+    ids = env.client.resolve(batch)
+    deadline = time.monotonic() + 30
+    while not env.client.views(ids)[0].progress and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert env.cli("cancel", batch).output.strip() == "cancelled 2 job(s)"
+    deadline = time.monotonic() + 30
+    while any(v.status not in ("failed", "canceled") for v in env.client.views(ids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    running, queued = env.client.views(ids)
+    assert (running.status, running.error) == ("failed", "cancelled by user")
+    assert queued.status == "canceled"
+    assert sorted(env.client.retry(ids)) == ids
+    assert env.cli("cancel", batch).exit_code == 0  # leave the worker free for other tests

@@ -1,8 +1,14 @@
-"""A per-sequence KV cache for a slice of layers, with exact rollback.
+"""Per-sequence KV caches for a slice of layers, with exact rollback to a committed prefix.
 
-Decoder layers call `update(keys, values, layer_idx)` and attend over what it returns; ShardFlow crops
-it back to the committed prefix after each round. Layers are keyed by their global index, so a tail's
-cache simply has no entries for the head's layers.
+Decoder layers call `update(keys, values, layer_idx)` and attend over what it returns. Layers are
+keyed by their global index, so a tail's cache simply has no entries for the head's layers.
+
+- `KVCache` grows by concatenation (any length; eager).
+- `StaticKVCache` preallocates [1, kv_heads, max_len, head_dim] per layer and writes each step at
+  device-side positions, so a forward over it can be captured in a CUDA graph; rollback is setting
+  the length, in place (stale entries past it are masked out and later overwritten).
+
+Both answer `positions(start, n)` and `mask(pos)` so a shard builds its attention mask the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import torch
 
 
 class KVCache:
-    """Keys and values of one sequence for the layers of one shard."""
+    """Keys and values of one sequence for the layers of one shard (grows as needed)."""
 
     def __init__(self) -> None:
         self.keys: dict[int, torch.Tensor] = {}
@@ -39,6 +45,15 @@ class KVCache:
     def length(self) -> int:
         return self.get_seq_length()
 
+    def positions(self, start: int, n: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(start, start + n, device=device)
+
+    def mask(self, pos: torch.Tensor) -> torch.Tensor | None:
+        n, total = pos.shape[0], self.length + pos.shape[0]
+        if n == 1:
+            return None
+        return torch.ones(n, total, dtype=torch.bool, device=pos.device).tril(diagonal=total - n)[None, None]
+
     def crop(self, length: int) -> None:
         """Keep only the first `length` positions (rollback to a committed prefix)."""
         if length < 0 or length > self.length:
@@ -46,3 +61,65 @@ class KVCache:
         for idx in self.keys:
             self.keys[idx] = self.keys[idx][..., :length, :]
             self.values[idx] = self.values[idx][..., :length, :]
+
+
+class StaticKVCache:
+    """Preallocated keys/values for `max_len` positions; graph-capturable; in-place rollback."""
+
+    def __init__(
+        self,
+        layer_ids: list[int],
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (1, kv_heads, max_len, head_dim)
+        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.max_len = max_len
+        self._length = 0
+        self._slots = torch.arange(max_len, device=device)
+        self.pos: torch.Tensor | None = None  # positions of the step being run (device)
+
+    @classmethod
+    def for_shard(cls, shard: Any, max_len: int) -> StaticKVCache:
+        cfg = shard.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        ids = [layer.self_attn.layer_idx for layer in shard.layers]
+        return cls(ids, cfg.num_key_value_heads, head_dim, max_len, shard.dtype, shard.device)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values at `self.pos`; return the whole (masked) buffers."""
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_copy_(2, self.pos, key_states)  # type: ignore[arg-type]
+        v.index_copy_(2, self.pos, value_states)  # type: ignore[arg-type]
+        return k, v
+
+    def get_seq_length(self, layer_idx: int | None = None) -> int:
+        return self._length
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def positions(self, start: int, n: int, device: torch.device) -> torch.Tensor:
+        if start + n > self.max_len:
+            raise ValueError(f"sequence of {start + n} positions exceeds the static cache of {self.max_len}")
+        return self._slots[start : start + n]
+
+    def mask(self, pos: torch.Tensor) -> torch.Tensor:
+        """Query i attends to every cached slot at or before its position (valid prefix + itself)."""
+        self.pos = pos
+        return (self._slots[None, :] <= pos[:, None])[None, None]
+
+    def advance(self, length: int) -> None:
+        self._length = length
+
+    def crop(self, length: int) -> None:
+        if length < 0 or length > self._length:
+            raise ValueError(f"cannot crop a cache of {self._length} positions to {length}")
+        self._length = length

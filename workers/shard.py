@@ -17,7 +17,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
-from workers.kvcache import KVCache
+from workers.kvcache import KVCache, StaticKVCache
+
+Cache = KVCache | StaticKVCache
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -103,7 +105,7 @@ class Shard(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache: KVCache, logits_last: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int, cache: Cache, logits_last: int = 0) -> torch.Tensor:
         """Run the shard over x (token ids [n] with an embedding, else hidden states [n, h]).
 
         Positions are start_pos..start_pos+n-1 and `cache` must hold exactly start_pos positions.
@@ -112,20 +114,23 @@ class Shard(nn.Module):
         """
         if cache.length != start_pos:
             raise ValueError(f"cache holds {cache.length} positions, round starts at {start_pos}")
+        n = x.shape[0]
+        out = self.run(x, cache.positions(start_pos, n, x.device), cache, logits_last)
+        if isinstance(cache, StaticKVCache):
+            cache.advance(start_pos + n)
+        return out
+
+    def run(self, x: torch.Tensor, pos: torch.Tensor, cache: Cache, logits_last: int = 0) -> torch.Tensor:
+        """The forward itself, over device positions `pos`; no host syncs, so it can be graph-captured."""
         h = self.embed(x)[None] if self.embed is not None else x[None]
-        n = h.shape[1]
-        pos = torch.arange(start_pos, start_pos + n, device=h.device)[None]
-        cos_sin = self.rotary(h, pos)
-        mask = None
-        if n > 1:
-            total = start_pos + n
-            mask = torch.ones(n, total, dtype=torch.bool, device=h.device).tril(diagonal=start_pos)[None, None]
+        cos_sin = self.rotary(h, pos[None])
+        mask = cache.mask(pos)
         for layer in self.layers:
             h = layer(
                 h,
                 attention_mask=mask,
                 position_embeddings=cos_sin,
-                position_ids=pos,
+                position_ids=pos[None],
                 past_key_values=cache,
                 use_cache=True,
             )
