@@ -86,6 +86,21 @@ dtype_opt = click.option(
 threads_opt = click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's).")
 
 
+def engine_options(fn: Callable) -> Callable:
+    """--static-cache / --graphs: how shards run (default: both on for CUDA devices, off on CPU)."""
+    fn = click.option(
+        "--graphs/--no-graphs",
+        default=None,
+        help="Replay each round's forward as a CUDA graph (needs a static cache; CUDA only).",
+    )(fn)
+    return click.option(
+        "--static-cache/--dynamic-cache",
+        "static",
+        default=None,
+        help="Preallocated KV caches rolled back in place, instead of growing ones.",
+    )(fn)
+
+
 def torch_setup(threads: int | None, dtype: str | None) -> Any:
     """Apply --threads and turn --dtype into a torch dtype (None = the checkpoint's)."""
     import torch

@@ -10,6 +10,7 @@ import click
 from producer.cli import (
     device_opt,
     dtype_opt,
+    engine_options,
     generation_options,
     layers_option,
     main,
@@ -82,6 +83,7 @@ def redis(port: int, appendonly: bool, data_dir: str | None) -> None:
 @device_opt
 @dtype_opt
 @threads_opt
+@engine_options
 def tail(
     target: str,
     layers: tuple[int, int],
@@ -94,10 +96,13 @@ def tail(
     device: str,
     dtype: str,
     threads: int | None,
+    static: bool | None,
+    graphs: bool | None,
 ) -> None:
     """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
     from relay_broker.connection import connect
     from relay_broker.streams import StreamNames
+    from workers.graphs import Engine
     from workers.shard import load_shard
     from workers.tail import TailWorker
 
@@ -113,6 +118,7 @@ def tail(
             max_sessions=max_sessions,
             session_ttl_s=session_ttl,
             max_packet_bytes=max_packet_bytes,
+            engine=Engine(shard, static=static, graphs=graphs, step_tokens=DEFAULTS.draft_k + 1),
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
@@ -135,6 +141,7 @@ def tail(
 @device_opt
 @dtype_opt
 @threads_opt
+@engine_options
 def head(
     target: str,
     layers: tuple[int, int],
@@ -147,6 +154,8 @@ def head(
     device: str,
     dtype: str,
     threads: int | None,
+    static: bool | None,
+    graphs: bool | None,
 ) -> None:
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
     from relay_broker.connection import connect
@@ -157,7 +166,9 @@ def head(
 
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
-    runtime = HeadRuntime.load(target, layers, draft=draft, device=device, dtype=torch_setup(threads, dtype))
+    runtime = HeadRuntime.load(
+        target, layers, draft=draft, device=device, dtype=torch_setup(threads, dtype), static=static, graphs=graphs
+    )
     info = ModelInfo(
         target=str(target),
         context_length=runtime.context_length,

@@ -11,6 +11,7 @@ from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from tests.conftest import PROMPTS
 from workers.drafters import ModelDrafter, NgramDrafter
 from workers.head import HeadRuntime, generate
+from workers.kvcache import KVCache
 from workers.shard import load_shard
 from workers.tail import SessionStore
 
@@ -55,9 +56,9 @@ def test_ngram_drafter_copies_latest_match():
 
 def test_session_store_bounds_count_and_idle_time():
     store = SessionStore(max_sessions=2, ttl_s=0.05)
-    store.open("a"), store.open("b")
+    store.open("a", KVCache()), store.open("b", KVCache())
     store.get("a")
-    store.open("c")  # "b" is least recently used
+    store.open("c", KVCache())  # "b" is least recently used
     assert store.get("b") is None and store.get("a") is not None and len(store) == 2
     time.sleep(0.08)
     store.expire()

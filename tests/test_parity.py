@@ -60,3 +60,17 @@ def test_greedy_parity(family, split, drafter, k, models, hf_models, tokenizers,
         accepted += got.accepted_tokens
     if drafter == "model":
         assert accepted > 0  # the rejection and acceptance paths both ran
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_greedy_parity_with_static_caches(family, models, hf_models, tokenizers, tails, redis_client):
+    """Static KV caches rolled back in place (the path CUDA graphs replay over) give the same tokens."""
+    ms = models[family]
+    names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache",))
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True)
+    assert type(runtime.engine.new_cache()).__name__ == "StaticKVCache"
+    expected = reference(family, hf_models[family], tokenizers[family])
+    for k in (1, 8):
+        for prompt, want in zip(PROMPTS, expected, strict=True):
+            req = GenerationRequest(prompt=prompt, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(k=k))
+            assert generate(req, runtime, redis_client, names=names).token_ids == want, prompt

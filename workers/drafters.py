@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from schemas.requests import SamplingParams
-from workers.kvcache import KVCache
+from workers.graphs import Engine
 from workers.sampling import warp
 from workers.shard import Shard
 
@@ -28,6 +28,8 @@ class Draft:
 
 
 class DraftSession(Protocol):
+    device: torch.device
+
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft: ...
 
 
@@ -38,22 +40,28 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """A full causal LM that shares the target's tokenizer, run with its own KV cache."""
+    """A full causal LM that shares the target's tokenizer, run with its own KV cache per session."""
 
     name = "model"
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, engine: Engine | None = None) -> None:
         if shard.embed is None or shard.lm_head is None:
             raise ValueError("a draft model needs its embedding and LM head")
         self.shard = shard
+        self.engine = engine or Engine(shard, step_tokens=2, pad=False)
 
     def new_session(self) -> ModelDraftSession:
-        return ModelDraftSession(self.shard)
+        return ModelDraftSession(self.engine)
 
 
 class ModelDraftSession:
-    def __init__(self, shard: Shard) -> None:
-        self.shard, self.cache, self.tokens = shard, KVCache(), []  # tokens: what the cache holds
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.cache = engine, engine.new_cache()
+        self.tokens: list[int] = []  # what the cache holds
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.shard.device
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold context[:-1] + feed the rest; return the next-token logits."""
@@ -62,27 +70,28 @@ class ModelDraftSession:
         while keep < limit and self.tokens[keep] == context[keep]:
             keep += 1
         self.cache.crop(keep)
-        feed = torch.tensor(context[keep:], device=self.shard.device)
+        feed = torch.tensor(context[keep:], device=self.device)
         self.tokens = list(context)
-        return self.shard(feed, keep, self.cache, logits_last=1)[-1]
+        return self.engine.forward(self.cache, feed, keep, logits_last=1)[-1]
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
+        """Draft k tokens, feeding each back on the device; one host sync at the end."""
         logits = self._sync(context)
-        tokens: list[int] = []
+        picked: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
             if sampling.greedy:
-                tok = int(logits.argmax())
+                tok = logits.argmax(-1, keepdim=True)
             else:
                 probs = warp(logits[None], sampling)[0]
-                tok = int(torch.multinomial(probs, 1, generator=gen))
+                tok = torch.multinomial(probs, 1, generator=gen)
                 qs.append(probs)
-            tokens.append(tok)
+            picked.append(tok)
             if i < k - 1:
-                step = torch.tensor([tok], device=self.shard.device)
-                logits = self.shard(step, len(self.tokens), self.cache, logits_last=1)[-1]
-                self.tokens.append(tok)
+                logits = self.engine.forward(self.cache, tok, len(context) + i, logits_last=1)[-1]
+        tokens = torch.cat(picked).tolist() if picked else []
+        self.tokens = list(context) + tokens[: max(k - 1, 0)]
         return Draft(tokens, torch.stack(qs) if qs else None)
 
 
@@ -93,6 +102,8 @@ class NgramDrafter:
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    device = torch.device("cpu")
 
     def new_session(self) -> NgramDrafter:
         return self

@@ -25,7 +25,9 @@ from transformers import AutoTokenizer
 from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest
 from schemas.requests import GenerationRequest, GenerationResult
+from schemas.settings import DEFAULTS
 from workers.drafters import DraftSession, ModelDrafter, NgramDrafter
+from workers.graphs import Engine
 from workers.prompts import encode_prompt
 from workers.rounds import RoundLoop
 from workers.shard import Shard, load_shard, resolve_model_dir
@@ -53,6 +55,11 @@ class HeadRuntime:
     shard: Shard
     draft_model: ModelDrafter | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    engine: Engine | None = None  # how the shard runs (dynamic/static cache, CUDA graphs)
+
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            self.engine = Engine(self.shard)
 
     @classmethod
     def load(
@@ -63,17 +70,24 @@ class HeadRuntime:
         draft: str | Path | None = None,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
+        static: bool | None = None,
+        graphs: bool | None = None,
+        max_k: int = DEFAULTS.draft_k,
     ) -> HeadRuntime:
-        """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given."""
+        """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
+
+        static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices)."""
         model_dir = resolve_model_dir(target)
         shard = load_shard(model_dir, layers, embed=True, head=False, device=device, dtype=dtype)
         drafter = None
         if draft is not None:
-            drafter = ModelDrafter(load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype))
+            dshard = load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype)
+            drafter = ModelDrafter(dshard, Engine(dshard, static=static, graphs=graphs, step_tokens=2, pad=False))
             if drafter.shard.config.vocab_size < shard.config.vocab_size:
                 raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
         tok = AutoTokenizer.from_pretrained(model_dir)
-        return cls(tok, shard, drafter, eos_ids_of(model_dir, shard.config))
+        engine = Engine(shard, static=static, graphs=graphs, step_tokens=max_k + 1)
+        return cls(tok, shard, drafter, eos_ids_of(model_dir, shard.config), engine)
 
     @property
     def context_length(self) -> int | None:

@@ -69,11 +69,13 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     last_flush: float = 0.0
     rounds: int = 0
+    accepted: int = 0
     flushed_chars: int = 0
     text: str = ""
 
     def on_tokens(self, new: list[int], generated: list[int]) -> None:
         self.rounds += 1
+        self.accepted += max(len(new) - 1, 0)
         now = time.monotonic()
         if now - self.last_flush >= DEFAULTS.progress_interval_s:
             self.flush(generated, final=False)
@@ -89,6 +91,7 @@ class Progress:
             "rounds": self.rounds,
             "tokens_per_s": round(len(generated) / elapsed, 2),
             "tokens_per_round": round(len(generated) / max(self.rounds, 1), 3),
+            "accepted_per_round": round(self.accepted / max(self.rounds, 1), 3),
         }
         delta = self.text[self.flushed_chars :]
         pipe = self.r.pipeline(transaction=False)

@@ -15,7 +15,6 @@ from schemas.packets import ClosePacket, ErrorReply, Verdict, decode_tail_messag
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.settings import DEFAULTS
 from workers.drafters import Draft
-from workers.kvcache import KVCache
 from workers.sampling import encode_q, round_generator
 from workers.stopping import StopStrings
 
@@ -41,7 +40,7 @@ class RoundLoop:
         self.on_tokens, self.reply_timeout_s = on_tokens, reply_timeout_s
         self.prompt, self.committed, self.pending = list(prompt), list(prompt), list(prompt)
         self.generated: list[int] = []
-        self.cache = KVCache()
+        self.cache = runtime.engine.new_cache()
         self.stream = names.shared_requests
         self.pinned = False
         self.reader = ReplyReader(r, names.reply(session_id))
@@ -80,7 +79,7 @@ class RoundLoop:
     def _draft(self, rid: int, k: int) -> Draft:
         if self.drafter is None or k <= 0:
             return Draft([])
-        gen = round_generator(self.req.sampling.seed or 0, rid, "draft")
+        gen = round_generator(self.req.sampling.seed or 0, rid, "draft", self.drafter.device)
         return self.drafter.propose(self.committed, k, self.req.sampling, gen)
 
     def _q(self, draft: Draft) -> tuple[str, dict[str, torch.Tensor]]:
@@ -98,7 +97,7 @@ class RoundLoop:
         start = len(self.committed) - len(self.pending)
         with torch.inference_mode():
             ids = torch.tensor(self.pending + draft.tokens, device=self.rt.shard.device)
-            hidden = self.rt.shard(ids, start, self.cache)
+            hidden = self.rt.engine.forward(self.cache, ids, start)
         t2 = time.perf_counter()
         q_kind, q_tensors = self._q(draft)
         header = dict(

@@ -33,9 +33,9 @@ from schemas.packets import (
     peek_session,
 )
 from schemas.settings import DEFAULTS
-from workers.kvcache import KVCache
+from workers.graphs import Engine
 from workers.sampling import decode_q, round_generator, warp
-from workers.shard import Shard
+from workers.shard import Cache, Shard
 from workers.stopping import cut_at_stops
 from workers.verify import verify_greedy, verify_sampling
 
@@ -49,7 +49,7 @@ def default_tail_id() -> str:
 
 @dataclass
 class TailSession:
-    cache: KVCache = field(default_factory=KVCache)
+    cache: Cache
     last_round: int = -1
     last_reply: dict | None = None
     touched: float = field(default_factory=time.monotonic)
@@ -72,8 +72,8 @@ class SessionStore:
             sess.touched = time.monotonic()
         return sess
 
-    def open(self, sid: str) -> TailSession:
-        self._by_id[sid] = sess = TailSession()
+    def open(self, sid: str, cache: Cache) -> TailSession:
+        self._by_id[sid] = sess = TailSession(cache)
         self._by_id.move_to_end(sid)
         while len(self._by_id) > self.max_sessions:
             old, _ = self._by_id.popitem(last=False)
@@ -103,10 +103,12 @@ class TailWorker:
         max_sessions: int = DEFAULTS.max_sessions,
         session_ttl_s: float = DEFAULTS.session_ttl_s,
         max_packet_bytes: int = DEFAULTS.max_packet_bytes,
+        engine: Engine | None = None,
     ) -> None:
         if shard.lm_head is None:
             raise ValueError("a tail shard needs the final norm and LM head")
         self.shard, self.r, self.max_packet_bytes = shard, r, max_packet_bytes
+        self.engine = engine or Engine(shard)
         self.names = names or StreamNames()
         self.tail_id = tail_id or default_tail_id()
         self.sessions = SessionStore(max_sessions, session_ttl_s)
@@ -155,7 +157,7 @@ class TailWorker:
         if sess is not None and p.round_id <= sess.last_round:
             return None  # duplicate or late
         if p.start_pos == 0 and p.round_id == 0:
-            return self.sessions.open(p.session_id)
+            return self.sessions.open(p.session_id, self.engine.new_cache())
         if sess is None:
             raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
         if p.start_pos != sess.cache.length:
@@ -177,7 +179,7 @@ class TailWorker:
             )
         k = len(p.draft_ids)
         t0 = time.perf_counter()
-        logits = self.shard(hidden.to(self.shard.dtype), p.start_pos, sess.cache, logits_last=k + 1)
+        logits = self.engine.forward(sess.cache, hidden.to(self.shard.dtype), p.start_pos, logits_last=k + 1)
         t1 = time.perf_counter()
         drafts = torch.tensor(p.draft_ids, dtype=torch.long, device=logits.device)
         if p.sampling.greedy:

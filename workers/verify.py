@@ -15,10 +15,12 @@ from schemas.errors import PacketError
 
 def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
     """(accepted drafts, next token) for greedy decoding; logits are [k+1, V]."""
-    target = logits.argmax(dim=-1)
-    k = drafts.shape[0]
-    accepted = int(torch.cumprod((target[:k] == drafts.to(target.device)).int(), dim=0).sum()) if k else 0
-    return accepted, int(target[accepted])
+    target = logits.argmax(dim=-1).tolist()  # the round's one host sync
+    d = drafts.tolist()
+    accepted = 0
+    while accepted < len(d) and d[accepted] == target[accepted]:
+        accepted += 1
+    return accepted, target[accepted]
 
 
 def verify_sampling(
