@@ -132,6 +132,23 @@ class ReplyReader:
                 self.last_id, fields = got[0][1][0]
                 return fields
 
+    def publish_then_next(
+        self, stream: str, fields: dict, timeout_s: float = DEFAULTS.reply_timeout_s
+    ) -> dict[bytes, bytes]:
+        """Send a request and wait for the next reply in one round trip (XADD + blocking XREAD pipelined)."""
+        got = self._publish_and_read(stream, fields, min(int(timeout_s * 1000), DEFAULTS.block_ms))
+        if got:
+            self.last_id, fields = got[0][1][0]
+            return fields
+        return self.next(timeout_s - DEFAULTS.block_ms / 1000)
+
+    @transport_retry()
+    def _publish_and_read(self, stream: str, fields: dict, block_ms: int) -> list:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xadd(stream, fields, maxlen=DEFAULTS.request_stream_maxlen, approximate=True)
+        pipe.xread({self.stream: self.last_id}, count=1, block=max(block_ms, 1))
+        return pipe.execute()[1]
+
     @transport_retry()
     def _read(self, block_ms: int) -> list:
         return self.r.xread({self.stream: self.last_id}, count=1, block=block_ms)

@@ -35,12 +35,16 @@ class DraftSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["model", "ngram", "none"] = Field(
-        "model", description="'model' uses the head's draft model if it has one, else n-gram."
+    kind: Literal["model", "ngram", "none", "synthetic"] = Field(
+        "model",
+        description="'model' uses the head's draft model if it has one, else n-gram; 'synthetic' (benchmarks "
+        "only) proposes reference_ids, each replaced by a wrong token with probability 1 - alpha.",
     )
     k: int = Field(DEFAULTS.draft_k, ge=0, le=64, description="Draft tokens per round.")
     ngram_max: int = Field(DEFAULTS.ngram_max, ge=1, le=16)
     ngram_min: int = Field(DEFAULTS.ngram_min, ge=1, le=16)
+    alpha: float = Field(0.78, ge=0.0, le=1.0, description="Synthetic drafter: chance each draft is right.")
+    reference_ids: list[TokenId] | None = Field(None, max_length=1 << 16, description="Synthetic drafter's text.")
 
 
 class ChatMessage(BaseModel):

@@ -63,3 +63,20 @@ def test_session_store_bounds_count_and_idle_time():
     time.sleep(0.08)
     store.expire()
     assert len(store) == 0
+
+
+def test_synthetic_drafter_sets_acceptance_and_stays_lossless(models, tails, redis_client, tokenizers):
+    ms = models["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers)
+    runtime = HeadRuntime.load(ms.target, (0, 2))
+    prompt = tokenizers["qwen2"].encode(PROMPTS[3])
+    base = GenerationRequest(prompt_ids=prompt, max_new_tokens=40, draft=DraftSettings(kind="none"))
+    ref = generate(base, runtime, redis_client, names=names).token_ids
+    for alpha, check in (
+        (1.0, lambda r: r.accepted_tokens == r.drafted_tokens),
+        (0.0, lambda r: r.accepted_tokens == 0),
+        (0.7, lambda r: 0 < r.accepted_tokens < r.drafted_tokens),
+    ):
+        req = base.model_copy(update={"draft": DraftSettings(kind="synthetic", k=6, alpha=alpha, reference_ids=ref)})
+        got = generate(req, runtime, redis_client, names=names)
+        assert got.token_ids == ref and check(got), (alpha, got.accepted_tokens, got.drafted_tokens)

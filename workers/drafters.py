@@ -56,8 +56,12 @@ class ModelDrafter:
 
 class ModelDraftSession:
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.cache = engine, engine.new_cache()
+        self.engine, self.cache = engine, engine.acquire()
         self.tokens: list[int] = []  # what the cache holds
+
+    def close(self) -> None:
+        """Give the cache back to the engine (its captured graphs are reused by the next session)."""
+        self.engine.release(self.cache)
 
     @property
     def device(self) -> torch.device:
@@ -117,3 +121,33 @@ class NgramDrafter:
                 start = int(hits[-1]) + n
                 return Draft(context[start : start + k], point=True)
         return Draft([], point=True)
+
+
+class SyntheticDrafter:
+    """Benchmarks only: proposes the target's own reference continuation, each token replaced by a wrong
+    one with probability 1 - alpha, so acceptance is set while every round still runs the real path."""
+
+    name = "synthetic"
+    device = torch.device("cpu")
+
+    def __init__(
+        self, reference: list[int], alpha: float, prompt_len: int, vocab: int, inner: DraftSession | None = None
+    ) -> None:
+        self.reference, self.alpha, self.prompt_len, self.vocab = reference, alpha, prompt_len, vocab
+        self.inner = inner  # a real drafter run only to pay its cost (its proposals are discarded)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
+        if self.inner is not None:
+            self.inner.propose(context, k, sampling, gen)
+        at = len(context) - self.prompt_len
+        want = self.reference[at : at + k]
+        keep = (torch.rand(len(want), generator=gen) < self.alpha).tolist()
+        shift = torch.randint(1, self.vocab, (len(want),), generator=gen).tolist()
+        return Draft(
+            [t if ok else (t + s) % self.vocab for t, ok, s in zip(want, keep, shift, strict=True)], point=True
+        )

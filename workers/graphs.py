@@ -74,16 +74,27 @@ class Engine:
         if self.graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         self.static = self.graphs or (cuda if static is None else static)
-        limit = getattr(shard.config, "max_position_embeddings", None) or 4096
-        self.max_len = min(max_len or limit, limit)
+        limit = getattr(shard.config, "max_position_embeddings", None) or 8192
+        self.max_len = min(max_len or 8192, limit)  # static caches hold this many positions
         self.step_tokens, self.pad = step_tokens, pad
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._free: list[StaticKVCache] = []
 
     def new_cache(self) -> Cache:
         if not self.static:
             return KVCache()
         return StaticKVCache.for_shard(self.shard, self.max_len + self.step_tokens)
+
+    def acquire(self) -> Cache:
+        """A cache for one sequence: a released static cache (its captured graphs reused) or a new one."""
+        return self._free.pop() if self._free else self.new_cache()
+
+    def release(self, cache: Cache) -> None:
+        """Return a sequence's cache; static ones are kept for the next sequence."""
+        if isinstance(cache, StaticKVCache):
+            cache.crop(0)
+            self._free.append(cache)
 
     def forward(self, cache: Cache, x: torch.Tensor, start: int, logits_last: int = 0) -> torch.Tensor:
         """Like `shard(x, start, cache, logits_last)`, through a captured graph when one applies."""

@@ -26,7 +26,7 @@ from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
-from workers.drafters import DraftSession, ModelDrafter, NgramDrafter
+from workers.drafters import DraftSession, ModelDrafter, NgramDrafter, SyntheticDrafter
 from workers.graphs import Engine
 from workers.prompts import encode_prompt
 from workers.rounds import RoundLoop
@@ -45,6 +45,18 @@ def eos_ids_of(model_dir: Path, config: object) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+class IdTokenizer:
+    """Stands in for a tokenizer with random-weight benchmark targets: token ids only."""
+
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        raise InvalidRequest("this target has no tokenizer: send prompt_ids")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
 
 
 @dataclass
@@ -77,16 +89,19 @@ class HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
 
         static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices)."""
-        model_dir = resolve_model_dir(target)
-        shard = load_shard(model_dir, layers, embed=True, head=False, device=device, dtype=dtype)
+        random = str(target).startswith("random:")
+        model_dir = None if random else resolve_model_dir(target)
+        shard = load_shard(model_dir or target, layers, embed=True, head=False, device=device, dtype=dtype)
         drafter = None
         if draft is not None:
             dshard = load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype)
             drafter = ModelDrafter(dshard, Engine(dshard, static=static, graphs=graphs, step_tokens=2, pad=False))
             if drafter.shard.config.vocab_size < shard.config.vocab_size:
                 raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
-        tok = AutoTokenizer.from_pretrained(model_dir)
         engine = Engine(shard, static=static, graphs=graphs, step_tokens=max_k + 1)
+        if model_dir is None:  # random weights for benchmarks: prompts come as token ids
+            return cls(IdTokenizer(), shard, drafter, [], engine)
+        tok = AutoTokenizer.from_pretrained(model_dir)
         return cls(tok, shard, drafter, eos_ids_of(model_dir, shard.config), engine)
 
     @property
@@ -97,10 +112,14 @@ class HeadRuntime:
         """Token ids of the request's prompt; raises InvalidRequest if it cannot fit the model."""
         return encode_prompt(self.tokenizer, req, self.shard.config.vocab_size, self.context_length)
 
-    def drafter_for(self, req: GenerationRequest) -> DraftSession | None:
+    def drafter_for(self, req: GenerationRequest, prompt_len: int) -> DraftSession | None:
         """The draft session a request asks for ('model' falls back to n-gram without a draft model)."""
         if req.draft.kind == "none" or req.draft.k == 0:
             return None
+        if req.draft.kind == "synthetic":
+            ref = req.draft.reference_ids or []
+            inner = self.draft_model.new_session() if self.draft_model is not None else None
+            return SyntheticDrafter(ref, req.draft.alpha, prompt_len, self.shard.config.vocab_size, inner)
         if req.draft.kind == "model" and self.draft_model is not None:
             return self.draft_model.new_session()
         return NgramDrafter(req.draft.ngram_max, req.draft.ngram_min)

@@ -40,11 +40,11 @@ class RoundLoop:
         self.on_tokens, self.reply_timeout_s = on_tokens, reply_timeout_s
         self.prompt, self.committed, self.pending = list(prompt), list(prompt), list(prompt)
         self.generated: list[int] = []
-        self.cache = runtime.engine.new_cache()
+        self.cache = runtime.engine.acquire()
         self.stream = names.shared_requests
         self.pinned = False
         self.reader = ReplyReader(r, names.reply(session_id))
-        self.drafter = runtime.drafter_for(req)
+        self.drafter = runtime.drafter_for(req, len(prompt))
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
@@ -98,6 +98,8 @@ class RoundLoop:
         with torch.inference_mode():
             ids = torch.tensor(self.pending + draft.tokens, device=self.rt.shard.device)
             hidden = self.rt.engine.forward(self.cache, ids, start)
+            if hidden.is_cuda:  # attribute GPU time to this stage (the packet needs the data next anyway)
+                torch.cuda.synchronize(hidden.device)
         t2 = time.perf_counter()
         q_kind, q_tensors = self._q(draft)
         header = dict(
@@ -112,23 +114,23 @@ class RoundLoop:
             q_kind=q_kind,
         )
         _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
-        publish(self.r, self.stream, fields)
-        verdict = self._await(rid)
+        verdict = self._await(rid, fields)
         t3 = time.perf_counter()
         self._account(draft, verdict, (t1 - t0, t2 - t1, t3 - t2))
         return self._commit(draft, verdict, start)
 
-    def _await(self, rid: int) -> Verdict:
+    def _await(self, rid: int, fields: dict) -> Verdict:
+        """Publish the round and wait for its verdict (skipping stale replies of earlier rounds)."""
         timeout = self.reply_timeout_s if self.reply_timeout_s is not None else DEFAULTS.reply_timeout_s
+        reply = self.reader.publish_then_next(self.stream, fields, timeout)
         while True:
-            msg = decode_tail_message(self.reader.next(timeout))
-            if isinstance(msg, ErrorReply):
-                if msg.round_id is None or msg.round_id == rid:
-                    raise RemoteError(f"tail {msg.tail_id or '?'} failed round {rid}: {msg.error}")
-                continue
-            if msg.round_id == rid:
+            msg = decode_tail_message(reply)
+            if isinstance(msg, ErrorReply) and msg.round_id in (None, rid):
+                raise RemoteError(f"tail {msg.tail_id or '?'} failed round {rid}: {msg.error}")
+            if isinstance(msg, Verdict) and msg.round_id == rid:
                 return msg
-            log.debug("session %s: dropping stale verdict for round %s", self.sid, msg.round_id)
+            log.debug("session %s: dropping a stale reply for round %s", self.sid, msg.round_id)
+            reply = self.reader.next(timeout)
 
     def _account(self, draft: Draft, v: Verdict, spans: tuple[float, float, float]) -> None:
         draft_s, head_s, wait_s = spans
@@ -166,6 +168,10 @@ class RoundLoop:
         return finish
 
     def _close(self) -> None:
+        self.rt.engine.release(self.cache)
+        close = getattr(self.drafter, "close", None)
+        if close is not None:
+            close()
         try:
             publish(self.r, self.stream, encode_message(ClosePacket(session_id=self.sid)))
             delete_keys(self.r, self.names.reply(self.sid))

@@ -9,17 +9,20 @@ from the embedding tensor. Qwen2 and Llama families (and others laid out like th
 from __future__ import annotations
 
 import json
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen2Config
 
 from schemas.errors import ModelLoadError
 from workers.kvcache import KVCache, StaticKVCache
 
 Cache = KVCache | StaticKVCache
+Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -65,12 +68,75 @@ def _read_tensors(files: dict[str, Path], names: dict[str, str], dtype: torch.dt
 
 
 def _materialise(
-    module: nn.Module, prefix: str, files: dict, dtype: torch.dtype, device: str, alias: dict | None = None
+    module: nn.Module, prefix: str, source: Source, dtype: torch.dtype, device: str, alias: dict | None = None
 ) -> None:
-    """Load `module`'s parameters/buffers saved under `prefix` (alias: local name -> checkpoint name)."""
+    """Give `module`'s parameters/buffers the tensors saved under `prefix` (alias: local -> checkpoint name)."""
     state = dict(module.state_dict(keep_vars=True))
     names = {k: (alias or {}).get(k, f"{prefix}{k}") for k in state}
-    module.load_state_dict(_read_tensors(files, names, dtype, device), assign=True, strict=True)
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    module.load_state_dict(source(names, shapes, dtype, device), assign=True, strict=True)
+
+
+def checkpoint_source(files: dict[str, Path]) -> Source:
+    return lambda names, shapes, dtype, device: _read_tensors(files, names, dtype, device)
+
+
+def random_source(seed: int, std: float = 0.02) -> Source:
+    """Random weights (benchmarks of model shapes whose weights cannot be fetched); norms are ones."""
+
+    def make(names: dict[str, str], shapes: dict[str, tuple], dtype: torch.dtype, device: str) -> dict:
+        out = {}
+        for local, ckpt in names.items():
+            gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(ckpt.encode()))
+            if "norm" in ckpt:
+                out[local] = torch.ones(shapes[local], dtype=dtype, device=device)
+            elif ckpt.endswith("bias"):
+                out[local] = torch.zeros(shapes[local], dtype=dtype, device=device)
+            else:
+                t = torch.empty(shapes[local], dtype=dtype, device=device)
+                out[local] = t.normal_(0.0, std, generator=gen)
+        return out
+
+    return make
+
+
+# Shapes of public models, for `random:<name>` targets in benchmarks (no weights are fetched).
+RANDOM_PRESETS: dict[str, dict] = {
+    "qwen2.5-7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        eos_token_id=151645,
+    ),
+    "qwen2.5-0.5b": dict(
+        vocab_size=152064,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        eos_token_id=151645,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
+}
 
 
 def _prefix_of(root: nn.Module, target: nn.Module) -> str:
@@ -148,9 +214,20 @@ def load_shard(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> Shard:
-    """Load layers [a, b) (None = all) of `model`, plus its embedding and/or norm + LM head."""
-    model_dir = resolve_model_dir(model)
-    config = AutoConfig.from_pretrained(model_dir)
+    """Load layers [a, b) (None = all) of `model`, plus its embedding and/or norm + LM head.
+
+    `model` is a local directory or hub id; `random:<preset>` (see RANDOM_PRESETS) builds random
+    weights of a public model's shape on the device, for benchmarks."""
+    if str(model).startswith("random:"):
+        preset = RANDOM_PRESETS.get(str(model).split(":", 1)[1])
+        if preset is None:
+            raise ModelLoadError(f"unknown random preset {model!r}; known: {sorted(RANDOM_PRESETS)}")
+        config: PretrainedConfig = Qwen2Config(**preset)
+        source = random_source(seed=0)
+    else:
+        model_dir = resolve_model_dir(model)
+        config = AutoConfig.from_pretrained(model_dir)
+        source = checkpoint_source(weight_files(model_dir))
     n_layers = config.num_hidden_layers
     a, b = layers if layers is not None else (0, n_layers)
     if not 0 <= a < b <= n_layers:
@@ -163,24 +240,23 @@ def load_shard(
     base = skeleton.get_decoder()
     if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
         raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
-    files = weight_files(model_dir)
     kept = nn.ModuleList(base.layers[a:b])
     for layer in kept:
-        _materialise(layer, _prefix_of(skeleton, layer), files, dtype, device)
+        _materialise(layer, _prefix_of(skeleton, layer), source, dtype, device)
     embed_mod = norm_mod = head_mod = None
     embed_name = f"{_prefix_of(skeleton, base.embed_tokens)}weight"
     if embed:
         embed_mod = base.embed_tokens
-        _materialise(embed_mod, "", files, dtype, device, {"weight": embed_name})
+        _materialise(embed_mod, "", source, dtype, device, {"weight": embed_name})
     if head:
         norm_mod, head_mod = base.norm, skeleton.get_output_embeddings()
-        _materialise(norm_mod, _prefix_of(skeleton, norm_mod), files, dtype, device)
+        _materialise(norm_mod, _prefix_of(skeleton, norm_mod), source, dtype, device)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         if tied and embed_mod is not None:
             head_mod.weight = embed_mod.weight
         else:
             src = embed_name if tied else f"{_prefix_of(skeleton, head_mod)}weight"
-            _materialise(head_mod, "", files, dtype, device, {"weight": src})
+            _materialise(head_mod, "", source, dtype, device, {"weight": src})
     rotary = type(base.rotary_emb)(config=config).to(device)
     shard = Shard(config, (a, b), kept, rotary, embed_mod, norm_mod, head_mod).eval()
     left = [n for n, p in shard.named_parameters() if p.is_meta] + [n for n, t in shard.named_buffers() if t.is_meta]

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -56,10 +57,16 @@ class TailSession:
 
 
 class SessionStore:
-    """Sessions by id: least recently used dropped beyond max_sessions, idle ones after ttl_s."""
+    """Sessions by id: least recently used dropped beyond max_sessions, idle ones after ttl_s.
+    A dropped session's cache goes to `release` (the engine reuses static caches and their graphs)."""
 
-    def __init__(self, max_sessions: int = DEFAULTS.max_sessions, ttl_s: float = DEFAULTS.session_ttl_s) -> None:
-        self.max_sessions, self.ttl_s = max_sessions, ttl_s
+    def __init__(
+        self,
+        max_sessions: int = DEFAULTS.max_sessions,
+        ttl_s: float = DEFAULTS.session_ttl_s,
+        release: Callable[[Cache], None] | None = None,
+    ) -> None:
+        self.max_sessions, self.ttl_s, self.release = max_sessions, ttl_s, release
         self._by_id: OrderedDict[str, TailSession] = OrderedDict()
 
     def __len__(self) -> int:
@@ -73,21 +80,24 @@ class SessionStore:
         return sess
 
     def open(self, sid: str, cache: Cache) -> TailSession:
+        self.drop(sid)
         self._by_id[sid] = sess = TailSession(cache)
-        self._by_id.move_to_end(sid)
         while len(self._by_id) > self.max_sessions:
-            old, _ = self._by_id.popitem(last=False)
+            old = next(iter(self._by_id))
             log.info("session %s dropped (more than %d sessions)", old, self.max_sessions)
+            self.drop(old)
         return sess
 
     def drop(self, sid: str) -> None:
-        self._by_id.pop(sid, None)
+        sess = self._by_id.pop(sid, None)
+        if sess is not None and self.release is not None:
+            self.release(sess.cache)
 
     def expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
         for sid in [s for s, v in self._by_id.items() if v.touched < cutoff]:
             log.info("session %s expired after %.0fs idle", sid, self.ttl_s)
-            del self._by_id[sid]
+            self.drop(sid)
 
 
 class TailWorker:
@@ -111,7 +121,7 @@ class TailWorker:
         self.engine = engine or Engine(shard)
         self.names = names or StreamNames()
         self.tail_id = tail_id or default_tail_id()
-        self.sessions = SessionStore(max_sessions, session_ttl_s)
+        self.sessions = SessionStore(max_sessions, session_ttl_s, release=self.engine.release)
         self.stop_event = threading.Event()
         self.reader = GroupReader(
             r, self.names.tail_group, self.tail_id, [self.names.shared_requests, self.names.tail_requests(self.tail_id)]
@@ -157,7 +167,7 @@ class TailWorker:
         if sess is not None and p.round_id <= sess.last_round:
             return None  # duplicate or late
         if p.start_pos == 0 and p.round_id == 0:
-            return self.sessions.open(p.session_id, self.engine.new_cache())
+            return self.sessions.open(p.session_id, self.engine.acquire())
         if sess is None:
             raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
         if p.start_pos != sess.cache.length:
@@ -180,6 +190,8 @@ class TailWorker:
         k = len(p.draft_ids)
         t0 = time.perf_counter()
         logits = self.engine.forward(sess.cache, hidden.to(self.shard.dtype), p.start_pos, logits_last=k + 1)
+        if logits.is_cuda:  # attribute GPU time to the forward rather than to verification
+            torch.cuda.synchronize(logits.device)
         t1 = time.perf_counter()
         drafts = torch.tensor(p.draft_ids, dtype=torch.long, device=logits.device)
         if p.sampling.greedy:

@@ -1,0 +1,85 @@
+"""A userspace WAN-delay TCP proxy (the kernel here has no netem): every byte is forwarded after a fixed
+delay in each direction, order preserved.
+
+    python bench/delay_proxy.py --upstream 127.0.0.1:6379 --delay-ms 43 --port 6380
+    with DelayProxy("127.0.0.1", 6379, 0.043) as proxy: connect(f"redis://127.0.0.1:{proxy.port}/0")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import click
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        while data := await reader.read(1 << 16):
+            queue.put_nowait((loop.time() + delay_s, data))
+        queue.put_nowait((loop.time() + delay_s, b""))
+
+    async def deliver() -> None:
+        while True:
+            due, data = await queue.get()
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            if not data:
+                writer.close()
+                return
+            writer.write(data)
+            await writer.drain()
+
+    await asyncio.gather(pump(), deliver(), return_exceptions=True)
+
+
+class DelayProxy:
+    """Listens on 127.0.0.1:port and forwards to upstream with `delay_s` each way."""
+
+    def __init__(self, upstream_host: str, upstream_port: int, delay_s: float, port: int = 0) -> None:
+        self.upstream, self.delay_s, self.port = (upstream_host, upstream_port), delay_s, port
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="delay-proxy")
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        await asyncio.gather(_pipe(reader, up_writer, self.delay_s), _pipe(up_reader, writer, self.delay_s))
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    def start(self) -> DelayProxy:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def __enter__(self) -> DelayProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@click.command()
+@click.option("--upstream", default="127.0.0.1:6379", show_default=True, help="host:port to forward to.")
+@click.option("--delay-ms", type=float, default=43.0, show_default=True, help="Delay each way.")
+@click.option("--port", type=int, default=6380, show_default=True, help="Port to listen on (127.0.0.1).")
+def main(upstream: str, delay_ms: float, port: int) -> None:
+    host, up_port = upstream.rsplit(":", 1)
+    proxy = DelayProxy(host, int(up_port), delay_ms / 1000, port).start()
+    click.echo(f"127.0.0.1:{proxy.port} -> {upstream} (+{delay_ms} ms each way); Ctrl-C stops")
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

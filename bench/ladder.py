@@ -1,0 +1,221 @@
+"""The speed ladder: no speculation -> eager speculation -> static caches + CUDA graphs, one job at a time,
+through the real head -> Redis -> tail -> verify path with a WAN delay between the head and Redis.
+
+    # H200 x2 (head on cuda:0, tail on cuda:1), Qwen2.5-7B-shaped target, 0.5B-shaped drafter, 43 ms each way:
+    python bench/ladder.py --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \\
+        --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43 --alpha 0.78 --out OUT
+    # CPU smoke run:
+    python bench/ladder.py --target random:tiny --draft random:tiny --split 2 --delay-ms 0 --new 32
+
+Random weights make drafts meaningless, so speculative rows use the synthetic drafter: it runs the real
+draft model (paying its cost) and then proposes the target's own reference continuation with each
+token replaced by a wrong one with probability 1 - alpha ("synthetic acceptance alpha"). Writes
+ladder.json, ladder.md and ladder.png to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import click
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from delay_proxy import DelayProxy
+
+from producer.local import spawn_tail, wait_for_tails
+from relay_broker.connection import connect
+from relay_broker.embedded import EmbeddedRedis
+from relay_broker.streams import StreamNames
+from schemas.requests import DraftSettings, GenerationRequest
+from workers.head import HeadRuntime, generate
+from workers.shard import RANDOM_PRESETS
+
+FIELDS = ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms", "verify_ms")
+
+
+def run_row(name: str, runtime, r, names, prompts, refs, kind: str, k: int, alpha: float, new: int) -> dict:
+    def request(p, ref):
+        draft = (
+            DraftSettings(kind=kind, k=k, alpha=alpha, reference_ids=ref)
+            if kind != "none"
+            else DraftSettings(kind="none")
+        )
+        return GenerationRequest(prompt_ids=p, max_new_tokens=new, draft=draft)
+
+    generate(request(prompts[0], refs[0]), runtime, r, names=names)  # warm-up: kernels, graph capture
+    if runtime.shard.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(runtime.shard.device)
+    results = [generate(request(p, ref), runtime, r, names=names) for p, ref in zip(prompts, refs, strict=True)]
+    for res, ref in zip(results, refs, strict=True):
+        assert res.token_ids == ref[: len(res.token_ids)], f"{name}: output differs from the reference"
+    rounds = sum(x.rounds for x in results)
+    split = {f: sum(getattr(x.timings, f) for x in results) / rounds for f in FIELDS}
+    mem = torch.cuda.max_memory_allocated(runtime.shard.device) if runtime.shard.device.type == "cuda" else 0
+    return {
+        "row": name,
+        "tokens_per_s": statistics.mean(x.tokens_per_s for x in results),
+        "tokens_per_s_each": [round(x.tokens_per_s, 2) for x in results],
+        "tokens_per_round": sum(x.completion_tokens for x in results) / rounds,
+        "per_round_ms": split,
+        "non_network_ms": split["draft_ms"] + split["head_forward_ms"] + split["tail_forward_ms"] + split["verify_ms"],
+        "head_peak_mem_gb": mem / 1e9,
+    }
+
+
+def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ladder.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [
+        "| row | tokens/s | tokens/round | draft ms | head ms | relay ms | tail+verify ms | non-network ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        p = x["per_round_ms"]
+        lines.append(
+            f"| {x['row']} | {x['tokens_per_s']:.2f} | {x['tokens_per_round']:.2f} | {p['draft_ms']:.1f} | "
+            f"{p['head_forward_ms']:.1f} | {p['relay_ms']:.1f} | {p['tail_forward_ms'] + p['verify_ms']:.1f} | "
+            f"{x['non_network_ms']:.1f} |"
+        )
+    (out / "ladder.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.barh([x["row"] for x in rows], [x["tokens_per_s"] for x in rows], color="#3b7dd8")
+        ax.set_xlabel("tokens/s (one job)")
+        ax.set_title(f"{meta['target']} split {meta['split']}, +{meta['delay_ms']} ms each way, K={meta['k']}")
+        fig.tight_layout()
+        fig.savefig(out / "ladder.png", dpi=120)
+    except ImportError:
+        pass
+
+
+@click.command()
+@click.option("--target", default="random:qwen2.5-7b", show_default=True)
+@click.option("--draft", default="random:qwen2.5-0.5b", show_default=True)
+@click.option("--split", type=int, default=14, show_default=True)
+@click.option("--head-device", default="cpu", show_default=True)
+@click.option("--tail-device", default="cpu", show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--delay-ms", type=float, default=43.0, show_default=True, help="Head <-> Redis delay each way.")
+@click.option("-k", type=int, default=8, show_default=True)
+@click.option("--alpha", type=float, default=0.78, show_default=True, help="Synthetic acceptance.")
+@click.option("--new", type=int, default=128, show_default=True, help="Tokens per generation.")
+@click.option("--prompts", "n_prompts", type=int, default=3, show_default=True)
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--rows", default="nospec-eager,spec-eager,nospec-graphs,spec-graphs", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="bench/out", show_default=True)
+def main(
+    target, draft, split, head_device, tail_device, dtype, delay_ms, k, alpha, new, n_prompts, prompt_len, rows, out
+) -> None:
+    dt = getattr(torch, dtype)
+    n_layers = RANDOM_PRESETS[target.split(":", 1)[1]]["num_hidden_layers"] if target.startswith("random:") else None
+    assert n_layers is not None, "ladder.py takes random:<preset> targets"
+    vocab = RANDOM_PRESETS[target.split(":", 1)[1]]["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(n_prompts)]
+    wanted = rows.split(",")
+    with EmbeddedRedis() as server:
+        proxy = DelayProxy("127.0.0.1", server.port, delay_ms / 1000).start() if delay_ms > 0 else None
+        head_url = f"redis://127.0.0.1:{proxy.port}/0" if proxy else server.url
+        tails = {}
+        for mode, flags in (("eager", ["--dynamic-cache", "--no-graphs"]), ("graphs", [])):
+            if not any(w.endswith(mode) for w in wanted):
+                continue
+            flags = flags or (["--static-cache"] if tail_device == "cpu" else [])
+            proc = spawn_tail(
+                target,
+                (split, n_layers),
+                server.url,
+                prefix=f"ladder-{mode}",
+                extra=["--device", tail_device, "--dtype", dtype, *flags],
+            )
+            tails[mode] = (proc, StreamNames(f"ladder-{mode}"))
+        try:
+            r = connect(head_url)
+            for proc, names in tails.values():
+                wait_for_tails(connect(server.url), names, proc=proc, timeout_s=600)
+            cuda = head_device.startswith("cuda")
+            runtimes = {
+                "eager": HeadRuntime.load(
+                    target, (0, split), draft=draft, device=head_device, dtype=dt, static=False, graphs=False, max_k=k
+                ),
+                "graphs": HeadRuntime.load(
+                    target, (0, split), draft=draft, device=head_device, dtype=dt, static=True, graphs=cuda, max_k=k
+                ),
+            }
+            ref_mode = "graphs" if "graphs" in tails else "eager"
+            refs = [
+                generate(
+                    GenerationRequest(prompt_ids=p, max_new_tokens=new, draft=DraftSettings(kind="none")),
+                    runtimes[ref_mode],
+                    r,
+                    names=tails[ref_mode][1],
+                ).token_ids
+                for p in prompts
+            ]
+            table = []
+            for row in wanted:
+                spec, mode = row.split("-")
+                label = {"nospec": "no speculation", "spec": f"speculation, synthetic α={alpha}"}[spec] + {
+                    "eager": ", eager, dynamic caches",
+                    "graphs": ", static caches + CUDA graphs" if cuda else ", static caches",
+                }[mode]
+                table.append(
+                    run_row(
+                        label,
+                        runtimes[mode],
+                        r,
+                        tails[mode][1],
+                        prompts,
+                        refs,
+                        "synthetic" if spec == "spec" else "none",
+                        k,
+                        alpha,
+                        new,
+                    )
+                )
+                click.echo(json.dumps(table[-1]))
+            ping = []
+            for _ in range(10):
+                import time
+
+                t = time.perf_counter()
+                r.ping()
+                ping.append((time.perf_counter() - t) * 1000)
+            meta = {
+                "target": target,
+                "draft": draft,
+                "split": split,
+                "delay_ms": delay_ms,
+                "k": k,
+                "alpha": alpha,
+                "new_tokens": new,
+                "prompts": n_prompts,
+                "prompt_len": prompt_len,
+                "dtype": dtype,
+                "head_device": head_device,
+                "tail_device": tail_device,
+                "ping_ms": statistics.median(ping),
+                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            }
+            write_outputs(Path(out), meta, table)
+            click.echo((Path(out) / "ladder.md").read_text())
+        finally:
+            for proc, _ in tails.values():
+                proc.terminate()
+            if proxy:
+                proxy.stop()
+
+
+if __name__ == "__main__":
+    main()
