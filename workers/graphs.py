@@ -36,21 +36,23 @@ class StepGraph:
         # never into a prefix the cache may already hold.
         self.pos = torch.arange(cache.max_len - n, cache.max_len, device=dev)
         logits = n if with_logits else 0
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the capture
-                shard.run(self.x, self.pos, cache, logits)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = shard.run(self.x, self.pos, cache, logits)
+        with torch.cuda.device(dev):  # capture on the shard's GPU, not the process's current one
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the capture
+                    shard.run(self.x, self.pos, cache, logits)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = shard.run(self.x, self.pos, cache, logits)
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
         m = x.shape[0]
-        self.x[:m].copy_(x, non_blocking=True)
-        self.pos.copy_(self.cache.positions(start, self.n, self.x.device))
-        self.graph.replay()
+        with torch.cuda.device(self.x.device):
+            self.x[:m].copy_(x, non_blocking=True)
+            self.pos.copy_(self.cache.positions(start, self.n, self.x.device))
+            self.graph.replay()
         self.cache.advance(start + m)
         return self.out
 
@@ -78,7 +80,11 @@ class Engine:
         self.max_len = min(max_len or 8192, limit)  # static caches hold this many positions
         self.step_tokens, self.pad = step_tokens, pad
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        if self.graphs:
+            with torch.cuda.device(shard.device):
+                self._pool = torch.cuda.graph_pool_handle()
+        else:
+            self._pool = None
         self._free: list[StaticKVCache] = []
 
     def new_cache(self) -> Cache:
