@@ -52,8 +52,7 @@ def run_row(name: str, runtime, r, names, prompts, refs, kind: str, k: int, alph
     if runtime.shard.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runtime.shard.device)
     results = [generate(request(p, ref), runtime, r, names=names) for p, ref in zip(prompts, refs, strict=True)]
-    for res, ref in zip(results, refs, strict=True):
-        assert res.token_ids == ref[: len(res.token_ids)], f"{name}: output differs from the reference"
+    same = sum(res.token_ids == ref[: len(res.token_ids)] for res, ref in zip(results, refs, strict=True))
     rounds = sum(x.rounds for x in results)
     split = {f: sum(getattr(x.timings, f) for x in results) / rounds for f in FIELDS}
     mem = torch.cuda.max_memory_allocated(runtime.shard.device) if runtime.shard.device.type == "cuda" else 0
@@ -65,6 +64,8 @@ def run_row(name: str, runtime, r, names, prompts, refs, kind: str, k: int, alph
         "per_round_ms": split,
         "non_network_ms": split["draft_ms"] + split["head_forward_ms"] + split["tail_forward_ms"] + split["verify_ms"],
         "head_peak_mem_gb": mem / 1e9,
+        "equal_to_reference": f"{same}/{len(results)}",
+        "outputs": [x.token_ids for x in results],
     }
 
 
@@ -184,7 +185,7 @@ def main(
                         new,
                     )
                 )
-                click.echo(json.dumps(table[-1]))
+                click.echo(json.dumps({k: v for k, v in table[-1].items() if k != "outputs"}))
             ping = []
             for _ in range(10):
                 import time
