@@ -113,10 +113,25 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
 @click.option("--new", type=int, default=128, show_default=True, help="Tokens per generation.")
 @click.option("--prompts", "n_prompts", type=int, default=3, show_default=True)
 @click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--max-len", type=int, default=2048, show_default=True, help="Static cache positions.")
 @click.option("--rows", default="nospec-eager,spec-eager,nospec-graphs,spec-graphs", show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="bench/out", show_default=True)
 def main(
-    target, draft, split, head_device, tail_device, dtype, delay_ms, k, alpha, new, n_prompts, prompt_len, rows, out
+    target,
+    draft,
+    split,
+    head_device,
+    tail_device,
+    dtype,
+    delay_ms,
+    k,
+    alpha,
+    new,
+    n_prompts,
+    prompt_len,
+    max_len,
+    rows,
+    out,
 ) -> None:
     dt = getattr(torch, dtype)
     n_layers = RANDOM_PRESETS[target.split(":", 1)[1]]["num_hidden_layers"] if target.startswith("random:") else None

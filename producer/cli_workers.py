@@ -71,6 +71,7 @@ def redis(port: int, appendonly: bool, data_dir: str | None) -> None:
     show_default=True,
     help="Idle seconds before a session is dropped.",
 )
+@click.option("--max-len", type=int, default=None, help="Positions a static cache holds (default: min(context, 8192)).")
 @click.option(
     "--max-packet-bytes",
     type=int,
@@ -90,6 +91,7 @@ def tail(
     name: str | None,
     max_sessions: int,
     session_ttl: float,
+    max_len: int | None,
     max_packet_bytes: int,
     redis_url: str,
     prefix: str,
@@ -118,7 +120,7 @@ def tail(
             max_sessions=max_sessions,
             session_ttl_s=session_ttl,
             max_packet_bytes=max_packet_bytes,
-            engine=Engine(shard, static=static, graphs=graphs, step_tokens=DEFAULTS.draft_k + 1),
+            engine=Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=DEFAULTS.draft_k + 1),
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())

@@ -85,6 +85,7 @@ class HeadRuntime:
         static: bool | None = None,
         graphs: bool | None = None,
         max_k: int = DEFAULTS.draft_k,
+        max_len: int | None = None,
     ) -> HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
 
@@ -95,10 +96,12 @@ class HeadRuntime:
         drafter = None
         if draft is not None:
             dshard = load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype)
-            drafter = ModelDrafter(dshard, Engine(dshard, static=static, graphs=graphs, step_tokens=2, pad=False))
+            drafter = ModelDrafter(
+                dshard, Engine(dshard, static=static, graphs=graphs, max_len=max_len, step_tokens=2, pad=False)
+            )
             if drafter.shard.config.vocab_size < shard.config.vocab_size:
                 raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
-        engine = Engine(shard, static=static, graphs=graphs, step_tokens=max_k + 1)
+        engine = Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=max_k + 1)
         if model_dir is None:  # random weights for benchmarks: prompts come as token ids
             return cls(IdTokenizer(), shard, drafter, [], engine)
         tok = AutoTokenizer.from_pretrained(model_dir)
