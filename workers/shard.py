@@ -94,7 +94,8 @@ def random_source(seed: int, std: float = 0.02) -> Source:
         for local, ckpt in names.items():
             key = "model.embed_tokens.weight" if ckpt == "lm_head.weight" else ckpt
             gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(key.encode()))
-            scale = 0.1 if ckpt.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            scale = 0.01 if ckpt.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            scale = 50.0 if key == "model.embed_tokens.weight" else scale  # token identity dominates the residual
             if "norm" in ckpt:
                 out[local] = torch.ones(shapes[local], dtype=dtype, device=device)
             elif ckpt.endswith("bias"):
