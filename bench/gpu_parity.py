@@ -58,7 +58,10 @@ def main(head_device: str, tail_device: str, new: int) -> None:
                     for kind in ("model", "ngram"):
                         for k in (1, 4, 8):
                             req = GenerationRequest(
-                                prompt=p, max_new_tokens=new, chat_template=False, draft=DraftSettings(kind=kind, k=k)
+                                prompt=p,
+                                max_new_tokens=new,
+                                chat_template=False,
+                                draft=DraftSettings(kind=kind, k=k, adaptive=False),
                             )
                             got = generate(req, rt, r, names=names).token_ids
                             checked += 1

@@ -42,7 +42,7 @@ FIELDS = ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms", "verify_
 def run_row(name: str, runtime, r, names, prompts, refs, kind: str, k: int, alpha: float, new: int) -> dict:
     def request(p, ref):
         draft = (
-            DraftSettings(kind=kind, k=k, alpha=alpha, reference_ids=ref)
+            DraftSettings(kind=kind, k=k, alpha=alpha, reference_ids=ref, adaptive=False)
             if kind != "none"
             else DraftSettings(kind="none")
         )

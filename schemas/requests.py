@@ -40,7 +40,10 @@ class DraftSettings(BaseModel):
         description="'model' uses the head's draft model if it has one, else n-gram; 'synthetic' (benchmarks "
         "only) proposes reference_ids, each replaced by a wrong token with probability 1 - alpha.",
     )
-    k: int = Field(DEFAULTS.draft_k, ge=0, le=64, description="Draft tokens per round.")
+    k: int = Field(DEFAULTS.draft_k, ge=0, le=64, description="Draft tokens per round (the most, if adaptive).")
+    adaptive: bool = Field(
+        True, description="Adapt the draft length per generation: +2 after a fully accepted round, -1 otherwise."
+    )
     ngram_max: int = Field(DEFAULTS.ngram_max, ge=1, le=16)
     ngram_min: int = Field(DEFAULTS.ngram_min, ge=1, le=16)
     alpha: float = Field(0.78, ge=0.0, le=1.0, description="Synthetic drafter: chance each draft is right.")

@@ -80,3 +80,26 @@ def test_synthetic_drafter_sets_acceptance_and_stays_lossless(models, tails, red
         req = base.model_copy(update={"draft": DraftSettings(kind="synthetic", k=6, alpha=alpha, reference_ids=ref)})
         got = generate(req, runtime, redis_client, names=names)
         assert got.token_ids == ref and check(got), (alpha, got.accepted_tokens, got.drafted_tokens)
+
+
+def test_adaptive_draft_length_shrinks_on_rejections_and_stays_lossless(models, tails, redis_client):
+    ms = models["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers)
+    noisy = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter)
+    same = HeadRuntime.load(ms.target, (0, 2), draft=ms.same)
+    drafted = {}
+    for adaptive in (False, True):
+        req = GenerationRequest(
+            prompt=PROMPTS[6], max_new_tokens=30, chat_template=False, draft=DraftSettings(k=8, adaptive=adaptive)
+        )
+        got = generate(req, noisy, redis_client, names=names)
+        drafted[adaptive] = (got.token_ids, got.drafted_tokens, got.accepted_tokens)
+    assert drafted[True][0] == drafted[False][0]
+    assert drafted[True][1] < drafted[False][1]  # fewer wasted drafts once rejections start
+    full = generate(
+        GenerationRequest(prompt=PROMPTS[6], max_new_tokens=30, chat_template=False, draft=DraftSettings(k=6)),
+        same,
+        redis_client,
+        names=names,
+    )
+    assert full.accepted_tokens == full.drafted_tokens and full.rounds == 5  # stays at the maximum K

@@ -52,7 +52,10 @@ def test_greedy_parity(family, split, drafter, k, models, hf_models, tokenizers,
     accepted = 0
     for prompt, want in zip(PROMPTS, expected, strict=True):
         req = GenerationRequest(
-            prompt=prompt, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(kind=drafter, k=k)
+            prompt=prompt,
+            max_new_tokens=NEW,
+            chat_template=False,
+            draft=DraftSettings(kind=drafter, k=k, adaptive=False),
         )
         got = generate(req, runtime, redis_client, names=names)
         assert got.token_ids == want, f"prompt {prompt!r}"

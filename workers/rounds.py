@@ -48,6 +48,7 @@ class RoundLoop:
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
+        self.k = req.draft.k  # this generation's current draft length (adapted after each round)
 
     def run(self) -> GenerationResult:
         start = time.perf_counter()
@@ -92,7 +93,7 @@ class RoundLoop:
     def _round(self, rid: int) -> FinishReason | None:
         remaining = self.req.max_new_tokens - len(self.generated)
         t0 = time.perf_counter()
-        draft = self._draft(rid, min(self.req.draft.k, remaining - 1))
+        draft = self._draft(rid, min(self.k, remaining - 1))
         t1 = time.perf_counter()
         start = len(self.committed) - len(self.pending)
         with torch.inference_mode():
@@ -142,6 +143,9 @@ class RoundLoop:
         self.t.relay_ms += max(wait_s * 1000 - tail_ms - verify_ms, 0.0)
         self.drafted += len(draft.tokens)
         self.accepted += v.accepted
+        if self.req.draft.adaptive and draft.tokens:  # HF assisted generation's schedule
+            full = v.accepted == len(draft.tokens)
+            self.k = min(self.k + 2, self.req.draft.k) if full else max(self.k - 1, 1)
 
     def _commit(self, draft: Draft, v: Verdict, start: int) -> FinishReason | None:
         kept = min(v.accepted, len(v.tokens))
