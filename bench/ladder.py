@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -39,7 +40,9 @@ from workers.shard import RANDOM_PRESETS
 FIELDS = ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms", "verify_ms")
 
 
-def run_row(name: str, runtime, r, names, prompts, refs, kind: str, k: int, alpha: float, new: int) -> dict:
+def run_row(
+    name: str, runtime, r, names, prompts, refs, kind: str, k: int, alpha: float, new: int, in_flight: int = 1
+) -> dict:
     def request(p, ref):
         draft = (
             DraftSettings(kind=kind, k=k, alpha=alpha, reference_ids=ref, adaptive=False)
@@ -51,14 +54,26 @@ def run_row(name: str, runtime, r, names, prompts, refs, kind: str, k: int, alph
     generate(request(prompts[0], refs[0]), runtime, r, names=names)  # warm-up: kernels, graph capture
     if runtime.shard.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runtime.shard.device)
-    results = [generate(request(p, ref), runtime, r, names=names) for p, ref in zip(prompts, refs, strict=True)]
+    started = time.perf_counter()
+    if in_flight == 1:
+        results = [generate(request(p, ref), runtime, r, names=names) for p, ref in zip(prompts, refs, strict=True)]
+    else:  # as many jobs in flight, sharing the head runtime (each its own cache, session and thread)
+        from concurrent.futures import ThreadPoolExecutor
+
+        work = [(prompts[i % len(prompts)], refs[i % len(refs)]) for i in range(in_flight)]
+        with ThreadPoolExecutor(in_flight) as pool:
+            results = list(pool.map(lambda pr: generate(request(*pr), runtime, r, names=names), work))
+        refs = [ref for _, ref in work]
+    wall = time.perf_counter() - started
     same = sum(res.token_ids == ref[: len(res.token_ids)] for res, ref in zip(results, refs, strict=True))
     rounds = sum(x.rounds for x in results)
     split = {f: sum(getattr(x.timings, f) for x in results) / rounds for f in FIELDS}
     mem = torch.cuda.max_memory_allocated(runtime.shard.device) if runtime.shard.device.type == "cuda" else 0
     return {
         "row": name,
+        "in_flight": in_flight,
         "tokens_per_s": statistics.mean(x.tokens_per_s for x in results),
+        "aggregate_tokens_per_s": sum(x.completion_tokens for x in results) / wall,
         "tokens_per_s_each": [round(x.tokens_per_s, 2) for x in results],
         "tokens_per_round": sum(x.completion_tokens for x in results) / rounds,
         "per_round_ms": split,
@@ -73,13 +88,15 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ladder.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [
-        "| row | tokens/s | tokens/round | draft ms | head ms | relay ms | tail+verify ms | non-network ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | tokens/s per job | aggregate tokens/s | tokens/round | draft ms | head ms | relay ms | "
+        "tail+verify ms | non-network ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:
         p = x["per_round_ms"]
         lines.append(
-            f"| {x['row']} | {x['tokens_per_s']:.2f} | {x['tokens_per_round']:.2f} | {p['draft_ms']:.1f} | "
+            f"| {x['row']} | {x['tokens_per_s']:.2f} | {x['aggregate_tokens_per_s']:.2f} | "
+            f"{x['tokens_per_round']:.2f} | {p['draft_ms']:.1f} | "
             f"{p['head_forward_ms']:.1f} | {p['relay_ms']:.1f} | {p['tail_forward_ms'] + p['verify_ms']:.1f} | "
             f"{x['non_network_ms']:.1f} |"
         )
@@ -91,8 +108,8 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(8, 3.5))
-        ax.barh([x["row"] for x in rows], [x["tokens_per_s"] for x in rows], color="#3b7dd8")
-        ax.set_xlabel("tokens/s (one job)")
+        ax.barh([x["row"] for x in rows], [x["aggregate_tokens_per_s"] for x in rows], color="#3b7dd8")
+        ax.set_xlabel("aggregate tokens/s")
         ax.set_title(f"{meta['target']} split {meta['split']}, +{meta['delay_ms']} ms each way, K={meta['k']}")
         fig.tight_layout()
         fig.savefig(out / "ladder.png", dpi=120)
@@ -163,29 +180,42 @@ def main(
             cuda = head_device.startswith("cuda")
             runtimes = {
                 "eager": HeadRuntime.load(
-                    target, (0, split), draft=draft, device=head_device, dtype=dt, static=False, graphs=False, max_k=k
+                    target,
+                    (0, split),
+                    draft=draft,
+                    device=head_device,
+                    dtype=dt,
+                    static=False,
+                    graphs=False,
+                    max_k=k,
+                    max_len=max_len,
                 ),
                 "graphs": HeadRuntime.load(
-                    target, (0, split), draft=draft, device=head_device, dtype=dt, static=True, graphs=cuda, max_k=k
+                    target,
+                    (0, split),
+                    draft=draft,
+                    device=head_device,
+                    dtype=dt,
+                    static=True,
+                    graphs=cuda,
+                    max_k=k,
+                    max_len=max_len,
                 ),
             }
-            ref_mode = "graphs" if "graphs" in tails else "eager"
-            refs = [
-                generate(
-                    GenerationRequest(prompt_ids=p, max_new_tokens=new, draft=DraftSettings(kind="none")),
-                    runtimes[ref_mode],
-                    r,
-                    names=tails[ref_mode][1],
-                ).token_ids
-                for p in prompts
+            # Each mode's synthetic drafter proposes that mode's own greedy continuation.
+            plain = [
+                GenerationRequest(prompt_ids=p, max_new_tokens=new, draft=DraftSettings(kind="none")) for p in prompts
             ]
+            refs = {m: [generate(q, runtimes[m], r, names=tails[m][1]).token_ids for q in plain] for m in tails}
             table = []
             for row in wanted:
-                spec, mode = row.split("-")
+                spec, mode, *rest = row.split("-")
+                in_flight = int(rest[0].lstrip("x")) if rest else 1
                 label = {"nospec": "no speculation", "spec": f"speculation, synthetic α={alpha}"}[spec] + {
                     "eager": ", eager, dynamic caches",
                     "graphs": ", static caches + CUDA graphs" if cuda else ", static caches",
                 }[mode]
+                label += f", {in_flight} jobs in flight" if in_flight > 1 else ""
                 table.append(
                     run_row(
                         label,
@@ -193,18 +223,17 @@ def main(
                         r,
                         tails[mode][1],
                         prompts,
-                        refs,
+                        refs[mode],
                         "synthetic" if spec == "spec" else "none",
                         k,
                         alpha,
                         new,
+                        in_flight,
                     )
                 )
                 click.echo(json.dumps({k: v for k, v in table[-1].items() if k != "outputs"}))
             ping = []
             for _ in range(10):
-                import time
-
                 t = time.perf_counter()
                 r.ping()
                 ping.append((time.perf_counter() - t) * 1000)

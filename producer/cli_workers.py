@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 
 import click
 
@@ -136,6 +137,13 @@ def tail(
 @layers_option("Layers A:B this head runs (A = 0).")
 @click.option("--draft", default=None, help="Draft model sharing the target's tokenizer (dir or hub id).")
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
+@click.option(
+    "--concurrency",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Generations in flight: worker threads sharing the loaded models.",
+)
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
 @queue_opt
 @redis_opt
@@ -149,6 +157,7 @@ def head(
     layers: tuple[int, int],
     draft: str | None,
     burst: bool,
+    concurrency: int,
     name: str | None,
     queue: str,
     redis_url: str,
@@ -180,9 +189,25 @@ def head(
         draft=draft,
     )
     r = run_guarded(lambda: connect(redis_url))
-    worker = HeadWorker([queue], runtime, r, names=StreamNames(prefix), model_info=info, name=name)
-    click.echo(f"head {worker.name} ready (layers {layers[0]}:{layers[1]}, queue {queue})", err=True)
-    worker.work(burst=burst, with_scheduler=True, logging_level=logging.getLevelName(logging.getLogger().level))
+    level = logging.getLevelName(logging.getLogger().level)
+    workers = [
+        HeadWorker(
+            [queue],
+            runtime,
+            r,
+            names=StreamNames(prefix),
+            model_info=info,
+            name=f"{name}-{i}" if name and concurrency > 1 else name,
+        )
+        for i in range(max(concurrency, 1))
+    ]
+    for extra in workers[1:]:  # daemon threads: a stopped process leaves their jobs to heartbeat expiry + retry
+        threading.Thread(target=extra.work, kwargs={"burst": burst, "logging_level": level}, daemon=True).start()
+    click.echo(
+        f"head {workers[0].name} ready (layers {layers[0]}:{layers[1]}, queue {queue}, {len(workers)} in flight)",
+        err=True,
+    )
+    workers[0].work(burst=burst, with_scheduler=True, logging_level=level)
 
 
 @main.command()

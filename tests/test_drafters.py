@@ -103,3 +103,27 @@ def test_adaptive_draft_length_shrinks_on_rejections_and_stays_lossless(models, 
         names=names,
     )
     assert full.accepted_tokens == full.drafted_tokens and full.rounds == 5  # stays at the maximum K
+
+
+def test_generations_in_flight_share_a_runtime(models, tails, redis_client, hf_models, tokenizers):
+    """Several generations running concurrently on one head runtime each give generate()'s tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ms = models["llama"]
+    names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache",))
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True)
+    reqs = [
+        GenerationRequest(prompt=p, max_new_tokens=16, chat_template=False, draft=DraftSettings(k=4))
+        for p in PROMPTS[:8]
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda q: generate(q, runtime, redis_client, names=names).token_ids, reqs))
+    tok, hf = tokenizers["llama"], hf_models["llama"]
+    for p, ids in zip(PROMPTS[:8], got, strict=True):
+        x = torch.tensor([tok.encode(p)])
+        assert (
+            ids
+            == hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16)[
+                0, x.shape[1] :
+            ].tolist()
+        )

@@ -26,7 +26,9 @@ from tests.conftest import PROMPTS
 SPLIT = 2
 
 
-def head_worker(target: Path, url: str, queue: str, prefix: str, log: Path, name: str) -> subprocess.Popen:
+def head_worker(
+    target: Path, url: str, queue: str, prefix: str, log: Path, name: str, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     env = {**os.environ, "SHARDFLOW_HEARTBEAT_TTL_S": "4", "SHARDFLOW_HEARTBEAT_S": "1", "SHARDFLOW_MAINTENANCE_S": "2"}
     args = [
         sys.executable,
@@ -47,6 +49,7 @@ def head_worker(target: Path, url: str, queue: str, prefix: str, log: Path, name
         "1",
         "--name",
         name,
+        *extra,
     ]
     return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
 
@@ -65,14 +68,23 @@ def wait_for_worker(r, queue: str, timeout: float = 60) -> None:
 class Env:
     """A queue + prefix served by one tail and one head worker process."""
 
-    def __init__(self, name: str, models, redis_server, redis_client, tmp: Path, tail_extra: list[str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        models,
+        redis_server,
+        redis_client,
+        tmp: Path,
+        tail_extra: list[str] | None = None,
+        head_extra: tuple[str, ...] = (),
+    ):
         self.ms, self.url, self.r, self.tmp = models["qwen2"], redis_server.url, redis_client, tmp
         self.queue, self.prefix = f"q-{name}", f"p-{name}"
         self.opts = ["--queue", self.queue, "--prefix", self.prefix, "--redis-url", self.url]
         self.procs: dict[str, subprocess.Popen] = {}
         self.start_tail(tail_extra)
         self.procs["head"] = head_worker(
-            self.ms.target, self.url, self.queue, self.prefix, tmp / "head.log", f"{name}-h1"
+            self.ms.target, self.url, self.queue, self.prefix, tmp / "head.log", f"{name}-h1", head_extra
         )
         wait_for_worker(self.r, self.queue)
         self.client = Client(redis_client, prefix=self.prefix, queue=self.queue)
@@ -326,3 +338,17 @@ def test_cancel_queued_and_running_then_retry(env):
     assert queued.status == "canceled"
     assert sorted(env.client.retry(ids)) == ids
     assert env.cli("cancel", batch).exit_code == 0  # leave the worker free for other tests
+
+
+def test_head_worker_with_generations_in_flight(models, redis_server, redis_client, tmp_path, hf_models, tokenizers):
+    e = Env("conc", models, redis_server, redis_client, tmp_path, head_extra=("--concurrency", "3"))
+    try:
+        res = e.cli("enqueue", *PROMPTS[:6], "--no-chat-template", "--max-new-tokens", "12", "--wait", "--json")
+        assert res.exit_code == 0, res.output
+        jobs = json.loads(res.output.splitlines()[-1])["jobs"]
+        for p, job in zip(PROMPTS[:6], jobs, strict=True):
+            assert job["result"]["token_ids"] == reference(hf_models["qwen2"], tokenizers["qwen2"], p, 12)
+        info = json.loads(e.cli("info", "--json").output)
+        assert next(q for q in info["queues"] if q["queue"] == e.queue)["workers"] == 3
+    finally:
+        e.close()

@@ -44,7 +44,7 @@ class StepGraph:
                     shard.run(self.x, self.pos, cache, logits)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.out = shard.run(self.x, self.pos, cache, logits)
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -94,7 +94,10 @@ class Engine:
 
     def acquire(self) -> Cache:
         """A cache for one sequence: a released static cache (its captured graphs reused) or a new one."""
-        return self._free.pop() if self._free else self.new_cache()
+        try:
+            return self._free.pop()  # atomic, so threads sharing the engine never get the same cache
+        except IndexError:
+            return self.new_cache()
 
     def release(self, cache: Cache) -> None:
         """Return a sequence's cache; static ones are kept for the next sequence."""

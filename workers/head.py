@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,7 @@ class HeadRuntime:
     draft_model: ModelDrafter | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     engine: Engine | None = None  # how the shard runs (dynamic/static cache, CUDA graphs)
+    lock: threading.RLock = field(default_factory=threading.RLock)  # one generation computes at a time
 
     def __post_init__(self) -> None:
         if self.engine is None:

@@ -7,7 +7,9 @@ RQ's default worker forks per job, which would lose loaded models and CUDA state
 holds, so anyone able to write to Redis could run code), (2) uses the JSON serializer (no pickle),
 (3) heartbeats every few seconds while a job runs and looks for abandoned jobs often, so a killed
 worker's job is retried within seconds rather than minutes, and (4) announces its model so producers
-can check prompts against the context length before enqueueing.
+can check prompts against the context length before enqueueing. `--concurrency N` runs N such
+workers as threads of one process sharing the loaded models, so one generation drafts and runs the
+lower shard while others wait for their verdicts (each is an ordinary RQ worker with its own jobs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import redis
 from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.timeouts import TimerDeathPenalty
 
 from relay_broker.streams import StreamNames
 from schemas.jobs import JobKeys, ModelInfo
@@ -73,6 +76,8 @@ class AllowListJob(Job):
 class HeadWorker(SimpleWorker):
     """Runs generation jobs with models loaded once, heartbeating while each runs."""
 
+    death_penalty_class = TimerDeathPenalty  # job timeouts by timer, not SIGALRM: works in worker threads
+
     def __init__(
         self,
         queues: list[str],
@@ -98,6 +103,10 @@ class HeadWorker(SimpleWorker):
         if model_info is not None:
             for q in queues:
                 r.set(JobKeys(self.names.prefix).model_info(q), model_info.model_dump_json())
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # workers in extra threads get none
+            super()._install_signal_handlers()
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """A short TTL: a running job whose worker stops heartbeating is abandoned within seconds."""

@@ -92,16 +92,17 @@ class RoundLoop:
 
     def _round(self, rid: int) -> FinishReason | None:
         remaining = self.req.max_new_tokens - len(self.generated)
-        t0 = time.perf_counter()
-        draft = self._draft(rid, min(self.k, remaining - 1))
-        t1 = time.perf_counter()
         start = len(self.committed) - len(self.pending)
-        with torch.inference_mode():
-            ids = torch.tensor(self.pending + draft.tokens, device=self.rt.shard.device)
-            hidden = self.rt.engine.forward(self.cache, ids, start)
-            if hidden.is_cuda:  # attribute GPU time to this stage (the packet needs the data next anyway)
-                torch.cuda.synchronize(hidden.device)
-        t2 = time.perf_counter()
+        with self.rt.lock:  # generations in flight share the models; each computes in turn
+            t0 = time.perf_counter()
+            draft = self._draft(rid, min(self.k, remaining - 1))
+            t1 = time.perf_counter()
+            with torch.inference_mode():
+                ids = torch.tensor(self.pending + draft.tokens, device=self.rt.shard.device)
+                hidden = self.rt.engine.forward(self.cache, ids, start)
+                if hidden.is_cuda:  # attribute GPU time to this stage (the packet needs the data next anyway)
+                    torch.cuda.synchronize(hidden.device)
+            t2 = time.perf_counter()
         q_kind, q_tensors = self._q(draft)
         header = dict(
             session_id=self.sid,
