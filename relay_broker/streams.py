@@ -47,12 +47,17 @@ def publish(r: redis.Redis, stream: str, fields: dict, maxlen: int = DEFAULTS.re
     return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
 
 
-@transport_retry()
-def send_reply(r: redis.Redis, stream: str, fields: dict) -> None:
-    """Append a reply to a session's stream, keep it short and let it expire when abandoned."""
-    pipe = r.pipeline(transaction=False)
+def _add_reply(pipe: redis.client.Pipeline, stream: str, fields: dict) -> None:
+    """Queue a reply on a session's stream, kept short and expiring when abandoned."""
     pipe.xadd(stream, fields, maxlen=DEFAULTS.reply_stream_maxlen, approximate=True)
     pipe.expire(stream, DEFAULTS.reply_ttl_s)
+
+
+@transport_retry()
+def send_reply(r: redis.Redis, stream: str, fields: dict) -> None:
+    """Append a reply to a session's stream."""
+    pipe = r.pipeline(transaction=False)
+    _add_reply(pipe, stream, fields)
     pipe.execute()
 
 
@@ -104,9 +109,11 @@ class GroupReader:
         return [(s, i, f) for s, entries in (resp or []) for i, f in entries]
 
     @transport_retry()
-    def ack(self, stream: bytes | str, entry_id: bytes) -> None:
-        """Acknowledge and delete a handled entry, so streams stay bounded."""
+    def ack(self, stream: bytes | str, entry_id: bytes, reply: tuple[str, dict] | None = None) -> None:
+        """Send the entry's reply (if any), then acknowledge and delete the entry: one round trip."""
         pipe = self.r.pipeline(transaction=False)
+        if reply is not None:
+            _add_reply(pipe, *reply)
         pipe.xack(stream, self.group, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from relay_broker.streams import GroupReader, StreamNames, send_reply
+from relay_broker.streams import GroupReader, StreamNames
 from schemas.errors import PacketError, SessionError, ShardFlowError
 from schemas.packets import (
     ClosePacket,
@@ -132,35 +132,32 @@ class TailWorker:
         log.info("tail %s serving layers %s on %s", self.tail_id, self.shard.layer_range, self.names.shared_requests)
         while not self.stop_event.is_set():
             for stream, entry_id, fields in self.reader.read():
-                self.handle(fields)
-                self.reader.ack(stream, entry_id)
+                self.reader.ack(stream, entry_id, reply=self.handle(fields))  # reply + ack: one round trip
             self.sessions.expire()
 
-    def handle(self, fields: dict) -> None:
-        """Process one stream entry; never raises for a bad packet."""
+    def handle(self, fields: dict) -> tuple[str, dict] | None:
+        """Process one stream entry; return (reply stream, reply fields) to send, if any.
+        Never raises for a bad packet: it is logged and answered with an error when it names a session."""
         sid, rid = peek_session(fields)
         try:
             msg, tensors = decode_head_message(fields, max_bytes=self.max_packet_bytes, device=self.shard.device)
             if isinstance(msg, ClosePacket):
                 self.sessions.drop(msg.session_id)
-                return
+                return None
             reply = self.round(msg, tensors)
         except ShardFlowError as e:
-            self._fail(sid, rid, str(e), error=False)
-            return
+            return self._fail(sid, rid, str(e), error=False)
         except Exception as e:  # a bug or a device error: report it, keep serving
-            self._fail(sid, rid, f"internal error: {type(e).__name__}: {e}", error=True)
-            return
-        if reply is not None:
-            send_reply(self.r, self.names.reply(msg.session_id), reply)
+            return self._fail(sid, rid, f"internal error: {type(e).__name__}: {e}", error=True)
+        return (self.names.reply(msg.session_id), reply) if reply is not None else None
 
-    def _fail(self, sid: str | None, rid: int | None, reason: str, *, error: bool) -> None:
+    def _fail(self, sid: str | None, rid: int | None, reason: str, *, error: bool) -> tuple[str, dict] | None:
         (log.exception if error else log.warning)("bad packet (session %s, round %s): %s", sid, rid, reason)
         if sid is None:
-            return
+            return None
         self.sessions.drop(sid)  # its cache may be half-updated
         msg = ErrorReply(session_id=sid, round_id=rid, error=reason, tail_id=self.tail_id)
-        send_reply(self.r, self.names.reply(sid), encode_message(msg))
+        return self.names.reply(sid), encode_message(msg)
 
     def _session_for(self, p: RoundPacket) -> TailSession | None:
         sess = self.sessions.get(p.session_id)
