@@ -42,7 +42,9 @@ class DraftSettings(BaseModel):
     )
     k: int = Field(DEFAULTS.draft_k, ge=0, le=64, description="Draft tokens per round (the most, if adaptive).")
     adaptive: bool = Field(
-        True, description="Adapt the draft length per generation: +2 after a fully accepted round, -1 otherwise."
+        True,
+        description="Adapt the draft length per generation: transformers' +2/-1 schedule for the first rounds, "
+        "then the length with the most expected tokens/s from measured acceptance and round timings.",
     )
     ngram_max: int = Field(DEFAULTS.ngram_max, ge=1, le=16)
     ngram_min: int = Field(DEFAULTS.ngram_min, ge=1, le=16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
@@ -127,3 +128,15 @@ def test_generations_in_flight_share_a_runtime(models, tails, redis_client, hf_m
                 0, x.shape[1] :
             ].tolist()
         )
+
+
+def test_best_k_follows_acceptance_and_costs():
+    from workers.adaptive import DraftLength, best_k, expected_tokens
+
+    assert expected_tokens(0.78, 8) == pytest.approx(4.06, abs=0.01)  # the reference system's 4.07
+    assert best_k(0.95, fixed_ms=90, per_draft_ms=3, k_max=16) == 16  # cheap drafts, long round trip
+    assert best_k(0.2, fixed_ms=10, per_draft_ms=5, k_max=16) == 1  # poor drafts cost more than they give
+    length = DraftLength(k_max=8)
+    for _ in range(10):
+        k = length.update(drafted=length.k, accepted=0, draft_ms=4.0 * length.k, other_ms=20.0)
+    assert k == 1

@@ -14,6 +14,7 @@ from schemas.errors import PacketError, RemoteError, ShardFlowError
 from schemas.packets import ClosePacket, ErrorReply, Verdict, decode_tail_message, encode_message, encode_round
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.settings import DEFAULTS
+from workers.adaptive import DraftLength
 from workers.drafters import Draft
 from workers.sampling import encode_q, round_generator
 from workers.stopping import StopStrings
@@ -49,6 +50,7 @@ class RoundLoop:
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
         self.k = req.draft.k  # this generation's current draft length (adapted after each round)
+        self.length = DraftLength(req.draft.k)
 
     def run(self) -> GenerationResult:
         start = time.perf_counter()
@@ -144,9 +146,9 @@ class RoundLoop:
         self.t.relay_ms += max(wait_s * 1000 - tail_ms - verify_ms, 0.0)
         self.drafted += len(draft.tokens)
         self.accepted += v.accepted
-        if self.req.draft.adaptive and draft.tokens:  # HF assisted generation's schedule
-            full = v.accepted == len(draft.tokens)
-            self.k = min(self.k + 2, self.req.draft.k) if full else max(self.k - 1, 1)
+        if self.req.draft.adaptive and draft.tokens:
+            other_ms = head_s * 1000 + wait_s * 1000
+            self.k = self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms)
 
     def _commit(self, draft: Draft, v: Verdict, start: int) -> FinishReason | None:
         kept = min(v.accepted, len(v.tokens))
