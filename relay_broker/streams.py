@@ -75,7 +75,10 @@ class GroupReader:
     group: str
     consumer: str
     streams: list[str]
+    claim_streams: list[str] = field(default_factory=list)  # streams whose stale entries this reader takes over
+    claim_idle_ms: int = DEFAULTS.claim_idle_ms
     _pending_done: bool = field(default=False, init=False)
+    _last_claim: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         for s in self.streams:
@@ -100,9 +103,22 @@ class GroupReader:
             if got:
                 return got
             self._pending_done = True
+        if self.claim_streams and time.monotonic() - self._last_claim > self.claim_idle_ms / 2000:
+            self._last_claim = time.monotonic()
+            claimed = self._claim(count)
+            if claimed:
+                return claimed
         return self._flatten(
             self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"), count=count, block=block_ms)
         )
+
+    def _claim(self, count: int) -> list[Entry]:
+        """Entries that another consumer read but never acknowledged for claim_idle_ms (a dead tail's)."""
+        out: list[Entry] = []
+        for stream in self.claim_streams:
+            resp = self.r.xautoclaim(stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count)
+            out += [(stream.encode(), i, f) for i, f in resp[1] if f]
+        return out
 
     @staticmethod
     def _flatten(resp: list | None) -> list[Entry]:

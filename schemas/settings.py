@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     request_stream_maxlen: int = Field(10_000, description="Approximate cap of a tail request stream.")
     reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
     reply_ttl_s: int = Field(600, description="Expiry of a session's reply stream after its last write.")
+    claim_idle_ms: int = Field(
+        5000, description="A request left unacknowledged this long by a tail (dead) is claimed by a live one."
+    )
     max_sessions: int = Field(256, description="Sessions a tail keeps KV caches for (least recent go).")
     session_ttl_s: float = Field(600.0, description="Idle time after which a tail drops a session.")
 

@@ -85,3 +85,26 @@ def test_reply_reader_order_and_timeout(redis_client):
     assert 0 < redis_client.ttl(stream) <= 600
     with pytest.raises(ReplyTimeout):
         reader.next(0.2)
+
+
+def test_group_reader_claims_what_a_dead_consumer_left(redis_client):
+    names = StreamNames("claimtest")
+    dead = GroupReader(redis_client, names.tail_group, "dead", [names.shared_requests])
+    publish(redis_client, names.shared_requests, {b"h": b"stranded"})
+    assert [e[2] for e in dead.read(block_ms=100)] == [{b"h": b"stranded"}]  # read, never acked: it "died"
+    live = GroupReader(
+        redis_client,
+        names.tail_group,
+        "live",
+        [names.shared_requests],
+        claim_streams=[names.shared_requests],
+        claim_idle_ms=200,
+    )
+    assert live.read(block_ms=50) == []  # not idle long enough yet
+    import time
+
+    time.sleep(0.3)
+    ((stream, entry_id, fields),) = live.read(block_ms=50)
+    assert fields == {b"h": b"stranded"}
+    live.ack(stream, entry_id)
+    assert redis_client.xpending(names.shared_requests, names.tail_group)["pending"] == 0

@@ -123,8 +123,13 @@ class TailWorker:
         self.tail_id = tail_id or default_tail_id()
         self.sessions = SessionStore(max_sessions, session_ttl_s, release=self.engine.release)
         self.stop_event = threading.Event()
-        self.reader = GroupReader(
-            r, self.names.tail_group, self.tail_id, [self.names.shared_requests, self.names.tail_requests(self.tail_id)]
+        shared = self.names.shared_requests
+        self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
+            r,
+            self.names.tail_group,
+            self.tail_id,
+            [shared, self.names.tail_requests(self.tail_id)],
+            claim_streams=[shared],
         )
 
     def serve(self) -> None:
