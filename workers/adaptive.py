@@ -4,7 +4,8 @@ Each draft is accepted with (estimated) probability alpha, independently, so a r
 commits (1 - alpha^(K+1)) / (1 - alpha) tokens on average; it costs the round's fixed time (head and
 tail forwards, the network) plus K times the drafter's per-token time. `best_k` picks the K with the
 most tokens per second; until a few rounds are measured, `DraftLength` follows transformers'
-assisted-generation schedule (+2 after a fully accepted round, -1 otherwise).
+assisted-generation schedule (+2 after a fully accepted round, -1 otherwise), and when sampling it
+always does, so that a fixed seed reproduces the same text (timings vary from run to run).
 """
 
 from __future__ import annotations
@@ -41,15 +42,18 @@ class DraftLength:
     def __post_init__(self) -> None:
         self.k = self.k or self.k_max
 
-    def update(self, drafted: int, accepted: int, draft_ms: float, other_ms: float) -> int:
-        """Record one round (drafted > 0) and return the next round's draft length."""
+    def update(self, drafted: int, accepted: int, draft_ms: float, other_ms: float, timed: bool = True) -> int:
+        """Record one round (drafted > 0) and return the next round's draft length.
+
+        timed=False keeps to the +2/-1 schedule, which depends only on acceptance: a seeded sampled
+        generation then draws the same rounds, so the same seed gives the same text."""
         self.rounds += 1
         self.accepted += accepted
         self.rejected += accepted < drafted
         w = self.smoothing if self.rounds > 1 else 1.0
         self.fixed_ms += w * (other_ms - self.fixed_ms)
         self.per_draft_ms += w * (draft_ms / drafted - self.per_draft_ms)
-        if self.rounds < self.warmup:
+        if self.rounds < self.warmup or not timed:
             self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k - 1, 1)
         else:
             alpha = (self.accepted + 1) / (self.accepted + self.rejected + 2)  # Laplace-smoothed per-draft rate

@@ -148,7 +148,8 @@ class RoundLoop:
         self.accepted += v.accepted
         if self.req.draft.adaptive and draft.tokens:
             other_ms = head_s * 1000 + wait_s * 1000
-            self.k = self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms)
+            timed = self.req.sampling.greedy  # greedy output does not depend on K; seeded sampling does
+            self.k = self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed)
 
     def _commit(self, draft: Draft, v: Verdict, start: int) -> FinishReason | None:
         kept = min(v.accepted, len(v.tokens))
