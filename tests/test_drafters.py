@@ -40,7 +40,9 @@ def test_exact_copy_drafter_is_always_accepted(models, tails, redis_client):
     names = tails.get(ms.target, 2, ms.n_layers)
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.same)
     for prompt in PROMPTS[:5]:
-        req = GenerationRequest(prompt=prompt, max_new_tokens=25, chat_template=False, draft=DraftSettings(k=4))
+        req = GenerationRequest(
+            prompt=prompt, max_new_tokens=25, chat_template=False, draft=DraftSettings(k=4, adaptive=False)
+        )
         got = generate(req, runtime, redis_client, names=names)
         assert got.accepted_tokens == got.drafted_tokens > 0
         assert got.rounds == 5 or got.finish_reason == "eos"
@@ -103,7 +105,7 @@ def test_adaptive_draft_length_shrinks_on_rejections_and_stays_lossless(models, 
         redis_client,
         names=names,
     )
-    assert full.accepted_tokens == full.drafted_tokens and full.rounds == 5  # stays at the maximum K
+    assert full.accepted_tokens == full.drafted_tokens > 0  # every draft of an exact copy accepted
 
 
 def test_generations_in_flight_share_a_runtime(models, tails, redis_client, hf_models, tokenizers):
