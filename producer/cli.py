@@ -75,6 +75,13 @@ prefix_opt = click.option(
 queue_opt = click.option(
     "--queue", default=DEFAULTS.queue, show_default=True, help="RQ queue of generation jobs [env SHARDFLOW_QUEUE]."
 )
+
+
+def connection_options(fn: Callable) -> Callable:
+    """--queue, --redis-url and --prefix, shared by every command that talks to the job system."""
+    return queue_opt(redis_opt(prefix_opt(fn)))
+
+
 device_opt = click.option("--device", default="cpu", show_default=True, help="Torch device, e.g. cpu, cuda:0.")
 dtype_opt = click.option(
     "--dtype",

@@ -14,12 +14,10 @@ from producer.cli import (
     EXIT_JOB_FAILED,
     EXIT_OK,
     EXIT_TIMEOUT,
+    connection_options,
     fail,
     generation_options,
     main,
-    prefix_opt,
-    queue_opt,
-    redis_opt,
     request_defaults,
     run_guarded,
 )
@@ -175,9 +173,7 @@ def _print_views(views: list[JobView], as_jsonl: bool, out=None) -> None:
 @click.option("--wait", is_flag=True, help="Block until every job is done, with a progress bar; print results.")
 @timeout_opt
 @json_opt
-@queue_opt
-@redis_opt
-@prefix_opt
+@connection_options
 def enqueue(
     prompts: tuple[str, ...],
     file: str | None,
@@ -229,9 +225,7 @@ def enqueue(
 @main.command()
 @click.argument("target", required=False)
 @json_opt
-@queue_opt
-@redis_opt
-@prefix_opt
+@connection_options
 def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
     """Counts per state and per-job progress of a batch or job (no argument: the queue)."""
     client = _client(redis_url, prefix, queue)
@@ -280,9 +274,7 @@ def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix
     help="Write the results to this file instead of stdout.",
 )
 @timeout_opt
-@queue_opt
-@redis_opt
-@prefix_opt
+@connection_options
 def results(
     batch: str,
     wait: bool,
@@ -316,9 +308,7 @@ def results(
 @click.option("--failed", "all_failed", is_flag=True, help="Every failed job of the queue.")
 @click.option("--wait", is_flag=True, help="Wait for the retried jobs to finish.")
 @timeout_opt
-@queue_opt
-@redis_opt
-@prefix_opt
+@connection_options
 def retry(
     target: str | None, all_failed: bool, wait: bool, timeout: float | None, queue: str, redis_url: str, prefix: str
 ) -> None:
@@ -337,9 +327,7 @@ def retry(
 
 @main.command()
 @click.argument("target")
-@queue_opt
-@redis_opt
-@prefix_opt
+@connection_options
 def cancel(target: str, queue: str, redis_url: str, prefix: str) -> None:
     """Cancel a batch's or a job's unfinished generations."""
     client = _client(redis_url, prefix, queue)
@@ -349,9 +337,7 @@ def cancel(target: str, queue: str, redis_url: str, prefix: str) -> None:
 
 @main.command()
 @json_opt
-@queue_opt
-@redis_opt
-@prefix_opt
+@connection_options
 def info(as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
     """Queues, workers alive and jobs per state."""
     data = run_guarded(_client(redis_url, prefix, queue).info)

@@ -9,6 +9,7 @@ import threading
 import click
 
 from producer.cli import (
+    connection_options,
     device_opt,
     dtype_opt,
     engine_options,
@@ -16,7 +17,6 @@ from producer.cli import (
     layers_option,
     main,
     prefix_opt,
-    queue_opt,
     redis_opt,
     request_defaults,
     run_guarded,
@@ -145,9 +145,7 @@ def tail(
     help="Generations in flight: worker threads sharing the loaded models.",
 )
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
-@queue_opt
-@redis_opt
-@prefix_opt
+@connection_options
 @device_opt
 @dtype_opt
 @threads_opt

@@ -24,11 +24,10 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from schemas.errors import InvalidRequest, ShardFlowError
-from schemas.jobs import JobKeys, ModelInfo, job_id_for
+from schemas.jobs import RUN_GENERATION, JobKeys, ModelInfo, job_id_for
 from schemas.requests import GenerationRequest
 from schemas.settings import DEFAULTS
 
-RUN_GENERATION = "workers.jobs.run_generation"
 DONE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 RETRYABLE = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 

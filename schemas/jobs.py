@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.settings import DEFAULTS
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+# The one job function producers enqueue (by name) and head workers allow.
+RUN_GENERATION = "workers.jobs.run_generation"
 
 
 @dataclass(frozen=True)

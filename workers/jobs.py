@@ -22,12 +22,11 @@ from rq.job import Job
 
 from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest, JobError, ShardFlowError
-from schemas.jobs import JobKeys
+from schemas.jobs import RUN_GENERATION, JobKeys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
 
 log = logging.getLogger("shardflow.jobs")
-RUN_GENERATION = "workers.jobs.run_generation"
 ALLOWED_JOB_FUNCTIONS = frozenset({RUN_GENERATION})
 
 

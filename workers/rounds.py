@@ -49,8 +49,7 @@ class RoundLoop:
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
-        self.k = req.draft.k  # this generation's current draft length (adapted after each round)
-        self.length = DraftLength(req.draft.k)
+        self.length = DraftLength(req.draft.k)  # this generation's draft length (adapted if asked)
 
     def run(self) -> GenerationResult:
         start = time.perf_counter()
@@ -97,7 +96,7 @@ class RoundLoop:
         start = len(self.committed) - len(self.pending)
         with self.rt.lock:  # generations in flight share the models; each computes in turn
             t0 = time.perf_counter()
-            draft = self._draft(rid, min(self.k, remaining - 1))
+            draft = self._draft(rid, min(self.length.k, remaining - 1))
             t1 = time.perf_counter()
             with torch.inference_mode():
                 ids = torch.tensor(self.pending + draft.tokens, device=self.rt.shard.device)
@@ -149,7 +148,7 @@ class RoundLoop:
         if self.req.draft.adaptive and draft.tokens:
             other_ms = head_s * 1000 + wait_s * 1000
             timed = self.req.sampling.greedy  # greedy output does not depend on K; seeded sampling does
-            self.k = self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed)
+            self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed)
 
     def _commit(self, draft: Draft, v: Verdict, start: int) -> FinishReason | None:
         kept = min(v.accepted, len(v.tokens))
