@@ -94,7 +94,14 @@ threads_opt = click.option("--threads", type=int, default=None, help="CPU thread
 
 
 def engine_options(fn: Callable) -> Callable:
-    """--static-cache / --graphs: how shards run (default: both on for CUDA devices, off on CPU)."""
+    """--static-cache / --graphs / --slots: how shards run (default: static + graphs on CUDA, off on CPU)."""
+    fn = click.option(
+        "--slots",
+        type=click.IntRange(1),
+        default=DEFAULTS.batch_slots,
+        show_default=True,
+        help="Sequences run as one batched forward (static caches are preallocated for this many).",
+    )(fn)
     fn = click.option(
         "--graphs/--no-graphs",
         default=None,

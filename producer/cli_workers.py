@@ -101,6 +101,7 @@ def tail(
     threads: int | None,
     static: bool | None,
     graphs: bool | None,
+    slots: int,
 ) -> None:
     """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
     from relay_broker.connection import connect
@@ -121,7 +122,14 @@ def tail(
             max_sessions=max_sessions,
             session_ttl_s=session_ttl,
             max_packet_bytes=max_packet_bytes,
-            engine=Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=DEFAULTS.draft_k + 1),
+            engine=Engine(
+                shard,
+                static=static,
+                graphs=graphs,
+                max_len=max_len,
+                step_tokens=DEFAULTS.draft_k + 1,
+                slots=slots,
+            ),
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
@@ -165,6 +173,7 @@ def head(
     threads: int | None,
     static: bool | None,
     graphs: bool | None,
+    slots: int,
 ) -> None:
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
     from relay_broker.connection import connect
@@ -176,7 +185,14 @@ def head(
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
     runtime = HeadRuntime.load(
-        target, layers, draft=draft, device=device, dtype=torch_setup(threads, dtype), static=static, graphs=graphs
+        target,
+        layers,
+        draft=draft,
+        device=device,
+        dtype=torch_setup(threads, dtype),
+        static=static,
+        graphs=graphs,
+        slots=slots,
     )
     info = ModelInfo(
         target=str(target),

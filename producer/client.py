@@ -27,6 +27,7 @@ from schemas.errors import InvalidRequest, ShardFlowError
 from schemas.jobs import RUN_GENERATION, JobKeys, ModelInfo, job_id_for
 from schemas.requests import GenerationRequest
 from schemas.settings import DEFAULTS
+from workers.head_worker import AllowListJob
 
 DONE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 RETRYABLE = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
@@ -82,7 +83,9 @@ class Client:
 
     def __init__(self, r: redis.Redis, *, prefix: str = DEFAULTS.prefix, queue: str = DEFAULTS.queue) -> None:
         self.r, self.keys, self.queue_name = r, JobKeys(prefix), queue
-        self.queue = Queue(queue, connection=r, serializer=JSONSerializer)
+        # AllowListJob: counting a registry runs RQ's cleanup, which calls the failure callback a job
+        # record names; a forged record must not make a producer import code (see README, Security).
+        self.queue = Queue(queue, connection=r, serializer=JSONSerializer, job_class=AllowListJob)
 
     # --- enqueue -------------------------------------------------------------------------------
     def model_info(self) -> ModelInfo | None:
@@ -213,7 +216,7 @@ class Client:
     def info(self) -> dict:
         """Queues, live workers and jobs per state, for `shardflow info`."""
         queues = []
-        for q in Queue.all(connection=self.r, serializer=JSONSerializer):
+        for q in Queue.all(connection=self.r, serializer=JSONSerializer, job_class=AllowListJob):
             queues.append(
                 {
                     "queue": q.name,

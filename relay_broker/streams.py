@@ -124,14 +124,19 @@ class GroupReader:
     def _flatten(resp: list | None) -> list[Entry]:
         return [(s, i, f) for s, entries in (resp or []) for i, f in entries]
 
-    @transport_retry()
     def ack(self, stream: bytes | str, entry_id: bytes, reply: tuple[str, dict] | None = None) -> None:
         """Send the entry's reply (if any), then acknowledge and delete the entry: one round trip."""
+        self.ack_many([(stream, entry_id, reply)])
+
+    @transport_retry()
+    def ack_many(self, done: list[tuple[bytes | str, bytes, tuple[str, dict] | None]]) -> None:
+        """Send each entry's reply (if any), acknowledge and delete the entries: one round trip."""
         pipe = self.r.pipeline(transaction=False)
-        if reply is not None:
-            _add_reply(pipe, *reply)
-        pipe.xack(stream, self.group, entry_id)
-        pipe.xdel(stream, entry_id)
+        for stream, entry_id, reply in done:
+            if reply is not None:
+                _add_reply(pipe, *reply)
+            pipe.xack(stream, self.group, entry_id)
+            pipe.xdel(stream, entry_id)
         pipe.execute()
 
 

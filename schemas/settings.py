@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     draft_k: int = Field(8, description="Draft tokens proposed per round (K).")
     ngram_max: int = Field(3, description="Longest n-gram the prompt-lookup drafter matches.")
     ngram_min: int = Field(1, description="Shortest n-gram the prompt-lookup drafter matches.")
+    batch_slots: int = Field(
+        16, description="Sequences a worker runs as one batched forward (static caches preallocate this many)."
+    )
     max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
     reply_timeout_s: float = Field(60.0, description="How long a head waits for a tail's verdict.")
     # --- relay packets and tail sessions ---

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -71,9 +73,32 @@ def test_greedy_parity_with_static_caches(family, models, hf_models, tokenizers,
     ms = models[family]
     names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache",))
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True)
-    assert type(runtime.engine.new_cache()).__name__ == "StaticKVCache"
+    assert runtime.engine.pool is not None and type(runtime.engine.acquire()).__name__ == "StaticKVCache"
     expected = reference(family, hf_models[family], tokenizers[family])
     for k in (1, 8):
         for prompt, want in zip(PROMPTS, expected, strict=True):
             req = GenerationRequest(prompt=prompt, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(k=k))
             assert generate(req, runtime, redis_client, names=names).token_ids == want, prompt
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_greedy_parity_batched_in_flight(family, models, hf_models, tokenizers, tails, redis_client):
+    """Generations in flight on one runtime run batched (drafts, head and tail forwards over several
+    sequences' slots at once, plus one-slot pools beyond the slots) and still equal HF generate."""
+    ms = models[family]
+    names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache", "--slots", "3"))
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True, slots=3)
+    expected = reference(family, hf_models[family], tokenizers[family])
+
+    def one(i: int) -> list[int]:
+        k = (1, 4, 8)[i % 3]
+        kind = "ngram" if i % 5 == 4 else "model"
+        req = GenerationRequest(
+            prompt=PROMPTS[i], max_new_tokens=NEW, chat_template=False, draft=DraftSettings(kind=kind, k=k)
+        )
+        return generate(req, runtime, redis_client, names=names).token_ids
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(one, range(len(PROMPTS))))
+    assert got == expected
+    assert runtime.batcher.batches < runtime.batcher.rounds  # rounds of several generations shared forwards

@@ -67,21 +67,25 @@ class ModelDraftSession:
     def device(self) -> torch.device:
         return self.engine.shard.device
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
-        """Make the cache hold context[:-1] + feed the rest; return the next-token logits."""
+    @property
+    def model_session(self) -> ModelDraftSession:
+        return self
+
+    def plan(self, context: list[int]) -> tuple[torch.Tensor, int]:
+        """Crop the cache to the longest prefix of context[:-1] it holds; return (tokens to feed, start)."""
         keep = 0
-        limit = min(len(self.tokens), len(context) - 1)
+        limit = min(len(self.tokens), self.cache.length, len(context) - 1)
         while keep < limit and self.tokens[keep] == context[keep]:
             keep += 1
         self.cache.crop(keep)
-        feed = torch.tensor(context[keep:], device=self.device)
         self.tokens = list(context)
-        return self.engine.forward(self.cache, feed, keep, logits_last=1)[-1]
+        return torch.tensor(context[keep:], device=self.device), keep
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
         """Draft k tokens, feeding each back on the device; one host sync at the end."""
-        logits = self._sync(context)
+        feed, keep = self.plan(context)
+        logits = self.engine.forward(self.cache, feed, keep, logits_last=1)[-1]
         picked: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
@@ -97,6 +101,34 @@ class ModelDraftSession:
         tokens = torch.cat(picked).tolist() if picked else []
         self.tokens = list(context) + tokens[: max(k - 1, 0)]
         return Draft(tokens, torch.stack(qs) if qs else None)
+
+
+def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[int]], ks: list[int]) -> list[Draft]:
+    """Greedy drafts for several sessions of one draft model at once: one batched forward per draft
+    position (rows whose k is reached drop out); one host sync at the end."""
+    engine = sessions[0].engine
+    plans = [s.plan(c) for s, c in zip(sessions, contexts, strict=True)]
+    with torch.inference_mode():
+        caches = [s.cache for s in sessions]
+        logits = engine.forward_many(caches, [f for f, _ in plans], [k for _, k in plans], logits_last=1)
+        cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
+        drafts = cur.new_zeros((len(sessions), max(ks)))
+        drafts[:, 0] = cur
+        live = list(range(len(sessions)))
+        for i in range(1, max(ks)):
+            keep = [j for j, b in enumerate(live) if ks[b] > i]
+            if len(keep) < len(live):
+                cur, live = cur[keep], [live[j] for j in keep]
+            starts = [len(contexts[b]) + i - 1 for b in live]
+            logits = engine.forward_many([caches[b] for b in live], list(cur[:, None]), starts, logits_last=1)
+            cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
+            drafts[live, i] = cur
+        rows = drafts.tolist()
+    out = []
+    for s, c, k, row in zip(sessions, contexts, ks, rows, strict=True):
+        s.tokens = list(c) + row[: max(k - 1, 0)]
+        out.append(Draft(row[:k]))
+    return out
 
 
 class NgramDrafter:
@@ -141,9 +173,17 @@ class SyntheticDrafter:
         if close is not None:
             close()
 
+    @property
+    def model_session(self) -> ModelDraftSession | None:
+        return self.inner if isinstance(self.inner, ModelDraftSession) else None
+
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
         if self.inner is not None:
             self.inner.propose(context, k, sampling, gen)
+        return self.finish(context, k, gen)
+
+    def finish(self, context: list[int], k: int, gen: torch.Generator) -> Draft:
+        """The synthetic proposal itself (the inner drafter has run already)."""
         at = len(context) - self.prompt_len
         want = self.reference[at : at + k]
         keep = (torch.rand(len(want), generator=gen) < self.alpha).tolist()

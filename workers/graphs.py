@@ -1,64 +1,84 @@
-"""Static KV caches and CUDA-graph replay for a shard's fixed-size steps.
+"""Static KV caches, batched forwards and CUDA-graph replay for a shard's fixed-size steps.
 
-`Engine(shard, static=..., graphs=...)` is how workers run a shard over a sequence's cache:
-- dynamic (default on CPU): a growing `KVCache`, eager forwards;
-- static: a preallocated `StaticKVCache` per sequence, rolled back in place;
-- static + graphs (default on CUDA): every step of at most `step_tokens` tokens (a round's
-  [last token, drafts], or one drafter token) replays a CUDA graph captured once per cache, with
-  inputs padded to `step_tokens` (with pad=False: one graph per step size, as the drafter uses).
-  Padded rows sit after the real ones, so causal masking keeps them out of every real row; the
-  slots they write lie past the committed length and are overwritten later.
-Longer steps (a prompt's prefill) run eagerly over the same cache.
+`Engine(shard, static=..., graphs=...)` is how workers run a shard over sequences' caches:
+- dynamic (default on CPU): a growing `KVCache` per sequence, eager forwards, one at a time;
+- static: each sequence holds a slot of a preallocated `KVPool`, rolled back in place, and
+  `forward_many` runs the steps of several sequences (a round's [last token, drafts], or one drafter
+  token each) as one batched forward over their slots;
+- static + graphs (default on CUDA): each batched step replays a CUDA graph captured once per
+  (pool, batch bucket, step size), with inputs padded to the bucket (rows) and to `step_tokens`
+  (with pad=False: one graph per step size, as the drafter uses). Padded tokens sit after a row's
+  real ones, so causal masking keeps them out of every real token; padding rows write into the
+  pool's pad slot. Sequences beyond the pool's slots get a one-slot pool of their own.
+Longer steps (a prompt's prefill) run eagerly over the sequence's slot.
 """
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Sequence
 
 import torch
 
-from workers.kvcache import KVCache, StaticKVCache
+from schemas.settings import DEFAULTS
+from workers.kvcache import BatchView, KVCache, KVPool, StaticKVCache
 from workers.shard import Cache, Shard
 
+Logits = int | Sequence[int]  # rows of logits wanted per sequence (0: hidden states)
 
-class StepGraph:
-    """One captured forward of `n` rows over one static cache."""
 
-    def __init__(self, shard: Shard, cache: StaticKVCache, n: int, with_logits: bool, pool: object) -> None:
+def buckets(limit: int) -> list[int]:
+    """Batch sizes graphs are captured for: powers of two up to `limit`, and `limit` itself."""
+    out = [1]
+    while out[-1] * 2 < limit:
+        out.append(out[-1] * 2)
+    return sorted({*out, limit})
+
+
+class BatchGraph:
+    """One captured forward of `b` rows × `t` tokens over one pool (logits of `p` rows each, or hidden)."""
+
+    def __init__(self, shard: Shard, pool: KVPool, b: int, t: int, p: int, mempool: object) -> None:
         dev = shard.device
-        self.n, self.cache = n, cache
+        self.pool = pool
+        self.rows = torch.full((b,), pool.pad_slot, dtype=torch.long, device=dev)
         self.x = (
-            torch.zeros(n, dtype=torch.long, device=dev)
+            torch.zeros(b, t, dtype=torch.long, device=dev)
             if shard.embed is not None
-            else torch.zeros(n, shard.config.hidden_size, dtype=shard.dtype, device=dev)
+            else torch.zeros(b, t, shard.config.hidden_size, dtype=shard.dtype, device=dev)
         )
-        # Warm-up and capture write their (garbage) keys/values into the cache's slack slots past max_len,
-        # never into a prefix the cache may already hold.
-        self.pos = torch.arange(cache.max_len - n, cache.max_len, device=dev)
-        logits = n if with_logits else 0
+        self.pad_pos = pool.index[-t:]  # warm-up and capture write only scratch positions of the pad slot
+        self.pos = self.pad_pos.expand(b, t).clone()
+        self.pick = torch.arange(t - p, t, device=dev).expand(b, p).clone() if p else None
+        view = BatchView(pool, self.rows, self.pos)
         with torch.cuda.device(dev):  # capture on the shard's GPU, not the process's current one
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the capture
-                    shard.run(self.x, self.pos, cache, logits)
+                    shard.run_batch(self.x, self.pos, view, self.pick)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-                self.out = shard.run(self.x, self.pos, cache, logits)
+            with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
+                self.out = shard.run_batch(self.x, self.pos, view, self.pick)
 
-    def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        m = x.shape[0]
+    def __call__(
+        self, rows: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, pick: torch.Tensor | None
+    ) -> torch.Tensor:
+        n = rows.shape[0]
         with torch.cuda.device(self.x.device):
-            self.x[:m].copy_(x, non_blocking=True)
-            self.pos.copy_(self.cache.positions(start, self.n, self.x.device))
+            self.rows[:n].copy_(rows, non_blocking=True)
+            self.rows[n:].fill_(self.pool.pad_slot)
+            self.x[:n].copy_(x, non_blocking=True)
+            self.pos[:n].copy_(pos, non_blocking=True)
+            self.pos[n:].copy_(self.pad_pos.expand_as(self.pos[n:]))
+            if pick is not None and self.pick is not None:
+                self.pick[:n].copy_(pick, non_blocking=True)
             self.graph.replay()
-        self.cache.advance(start + m)
-        return self.out
+        return self.out[:n]
 
 
 class Engine:
-    """Runs a shard over per-sequence caches: dynamic, static, or static with CUDA graphs."""
+    """Runs a shard over sequences' caches: dynamic, static (batched), or static with CUDA graphs."""
 
     def __init__(
         self,
@@ -67,8 +87,9 @@ class Engine:
         static: bool | None = None,
         graphs: bool | None = None,
         max_len: int | None = None,
-        step_tokens: int = 9,
+        step_tokens: int = DEFAULTS.draft_k + 1,
         pad: bool = True,
+        slots: int = DEFAULTS.batch_slots,
     ) -> None:
         cuda = shard.device.type == "cuda"
         self.shard = shard
@@ -78,46 +99,112 @@ class Engine:
         self.static = self.graphs or (cuda if static is None else static)
         limit = getattr(shard.config, "max_position_embeddings", None) or 8192
         self.max_len = min(max_len or 8192, limit)  # static caches hold this many positions
-        self.step_tokens, self.pad = step_tokens, pad
-        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
+        self._buckets = buckets(self.slots)
+        self._graphs: dict[tuple[int, int, int, int], BatchGraph] = {}
+        self._mempool = None
         if self.graphs:
             with torch.cuda.device(shard.device):
-                self._pool = torch.cuda.graph_pool_handle()
-        else:
-            self._pool = None
-        self._free: list[StaticKVCache] = []
+                self._mempool = torch.cuda.graph_pool_handle()
+        self.pool = self._new_pool(self.slots) if self.static else None
+        self._spare: list[KVPool] = []  # one-slot pools for sequences beyond the main pool
 
-    def new_cache(self) -> Cache:
-        if not self.static:
-            return KVCache()
-        return StaticKVCache.for_shard(self.shard, self.max_len + self.step_tokens)
+    def _new_pool(self, slots: int) -> KVPool:
+        return KVPool.for_shard(self.shard, slots=slots, max_len=self.max_len, scratch=self.step_tokens)
 
     def acquire(self) -> Cache:
-        """A cache for one sequence: a released static cache (its captured graphs reused) or a new one."""
-        try:
-            return self._free.pop()  # atomic, so threads sharing the engine never get the same cache
-        except IndexError:
-            return self.new_cache()
+        """A cache for one sequence: a slot of the pool (or of a one-slot spare pool), or a dynamic cache."""
+        if self.pool is None:
+            return KVCache()
+        cache = self.pool.acquire()
+        if cache is None:
+            try:
+                cache = self._spare.pop().acquire()  # list.pop is atomic for threads sharing the engine
+            except IndexError:
+                cache = self._new_pool(1).acquire()
+        assert cache is not None
+        return cache
 
     def release(self, cache: Cache) -> None:
-        """Return a sequence's cache; static ones are kept for the next sequence."""
+        """Return a sequence's cache; static slots (and their captured graphs) serve the next sequence."""
         if isinstance(cache, StaticKVCache):
-            cache.crop(0)
-            self._free.append(cache)
+            cache.pool.release(cache)
+            if cache.pool is not self.pool:
+                self._spare.append(cache.pool)
 
     def forward(self, cache: Cache, x: torch.Tensor, start: int, logits_last: int = 0) -> torch.Tensor:
         """Like `shard(x, start, cache, logits_last)`, through a captured graph when one applies."""
-        m = x.shape[0]
-        if not (self.graphs and isinstance(cache, StaticKVCache) and m <= self.step_tokens):
-            return self.shard(x, start, cache, logits_last)
-        if cache.length != start:
-            raise ValueError(f"cache holds {cache.length} positions, round starts at {start}")
-        if start + m > self.max_len:
-            raise ValueError(f"sequence of {start + m} positions exceeds the static cache of {self.max_len}")
-        per_cache = self._graphs.setdefault(cache, {})
-        n = self.step_tokens if self.pad else m
-        key = (n, logits_last > 0)
-        if key not in per_cache:
-            per_cache[key] = StepGraph(self.shard, cache, n, logits_last > 0, self._pool)
-        out = per_cache[key](x, start)
-        return out[m - logits_last : m] if logits_last > 0 else out[:m]
+        return self.forward_many([cache], [x], [start], logits_last)[0]
+
+    def forward_many(
+        self, caches: Sequence[Cache], xs: Sequence[torch.Tensor], starts: Sequence[int], logits_last: Logits = 0
+    ) -> list[torch.Tensor]:
+        """Run one step of each sequence: x [m] ids (or [m, h]) at positions start..start+m-1 of its cache.
+
+        Returns per sequence its hidden states [m, h], or the logits [n, vocab] of its last n rows
+        (n = logits_last, one int or one per sequence). Static caches of one pool run as one batch."""
+        n = len(caches)
+        wants = [logits_last] * n if isinstance(logits_last, int) else list(logits_last)
+        out: list[torch.Tensor | None] = [None] * n
+        groups: dict[int, list[int]] = {}
+        for i, (cache, x) in enumerate(zip(caches, xs, strict=True)):
+            if isinstance(cache, StaticKVCache) and 0 < x.shape[0] <= self.step_tokens:
+                groups.setdefault(id(cache.pool), []).append(i)
+            else:
+                out[i] = self.shard(x, starts[i], cache, wants[i])
+        for idx in groups.values():
+            for at in range(0, len(idx), self.slots):
+                part = idx[at : at + self.slots]
+                got = self._batch(
+                    [caches[i] for i in part],  # type: ignore[misc]
+                    [xs[i] for i in part],
+                    [starts[i] for i in part],
+                    [wants[i] for i in part],
+                )
+                for i, o in zip(part, got, strict=True):
+                    out[i] = o
+        return out  # type: ignore[return-value]
+
+    def _batch(
+        self, caches: list[StaticKVCache], xs: list[torch.Tensor], starts: list[int], wants: list[int]
+    ) -> list[torch.Tensor]:
+        dev, pool = self.shard.device, caches[0].pool
+        sizes = [x.shape[0] for x in xs]
+        for cache, start, m in zip(caches, starts, sizes, strict=True):
+            if cache.length != start:
+                raise ValueError(f"cache holds {cache.length} positions, round starts at {start}")
+            if start + m > self.max_len:
+                raise ValueError(f"sequence of {start + m} positions exceeds the static cache of {self.max_len}")
+        t = self.step_tokens if self.graphs and self.pad else max(sizes)
+        p = 0 if max(wants) == 0 else (1 if max(wants) == 1 else t)
+        if min(sizes) == t:
+            x = torch.stack(list(xs))
+        else:
+            x = xs[0].new_zeros((len(xs), t, *xs[0].shape[1:]))
+            for b, xb in enumerate(xs):
+                x[b, : sizes[b]] = xb
+        meta = [
+            [c.slot, *range(s, s + t), *([m - 1] if p == 1 else range(t - p, t))]
+            for c, s, m in zip(caches, starts, sizes, strict=True)
+        ]
+        meta_t = torch.tensor(meta, dtype=torch.long).to(dev, non_blocking=True)
+        rows, pos, pick = meta_t[:, 0], meta_t[:, 1 : 1 + t], (meta_t[:, 1 + t :] if p else None)
+        if self.graphs:
+            out = self._graph(pool, len(caches), t, p)(rows, x, pos, pick)
+        else:
+            out = self.shard.run_batch(x, pos, BatchView(pool, rows, pos), pick)
+        for cache, start, m in zip(caches, starts, sizes, strict=True):
+            cache.advance(start + m)
+        if p == 0:
+            return [out[b, :m] for b, m in enumerate(sizes)]
+        if p == 1:
+            return [out[b] for b in range(len(sizes))]
+        return [out[b, m - w : m] for b, (m, w) in enumerate(zip(sizes, wants, strict=True))]
+
+    def _graph(self, pool: KVPool, b: int, t: int, p: int) -> BatchGraph:
+        size = next(s for s in self._buckets if s >= b) if pool is self.pool else 1
+        key = (id(pool), size, t, p)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = BatchGraph(self.shard, pool, size, t, p, self._mempool)
+        return graph

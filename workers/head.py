@@ -27,6 +27,7 @@ from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
+from workers.batching import Batcher
 from workers.drafters import DraftSession, ModelDrafter, NgramDrafter, SyntheticDrafter
 from workers.graphs import Engine
 from workers.prompts import encode_prompt
@@ -69,11 +70,13 @@ class HeadRuntime:
     draft_model: ModelDrafter | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     engine: Engine | None = None  # how the shard runs (dynamic/static cache, CUDA graphs)
-    lock: threading.RLock = field(default_factory=threading.RLock)  # one generation computes at a time
+    lock: threading.RLock = field(default_factory=threading.RLock)  # one batch computes at a time
+    batcher: Batcher = field(init=False)
 
     def __post_init__(self) -> None:
         if self.engine is None:
             self.engine = Engine(self.shard)
+        self.batcher = Batcher(self.engine, self.lock)
 
     @classmethod
     def load(
@@ -88,6 +91,7 @@ class HeadRuntime:
         graphs: bool | None = None,
         max_k: int = DEFAULTS.draft_k,
         max_len: int | None = None,
+        slots: int = DEFAULTS.batch_slots,
     ) -> HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
 
@@ -98,12 +102,11 @@ class HeadRuntime:
         drafter = None
         if draft is not None:
             dshard = load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype)
-            drafter = ModelDrafter(
-                dshard, Engine(dshard, static=static, graphs=graphs, max_len=max_len, step_tokens=2, pad=False)
-            )
+            opts = dict(static=static, graphs=graphs, max_len=max_len, slots=slots)
+            drafter = ModelDrafter(dshard, Engine(dshard, step_tokens=2, pad=False, **opts))
             if drafter.shard.config.vocab_size < shard.config.vocab_size:
                 raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
-        engine = Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=max_k + 1)
+        engine = Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=max_k + 1, slots=slots)
         if model_dir is None:  # random weights for benchmarks: prompts come as token ids
             return cls(IdTokenizer(), shard, drafter, [], engine)
         tok = AutoTokenizer.from_pretrained(model_dir)

@@ -4,9 +4,10 @@ Decoder layers call `update(keys, values, layer_idx)` and attend over what it re
 keyed by their global index, so a tail's cache simply has no entries for the head's layers.
 
 - `KVCache` grows by concatenation (any length; eager).
-- `StaticKVCache` preallocates [1, kv_heads, max_len, head_dim] per layer and writes each step at
-  device-side positions, so a forward over it can be captured in a CUDA graph; rollback is setting
-  the length, in place (stale entries past it are masked out and later overwritten).
+- `StaticKVCache` is one slot of a preallocated `KVPool` ([slots + 1, kv_heads, L, head_dim] per
+  layer) and writes each step at device-side positions, so a forward over it can be captured in a
+  CUDA graph; rollback is setting the length, in place (stale entries past it are masked out and
+  later overwritten). A `BatchView` runs several slots of a pool as one batched forward.
 
 Both answer `positions(start, n)` and `mask(pos)` so a shard builds its attention mask the same way.
 """
@@ -63,32 +64,77 @@ class KVCache:
             self.values[idx] = self.values[idx][..., :length, :]
 
 
-class StaticKVCache:
-    """Preallocated keys/values for `max_len` positions; graph-capturable; in-place rollback."""
+class KVPool:
+    """Static keys/values for `slots` sequences, [slots + 1, kv_heads, max_len + scratch, head_dim] per
+    layer. Each sequence owns one slot (a `StaticKVCache` view); the extra slot and the `scratch`
+    positions past max_len take the writes of padding rows, so batches of any size up to `slots` run
+    as one fixed-shape (graph-capturable) forward."""
 
     def __init__(
         self,
         layer_ids: list[int],
         kv_heads: int,
         head_dim: int,
+        *,
+        slots: int,
         max_len: int,
+        scratch: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (1, kv_heads, max_len, head_dim)
+        shape = (slots + 1, kv_heads, max_len + scratch, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        self.max_len = max_len
-        self._length = 0
-        self._slots = torch.arange(max_len, device=device)
-        self.pos: torch.Tensor | None = None  # positions of the step being run (device)
+        self.slots, self.max_len, self.scratch = slots, max_len, scratch
+        self.index = torch.arange(max_len + scratch, device=device)
+        self._free = list(range(slots - 1, -1, -1))
 
     @classmethod
-    def for_shard(cls, shard: Any, max_len: int) -> StaticKVCache:
+    def for_shard(cls, shard: Any, *, slots: int, max_len: int, scratch: int) -> KVPool:
         cfg = shard.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         ids = [layer.self_attn.layer_idx for layer in shard.layers]
-        return cls(ids, cfg.num_key_value_heads, head_dim, max_len, shard.dtype, shard.device)
+        return cls(
+            ids,
+            cfg.num_key_value_heads,
+            head_dim,
+            slots=slots,
+            max_len=max_len,
+            scratch=scratch,
+            dtype=shard.dtype,
+            device=shard.device,
+        )
+
+    @property
+    def pad_slot(self) -> int:
+        return self.slots
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> StaticKVCache | None:
+        """A free slot's cache, or None when every slot is taken."""
+        try:
+            return StaticKVCache(self, self._free.pop())  # atomic: threads never get the same slot
+        except IndexError:
+            return None
+
+    def release(self, cache: StaticKVCache) -> None:
+        cache.crop(0)
+        self._free.append(cache.slot)
+
+
+class StaticKVCache:
+    """One sequence's slot of a `KVPool`: graph-capturable writes at device positions; in-place rollback."""
+
+    def __init__(self, pool: KVPool, slot: int) -> None:
+        self.pool, self.slot = pool, slot
+        self.keys = {i: k[slot : slot + 1] for i, k in pool.keys.items()}
+        self.values = {i: v[slot : slot + 1] for i, v in pool.values.items()}
+        self.max_len = pool.max_len
+        self._length = 0
+        self.pos: torch.Tensor | None = None  # positions of the step being run (device)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
@@ -109,12 +155,12 @@ class StaticKVCache:
     def positions(self, start: int, n: int, device: torch.device) -> torch.Tensor:
         if start + n > self.max_len:
             raise ValueError(f"sequence of {start + n} positions exceeds the static cache of {self.max_len}")
-        return self._slots[start : start + n]
+        return self.pool.index[start : start + n]
 
     def mask(self, pos: torch.Tensor) -> torch.Tensor:
         """Query i attends to every cached slot at or before its position (valid prefix + itself)."""
         self.pos = pos
-        return (self._slots[None, :] <= pos[:, None])[None, None]
+        return (self.pool.index[None, :] <= pos[:, None])[None, None]
 
     def advance(self, length: int) -> None:
         self._length = length
@@ -123,3 +169,28 @@ class StaticKVCache:
         if length < 0 or length > self._length:
             raise ValueError(f"cannot crop a cache of {self._length} positions to {length}")
         self._length = length
+
+
+class BatchView:
+    """Several slots of one pool as the cache of one batched forward: row b is slot rows[b] and its
+    tokens sit at positions pos[b] (padding rows use the pool's pad slot and scratch positions)."""
+
+    def __init__(self, pool: KVPool, rows: torch.Tensor, pos: torch.Tensor) -> None:
+        self.pool, self.rows, self.pos = pool, rows, pos
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatter [B, heads, T, dim] into the rows' slots at their positions; gather the rows' caches."""
+        k, v = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        slots = self.rows[:, None]
+        k[slots, :, self.pos] = key_states.transpose(1, 2)
+        v[slots, :, self.pos] = value_states.transpose(1, 2)
+        return k[self.rows], v[self.rows]
+
+    def get_seq_length(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def mask(self, pos: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, L]: each row's token attends to its slot's positions at or before its own."""
+        return (self.pool.index[None, None, :] <= pos[:, :, None])[:, None]

@@ -15,6 +15,7 @@ from schemas.packets import ClosePacket, ErrorReply, Verdict, decode_tail_messag
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.settings import DEFAULTS
 from workers.adaptive import DraftLength
+from workers.batching import HeadWork
 from workers.drafters import Draft
 from workers.sampling import encode_q, round_generator
 from workers.stopping import StopStrings
@@ -78,12 +79,6 @@ class RoundLoop:
             timings=self.t,
         )
 
-    def _draft(self, rid: int, k: int) -> Draft:
-        if self.drafter is None or k <= 0:
-            return Draft([])
-        gen = round_generator(self.req.sampling.seed or 0, rid, "draft", self.drafter.device)
-        return self.drafter.propose(self.committed, k, self.req.sampling, gen)
-
     def _q(self, draft: Draft) -> tuple[str, dict[str, torch.Tensor]]:
         if not draft.tokens or self.req.sampling.greedy:
             return "none", {}
@@ -94,16 +89,13 @@ class RoundLoop:
     def _round(self, rid: int) -> FinishReason | None:
         remaining = self.req.max_new_tokens - len(self.generated)
         start = len(self.committed) - len(self.pending)
-        with self.rt.lock:  # generations in flight share the models; each computes in turn
-            t0 = time.perf_counter()
-            draft = self._draft(rid, min(self.length.k, remaining - 1))
-            t1 = time.perf_counter()
-            with torch.inference_mode():
-                ids = torch.tensor(self.pending + draft.tokens, device=self.rt.shard.device)
-                hidden = self.rt.engine.forward(self.cache, ids, start)
-                if hidden.is_cuda:  # attribute GPU time to this stage (the packet needs the data next anyway)
-                    torch.cuda.synchronize(hidden.device)
-            t2 = time.perf_counter()
+        k = min(self.length.k, remaining - 1) if self.drafter is not None else 0
+        gen = round_generator(self.req.sampling.seed or 0, rid, "draft", self.drafter.device) if k > 0 else None
+        work = HeadWork(self.drafter, self.committed, k, self.req.sampling, gen, self.cache, self.pending, start)
+        self.rt.batcher.run(work)  # generations in flight share the models: their rounds run batched
+        draft, hidden = work.draft, work.hidden
+        assert draft is not None and hidden is not None
+        t0 = time.perf_counter()
         q_kind, q_tensors = self._q(draft)
         header = dict(
             session_id=self.sid,
@@ -118,8 +110,7 @@ class RoundLoop:
         )
         _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
         verdict = self._await(rid, fields)
-        t3 = time.perf_counter()
-        self._account(draft, verdict, (t1 - t0, t2 - t1, t3 - t2))
+        self._account(draft, verdict, (work.draft_s, work.head_s, time.perf_counter() - t0))
         return self._commit(draft, verdict, start)
 
     def _await(self, rid: int, fields: dict) -> Verdict:

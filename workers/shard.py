@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwe
 
 from schemas.errors import ModelLoadError
 from workers import attention
-from workers.kvcache import KVCache, StaticKVCache
+from workers.kvcache import BatchView, KVCache, StaticKVCache
 
 Cache = KVCache | StaticKVCache
 Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
@@ -197,20 +197,37 @@ class Shard(nn.Module):
     def run(self, x: torch.Tensor, pos: torch.Tensor, cache: Cache, logits_last: int = 0) -> torch.Tensor:
         """The forward itself, over device positions `pos`; no host syncs, so it can be graph-captured."""
         h = self.embed(x)[None] if self.embed is not None else x[None]
-        cos_sin = self.rotary(h, pos[None])
-        mask = cache.mask(pos)
+        h = self._layers(h, pos[None], cache.mask(pos), cache)[0]
+        if self.lm_head is None or logits_last <= 0:
+            return h
+        return self.lm_head(self.norm(h[-logits_last:]))
+
+    def run_batch(
+        self, x: torch.Tensor, pos: torch.Tensor, view: BatchView, pick: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """B sequences at once: x is [B, T] token ids (or [B, T, h] hidden states), pos [B, T].
+
+        Returns hidden states [B, T, h], or with `pick` ([B, P] row indices) and an LM head the
+        logits [B, P, vocab] of those rows. No host syncs: graph-capturable."""
+        h = self.embed(x) if self.embed is not None else x
+        h = self._layers(h, pos, view.mask(pos), view)
+        if pick is None or self.lm_head is None:
+            return h
+        rows = torch.arange(h.shape[0], device=h.device)[:, None]
+        return self.lm_head(self.norm(h[rows, pick]))
+
+    def _layers(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: object) -> torch.Tensor:
+        cos_sin = self.rotary(h, pos)
         for layer in self.layers:
             h = layer(
                 h,
                 attention_mask=mask,
                 position_embeddings=cos_sin,
-                position_ids=pos[None],
+                position_ids=pos,
                 past_key_values=cache,
                 use_cache=True,
             )
-        if self.lm_head is None or logits_last <= 0:
-            return h[0]
-        return self.lm_head(self.norm(h[0, -logits_last:]))
+        return h
 
 
 def load_shard(

@@ -49,6 +49,16 @@ def default_tail_id() -> str:
 
 
 @dataclass
+class Prepared:
+    """A decoded, checked round waiting for the batched forward."""
+
+    packet: RoundPacket
+    sess: TailSession
+    hidden: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
 class TailSession:
     cache: Cache
     last_round: int = -1
@@ -136,25 +146,49 @@ class TailWorker:
         """Handle packets until `stop_event` is set."""
         log.info("tail %s serving layers %s on %s", self.tail_id, self.shard.layer_range, self.names.shared_requests)
         while not self.stop_event.is_set():
-            for stream, entry_id, fields in self.reader.read():
-                self.reader.ack(stream, entry_id, reply=self.handle(fields))  # reply + ack: one round trip
+            entries = self.reader.read(count=self.engine.slots)
+            if entries:
+                replies = self.handle_many([fields for _, _, fields in entries])
+                # every reply and ack of the batch in one round trip
+                self.reader.ack_many(
+                    [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(entries, replies, strict=True)]
+                )
             self.sessions.expire()
 
     def handle(self, fields: dict) -> tuple[str, dict] | None:
-        """Process one stream entry; return (reply stream, reply fields) to send, if any.
+        """Process one stream entry; return (reply stream, reply fields) to send, if any."""
+        return self.handle_many([fields])[0]
+
+    def handle_many(self, entries: list[dict]) -> list[tuple[str, dict] | None]:
+        """Process stream entries read together; rounds of different sessions run as one batched forward.
         Never raises for a bad packet: it is logged and answered with an error when it names a session."""
-        sid, rid = peek_session(fields)
-        try:
-            msg, tensors = decode_head_message(fields, max_bytes=self.max_packet_bytes, device=self.shard.device)
-            if isinstance(msg, ClosePacket):
-                self.sessions.drop(msg.session_id)
-                return None
-            reply = self.round(msg, tensors)
-        except ShardFlowError as e:
+        out: list[tuple[str, dict] | None] = [None] * len(entries)
+        batch: list[tuple[int, Prepared]] = []
+        later: list[int] = []  # a second packet of a session already in this batch waits for the first
+        for i, fields in enumerate(entries):
+            sid, rid = peek_session(fields)
+            if sid is not None and any(p.packet.session_id == sid for _, p in batch):
+                later.append(i)
+                continue
+            try:
+                prep = self._prepare(fields)
+            except Exception as e:
+                out[i] = self._fail_with(sid, rid, e)
+                continue
+            if isinstance(prep, Prepared):
+                batch.append((i, prep))
+            else:
+                out[i] = prep
+        for (i, _), reply in zip(batch, self._rounds([p for _, p in batch]), strict=True):
+            out[i] = reply
+        for i in later:
+            out[i] = self.handle(entries[i])
+        return out
+
+    def _fail_with(self, sid: str | None, rid: int | None, e: Exception) -> tuple[str, dict] | None:
+        if isinstance(e, ShardFlowError):
             return self._fail(sid, rid, str(e), error=False)
-        except Exception as e:  # a bug or a device error: report it, keep serving
-            return self._fail(sid, rid, f"internal error: {type(e).__name__}: {e}", error=True)
-        return (self.names.reply(msg.session_id), reply) if reply is not None else None
+        return self._fail(sid, rid, f"internal error: {type(e).__name__}: {e}", error=True)
 
     def _fail(self, sid: str | None, rid: int | None, reason: str, *, error: bool) -> tuple[str, dict] | None:
         (log.exception if error else log.warning)("bad packet (session %s, round %s): %s", sid, rid, reason)
@@ -176,24 +210,56 @@ class TailWorker:
             raise SessionError(f"round {p.round_id} starts at {p.start_pos}, the session holds {sess.cache.length}")
         return sess
 
-    @torch.inference_mode()
-    def round(self, p: RoundPacket, tensors: dict[str, torch.Tensor]) -> dict | None:
-        """Verify one round; return the reply's stream fields (None for a duplicate already answered)."""
-        sess = self._session_for(p)
-        if sess is None:
-            dup = self.sessions.get(p.session_id)
-            return dup.last_reply if dup is not None and dup.last_round == p.round_id else None
-        cfg = self.shard.config
+    def _prepare(self, fields: dict) -> Prepared | tuple[str, dict] | None:
+        """Decode and check one entry: a round to run, or the reply to send at once (None: nothing)."""
+        msg, tensors = decode_head_message(fields, max_bytes=self.max_packet_bytes, device=self.shard.device)
+        if isinstance(msg, ClosePacket):
+            self.sessions.drop(msg.session_id)
+            return None
+        sess = self._session_for(msg)
+        if sess is None:  # a duplicate: answer again with the verdict already sent, if it was the last one
+            dup = self.sessions.get(msg.session_id)
+            last = dup.last_reply if dup is not None and dup.last_round == msg.round_id else None
+            return (self.names.reply(msg.session_id), last) if last is not None else None
         hidden = tensors["hidden"]
-        if not hidden.is_floating_point() or hidden.shape[1] != cfg.hidden_size:
+        cfg = self.shard.config
+        if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != cfg.hidden_size:
             raise PacketError(
                 f"hidden states must be float [n, {cfg.hidden_size}], got {hidden.dtype} {list(hidden.shape)}"
             )
-        k = len(p.draft_ids)
+        if hidden.shape[0] != len(msg.input_ids) + len(msg.draft_ids):
+            raise PacketError(f"{hidden.shape[0]} hidden rows for {len(msg.input_ids) + len(msg.draft_ids)} tokens")
+        return Prepared(msg, sess, hidden.to(self.shard.dtype), tensors)
+
+    @torch.inference_mode()
+    def _rounds(self, batch: list[Prepared]) -> list[tuple[str, dict] | None]:
+        """One batched forward over every prepared round, then each round's verification."""
+        if not batch:
+            return []
         t0 = time.perf_counter()
-        logits = self.engine.forward(sess.cache, hidden.to(self.shard.dtype), p.start_pos, logits_last=k + 1)
-        if logits.is_cuda:  # attribute GPU time to the forward rather than to verification
-            torch.cuda.synchronize(logits.device)
+        try:
+            logits = self.engine.forward_many(
+                [p.sess.cache for p in batch],
+                [p.hidden for p in batch],
+                [p.packet.start_pos for p in batch],
+                [len(p.packet.draft_ids) + 1 for p in batch],
+            )
+            if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
+                torch.cuda.synchronize(logits[0].device)
+        except Exception as e:
+            return [self._fail_with(p.packet.session_id, p.packet.round_id, e) for p in batch]
+        forward_ms = (time.perf_counter() - t0) * 1000
+        out: list[tuple[str, dict] | None] = []
+        for p, lg in zip(batch, logits, strict=True):
+            try:
+                out.append((self.names.reply(p.packet.session_id), self._verify(p, lg, forward_ms)))
+            except Exception as e:
+                out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e))
+        return out
+
+    def _verify(self, prep: Prepared, logits: torch.Tensor, forward_ms: float) -> dict:
+        """Accept a prefix of the drafts, roll the cache back to the committed prefix, build the verdict."""
+        p, sess, tensors = prep.packet, prep.sess, prep.tensors
         t1 = time.perf_counter()
         drafts = torch.tensor(p.draft_ids, dtype=torch.long, device=logits.device)
         if p.sampling.greedy:
@@ -205,7 +271,6 @@ class TailWorker:
             accepted, nxt = verify_sampling(probs, drafts, q, gen)
         tokens, finish = cut_at_stops(p.draft_ids[:accepted] + [nxt], p.eos_token_ids, p.max_new)
         sess.cache.crop(p.start_pos + len(p.input_ids) + accepted)
-        t2 = time.perf_counter()
         verdict = Verdict(
             session_id=p.session_id,
             round_id=p.round_id,
@@ -214,7 +279,7 @@ class TailWorker:
             next_token=nxt if len(tokens) == accepted + 1 else None,
             finish_reason=finish,
             tail_id=self.tail_id,
-            timings={"tail_forward_ms": (t1 - t0) * 1000, "verify_ms": (t2 - t1) * 1000},
+            timings={"tail_forward_ms": forward_ms, "verify_ms": (time.perf_counter() - t1) * 1000},
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict)
         if finish is not None:

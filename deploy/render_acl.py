@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Render deploy/users.acl.template into a Redis ACL file that holds no password in clear.
+
+    python3 deploy/render_acl.py --env-file .env -o deploy/users.acl
+
+- `>${VAR}` becomes `#<sha256 hex of $VAR>`: Redis stores and compares SHA-256 hashes, so the file
+  is not a credential (use long random passwords: `openssl rand -hex 24`; shorter than 16 characters
+  is refused).
+- `${SHARDFLOW_PREFIX}` becomes the key prefix (default `shardflow`, as in schemas/settings.py).
+- `#` comment lines and blank lines are dropped (Redis ACL files allow none); an indented line
+  continues the user line above it.
+
+Values come from the environment, then from --env-file (KEY=VALUE lines, as compose reads .env).
+Standard library only, so it runs anywhere (compose runs it in a python:3.11-slim container).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+TEMPLATE = Path(__file__).with_name("users.acl.template")
+DEFAULT_PREFIX = "shardflow"
+MIN_PASSWORD_LENGTH = 16
+PASSWORD = re.compile(r">\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+PREFIX = "${SHARDFLOW_PREFIX}"
+SAFE_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # no glob characters, no spaces
+
+
+class RenderError(ValueError):
+    """The template or a value cannot make a valid ACL file."""
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines (blank lines, `#` comments and `export ` ignored; one level of quotes stripped)."""
+    out: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, value = line.removeprefix("export ").split("=", 1)
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key.strip()] = value
+    return out
+
+
+def user_lines(template: str) -> list[str]:
+    """One line per user: comments and blanks dropped, indented continuation lines joined."""
+    lines: list[str] = []
+    for raw in template.splitlines():
+        if not raw.strip() or raw.lstrip().startswith("#"):
+            continue
+        if raw[0].isspace():
+            if not lines:
+                raise RenderError(f"continuation line before any user line: {raw.strip()!r}")
+            lines[-1] += " " + " ".join(raw.split())
+        else:
+            lines.append(" ".join(raw.split()))
+    for line in lines:
+        if not line.startswith("user "):
+            raise RenderError(f"not a user line: {line[:60]!r}")
+    return lines
+
+
+def _hashed(values: Mapping[str, str], min_length: int) -> Callable[[re.Match[str]], str]:
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1)
+        value = values.get(name, "")
+        if not value:
+            raise RenderError(f"{name} is not set")
+        if len(value) < min_length:
+            raise RenderError(f"{name} is shorter than {min_length} characters")
+        return "#" + hashlib.sha256(value.encode()).hexdigest()
+
+    return sub
+
+
+def render(template: str, values: Mapping[str, str], *, min_length: int = MIN_PASSWORD_LENGTH) -> str:
+    """The ACL file text for `template` with passwords from `values` (hashed) and the key prefix."""
+    prefix = values.get("SHARDFLOW_PREFIX") or DEFAULT_PREFIX
+    if not SAFE_PREFIX.match(prefix):
+        raise RenderError(f"SHARDFLOW_PREFIX {prefix!r} must be 1-64 of A-Z a-z 0-9 _ . : -")
+    out = []
+    for line in user_lines(template):
+        line = PASSWORD.sub(_hashed(values, min_length), line).replace(PREFIX, prefix)
+        if "${" in line or " >" in line:
+            raise RenderError(f"unrendered placeholder or clear password in: {line.split()[1]}")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` in one step, mode 0644 (the redis-server user must read it; it holds only hashes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--template", type=Path, default=TEMPLATE, help="ACL template (default: %(default)s)")
+    ap.add_argument("--env-file", type=Path, default=None, help="KEY=VALUE file read after the environment")
+    ap.add_argument("-o", "--out", default="-", help="output file, - for stdout (default)")
+    ap.add_argument("--min-length", type=int, default=MIN_PASSWORD_LENGTH, help="shortest password accepted")
+    args = ap.parse_args(argv)
+    values = read_env_file(args.env_file) if args.env_file else {}
+    values |= {k: v for k, v in os.environ.items() if v}
+    try:
+        text = render(args.template.read_text(), values, min_length=args.min_length)
+    except (RenderError, OSError) as e:
+        print(f"render_acl: {e}", file=sys.stderr)
+        return 2
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        write_atomic(Path(args.out), text)
+        print(f"render_acl: wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

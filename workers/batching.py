@@ -1,0 +1,116 @@
+"""Batching the head's compute across generations in flight (flat combining).
+
+Each generation's thread submits its round's work (draft up to k tokens, then run the lower shard
+over [uncached committed tokens, drafts]) and takes the compute lock; whichever thread gets the lock
+runs everything queued by then as one batch: greedy model drafts of all of them advance together (one
+batched draft-model forward per draft position) and the lower shard runs once over every sequence's
+round. Other drafters (n-gram, sampled drafts) propose one by one inside the same batch. If a batch
+fails, each of its generations is retried alone, so one bad sequence fails only itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from schemas.requests import SamplingParams
+from workers.drafters import Draft, DraftSession, ModelDraftSession, propose_greedy_many
+from workers.graphs import Engine
+from workers.shard import Cache
+
+
+@dataclass
+class HeadWork:
+    """One generation's round, as submitted; the batch fills in draft, hidden and the stage times."""
+
+    drafter: DraftSession | None
+    context: list[int]  # committed tokens
+    k: int  # drafts wanted
+    sampling: SamplingParams
+    gen: torch.Generator | None
+    cache: Cache  # the lower shard's cache of this sequence
+    pending: list[int]  # committed tokens the shard has not seen yet
+    start: int  # their first position
+    draft: Draft | None = None
+    hidden: torch.Tensor | None = None
+    draft_s: float = 0.0
+    head_s: float = 0.0
+    error: BaseException | None = None
+    done: bool = False
+
+
+def _model_session(w: HeadWork) -> ModelDraftSession | None:
+    if w.k <= 0 or not w.sampling.greedy or w.drafter is None:
+        return None
+    sess = getattr(w.drafter, "model_session", None)
+    return sess if isinstance(sess, ModelDraftSession) else None
+
+
+class Batcher:
+    """Runs submitted rounds in batches on one engine (the head shard's)."""
+
+    def __init__(self, engine: Engine, lock: threading.RLock) -> None:
+        self.engine, self.lock = engine, lock
+        self._queue: list[HeadWork] = []
+        self._queue_lock = threading.Lock()
+        self.batches = self.rounds = 0  # counters: how well rounds batch
+
+    def run(self, work: HeadWork) -> HeadWork:
+        """Compute `work` (possibly inside another thread's batch); raise its error if it failed."""
+        with self._queue_lock:
+            self._queue.append(work)
+        with self.lock:
+            if not work.done:
+                with self._queue_lock:
+                    batch, self._queue = self._queue, []
+                self._compute(batch)
+        if work.error is not None:
+            raise work.error
+        return work
+
+    def _compute(self, batch: list[HeadWork]) -> None:
+        try:
+            self._compute_batch(batch)
+        except BaseException as e:
+            if len(batch) == 1:
+                batch[0].error = e
+            else:
+                for w in batch:  # isolate the failure: each alone
+                    self._compute([w])
+        finally:
+            for w in batch:
+                w.done = True
+
+    def _compute_batch(self, batch: list[HeadWork]) -> None:
+        t0 = time.perf_counter()
+        drafts = self._drafts(batch)
+        t1 = time.perf_counter()
+        dev = self.engine.shard.device
+        with torch.inference_mode():
+            xs = [torch.tensor(w.pending + d.tokens, device=dev) for w, d in zip(batch, drafts, strict=True)]
+            hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
+            if dev.type == "cuda":  # attribute GPU time to this stage (the packets need the data next anyway)
+                torch.cuda.synchronize(dev)
+        t2 = time.perf_counter()
+        self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
+        for w, d, h in zip(batch, drafts, hidden, strict=True):
+            w.draft, w.hidden, w.draft_s, w.head_s = d, h, t1 - t0, t2 - t1
+
+    @staticmethod
+    def _drafts(batch: list[HeadWork]) -> list[Draft]:
+        out: list[Draft | None] = [None] * len(batch)
+        sessions = [(i, s) for i, w in enumerate(batch) if (s := _model_session(w)) is not None]
+        if sessions:
+            ws = [batch[i] for i, _ in sessions]
+            drafts = propose_greedy_many([s for _, s in sessions], [w.context for w in ws], [w.k for w in ws])
+            for (i, s), d in zip(sessions, drafts, strict=True):
+                w = batch[i]
+                out[i] = d if w.drafter is s else w.drafter.finish(w.context, w.k, w.gen)  # type: ignore[union-attr]
+        for i, w in enumerate(batch):
+            if out[i] is None:
+                use = w.drafter is not None and w.k > 0 and w.gen is not None
+                out[i] = w.drafter.propose(w.context, w.k, w.sampling, w.gen) if use else Draft([])  # type: ignore[union-attr,arg-type]
+        return out  # type: ignore[return-value]
