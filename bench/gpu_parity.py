@@ -4,6 +4,7 @@
 
 Builds the tiny test models (Qwen2-shaped untied, Llama-shaped tied) on disk, runs a tail process and
 the head with graphs on, for 20 prompts x K in {1, 4, 8} x {draft model, n-gram}, and prints mismatches.
+Then all 20 prompts at once (threads sharing the runtime: batched forwards).
 Also checks that a fixed seed reproduces a sampled generation. Exit status 1 on any mismatch.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import click
@@ -50,11 +52,13 @@ def main(head_device: str, tail_device: str, new: int) -> None:
                 wait_for_tails(r, names, proc=tail, timeout_s=300)
                 rt = HeadRuntime.load(target, (0, 2), draft=draft, device=head_device)
                 assert rt.engine.graphs, "graphs should be on for CUDA"
+                wants = []
                 for p in PROMPTS:
                     ids = torch.tensor([tok.encode(p)], device=head_device)
                     want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)[
                         0, ids.shape[1] :
                     ].tolist()
+                    wants.append(want)
                     for kind in ("model", "ngram"):
                         for k in (1, 4, 8):
                             req = GenerationRequest(
@@ -68,6 +72,21 @@ def main(head_device: str, tail_device: str, new: int) -> None:
                             if got != want:
                                 bad += 1
                                 click.echo(f"MISMATCH {family} {kind} k={k} {p!r}: {got} != {want}")
+                # all 20 prompts in flight at once: batched drafter / head / tail forwards over graph buckets
+                for k in (4, 8):
+
+                    def one(p: str, k: int = k, rt: HeadRuntime = rt, names: StreamNames = names) -> list[int]:
+                        draft = DraftSettings(kind="model", k=k, adaptive=False)
+                        req = GenerationRequest(prompt=p, max_new_tokens=new, chat_template=False, draft=draft)
+                        return generate(req, rt, r, names=names).token_ids
+
+                    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                        for p, got, want in zip(PROMPTS, pool.map(one, PROMPTS), wants, strict=True):
+                            checked += 1
+                            if got != want:
+                                bad += 1
+                                click.echo(f"MISMATCH in flight {family} k={k} {p!r}: {got} != {want}")
+                click.echo(f"{family}: head batches {rt.batcher.batches} for {rt.batcher.rounds} rounds")
                 s = SamplingParams(temperature=0.9, top_k=50, seed=11)
                 req = GenerationRequest(prompt=PROMPTS[0], max_new_tokens=new, chat_template=False, sampling=s)
                 a, b = (generate(req, rt, r, names=names).token_ids for _ in range(2))

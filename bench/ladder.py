@@ -4,6 +4,7 @@ through the real head -> Redis -> tail -> verify path with a WAN delay between t
     # H200 x2 (head on cuda:0, tail on cuda:1), Qwen2.5-7B-shaped target, 0.5B-shaped drafter, 43 ms each way:
     python bench/ladder.py --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \\
         --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43 --alpha 0.78 --out OUT
+    # rows: {nospec,spec}-{eager,graphs,compiled}[-xN] (N jobs in flight; "compiled": torch.compile'd drafter)
     # CPU smoke run:
     python bench/ladder.py --target random:tiny --draft random:tiny --split 2 --delay-ms 0 --new 32
 
@@ -84,6 +85,15 @@ def run_row(
     }
 
 
+def ping_ms(r) -> float:
+    ping = []
+    for _ in range(10):
+        t = time.perf_counter()
+        r.ping()
+        ping.append((time.perf_counter() - t) * 1000)
+    return statistics.median(ping)
+
+
 def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ladder.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -162,7 +172,7 @@ def main(
         head_url = f"redis://127.0.0.1:{proxy.port}/0" if proxy else server.url
         tails = {}
         for mode, flags in (("eager", ["--dynamic-cache", "--no-graphs"]), ("graphs", [])):
-            if not any(w.endswith(mode) for w in wanted):
+            if not any(f"-{mode}" in w or (mode == "graphs" and "-compiled" in w) for w in wanted):
                 continue
             flags = flags or (["--static-cache"] if tail_device == "cpu" else [])
             proc = spawn_tail(
@@ -178,35 +188,34 @@ def main(
             for proc, names in tails.values():
                 wait_for_tails(connect(server.url), names, proc=proc, timeout_s=600)
             cuda = head_device.startswith("cuda")
-            runtimes = {
-                "eager": HeadRuntime.load(
-                    target,
-                    (0, split),
-                    draft=draft,
-                    device=head_device,
-                    dtype=dt,
-                    static=False,
-                    graphs=False,
-                    max_k=k,
-                    max_len=max_len,
-                ),
-                "graphs": HeadRuntime.load(
-                    target,
-                    (0, split),
-                    draft=draft,
-                    device=head_device,
-                    dtype=dt,
-                    static=True,
-                    graphs=cuda,
-                    max_k=k,
-                    max_len=max_len,
-                ),
-            }
+            load = dict(draft=draft, device=head_device, dtype=dt, max_k=k, max_len=max_len)
+            modes = {"eager": dict(static=False, graphs=False), "graphs": dict(static=True, graphs=cuda)}
+            modes["compiled"] = dict(modes["graphs"], compile_draft=True)  # torch.compile'd drafter, graphs
+            used = {w.split("-")[1] for w in wanted}
+            runtimes = {m: HeadRuntime.load(target, (0, split), **load, **modes[m]) for m in modes if m in used}
             # Each mode's synthetic drafter proposes that mode's own greedy continuation.
             plain = [
                 GenerationRequest(prompt_ids=p, max_new_tokens=new, draft=DraftSettings(kind="none")) for p in prompts
             ]
             refs = {m: [generate(q, runtimes[m], r, names=tails[m][1]).token_ids for q in plain] for m in tails}
+            if "compiled" in runtimes:  # same target path as graphs: same continuation
+                tails["compiled"], refs["compiled"] = tails["graphs"], refs["graphs"]
+            meta = {
+                "target": target,
+                "draft": draft,
+                "split": split,
+                "delay_ms": delay_ms,
+                "k": k,
+                "alpha": alpha,
+                "new_tokens": new,
+                "prompts": n_prompts,
+                "prompt_len": prompt_len,
+                "dtype": dtype,
+                "head_device": head_device,
+                "tail_device": tail_device,
+                "ping_ms": ping_ms(r),
+                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            }
             table = []
             for row in wanted:
                 spec, mode, *rest = row.split("-")
@@ -214,6 +223,7 @@ def main(
                 label = {"nospec": "no speculation", "spec": f"speculation, synthetic α={alpha}"}[spec] + {
                     "eager": ", eager, dynamic caches",
                     "graphs": ", static caches + CUDA graphs" if cuda else ", static caches",
+                    "compiled": ", static caches + CUDA graphs, torch.compile'd drafter",
                 }[mode]
                 label += f", {in_flight} jobs in flight" if in_flight > 1 else ""
                 table.append(
@@ -232,32 +242,14 @@ def main(
                     )
                 )
                 click.echo(json.dumps({k: v for k, v in table[-1].items() if k != "outputs"}))
-            ping = []
-            for _ in range(10):
-                t = time.perf_counter()
-                r.ping()
-                ping.append((time.perf_counter() - t) * 1000)
-            meta = {
-                "target": target,
-                "draft": draft,
-                "split": split,
-                "delay_ms": delay_ms,
-                "k": k,
-                "alpha": alpha,
-                "new_tokens": new,
-                "prompts": n_prompts,
-                "prompt_len": prompt_len,
-                "dtype": dtype,
-                "head_device": head_device,
-                "tail_device": tail_device,
-                "ping_ms": statistics.median(ping),
-                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            }
+                write_outputs(Path(out), meta, table)  # after every row: a cut-short run still reports
             write_outputs(Path(out), meta, table)
             click.echo((Path(out) / "ladder.md").read_text())
         finally:
             for proc, _ in tails.values():
                 proc.terminate()
+            for proc, _ in tails.values():
+                proc.wait(30)
             if proxy:
                 proxy.stop()
 

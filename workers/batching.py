@@ -92,8 +92,8 @@ class Batcher:
         with torch.inference_mode():
             xs = [torch.tensor(w.pending + d.tokens, device=dev) for w, d in zip(batch, drafts, strict=True)]
             hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
-            if dev.type == "cuda":  # attribute GPU time to this stage (the packets need the data next anyway)
-                torch.cuda.synchronize(dev)
+            # copy out before the lock goes: the next batch replays the same graphs into the same buffers
+            hidden = [h.cpu() for h in hidden] if dev.type == "cuda" else hidden
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         for w, d, h in zip(batch, drafts, hidden, strict=True):

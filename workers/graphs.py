@@ -15,7 +15,7 @@ Longer steps (a prompt's prefill) run eagerly over the sequence's slot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -37,7 +37,9 @@ def buckets(limit: int) -> list[int]:
 class BatchGraph:
     """One captured forward of `b` rows × `t` tokens over one pool (logits of `p` rows each, or hidden)."""
 
-    def __init__(self, shard: Shard, pool: KVPool, b: int, t: int, p: int, mempool: object) -> None:
+    def __init__(
+        self, shard: Shard, run: Callable[..., torch.Tensor], pool: KVPool, b: int, t: int, p: int, mempool: object
+    ) -> None:
         dev = shard.device
         self.pool = pool
         self.rows = torch.full((b,), pool.pad_slot, dtype=torch.long, device=dev)
@@ -55,11 +57,11 @@ class BatchGraph:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the capture
-                    shard.run_batch(self.x, self.pos, view, self.pick)
+                    run(self.x, self.pos, view, self.pick)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
-                self.out = shard.run_batch(self.x, self.pos, view, self.pick)
+                self.out = run(self.x, self.pos, view, self.pick)
 
     def __call__(
         self, rows: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, pick: torch.Tensor | None
@@ -90,9 +92,16 @@ class Engine:
         step_tokens: int = DEFAULTS.draft_k + 1,
         pad: bool = True,
         slots: int = DEFAULTS.batch_slots,
+        compile: bool = False,
     ) -> None:
         cuda = shard.device.type == "cuda"
         self.shard = shard
+        self.run_batch = shard.run_batch
+        if compile:  # fused kernels from torch.compile, captured in our own graphs (one compile per shape)
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.run_batch = torch.compile(shard.run_batch, dynamic=False)
         self.graphs = cuda if graphs is None else graphs
         if self.graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
@@ -192,7 +201,7 @@ class Engine:
         if self.graphs:
             out = self._graph(pool, len(caches), t, p)(rows, x, pos, pick)
         else:
-            out = self.shard.run_batch(x, pos, BatchView(pool, rows, pos), pick)
+            out = self.run_batch(x, pos, BatchView(pool, rows, pos), pick)
         for cache, start, m in zip(caches, starts, sizes, strict=True):
             cache.advance(start + m)
         if p == 0:
@@ -206,5 +215,5 @@ class Engine:
         key = (id(pool), size, t, p)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = BatchGraph(self.shard, pool, size, t, p, self._mempool)
+            graph = self._graphs[key] = BatchGraph(self.shard, self.run_batch, pool, size, t, p, self._mempool)
         return graph

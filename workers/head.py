@@ -92,10 +92,12 @@ class HeadRuntime:
         max_k: int = DEFAULTS.draft_k,
         max_len: int | None = None,
         slots: int = DEFAULTS.batch_slots,
+        compile_draft: bool = False,
     ) -> HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
 
-        static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices)."""
+        static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices); slots is how
+        many sequences run as one batch; compile_draft runs the draft model through torch.compile."""
         random = str(target).startswith("random:")
         model_dir = None if random else resolve_model_dir(target)
         shard = load_shard(model_dir or target, layers, embed=True, head=False, device=device, dtype=dtype)
@@ -103,7 +105,7 @@ class HeadRuntime:
         if draft is not None:
             dshard = load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype)
             opts = dict(static=static, graphs=graphs, max_len=max_len, slots=slots)
-            drafter = ModelDrafter(dshard, Engine(dshard, step_tokens=2, pad=False, **opts))
+            drafter = ModelDrafter(dshard, Engine(dshard, step_tokens=2, pad=False, compile=compile_draft, **opts))
             if drafter.shard.config.vocab_size < shard.config.vocab_size:
                 raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
         engine = Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=max_k + 1, slots=slots)
