@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch._dynamo
 
 from schemas.settings import DEFAULTS
 from workers.kvcache import BatchView, KVCache, KVPool, StaticKVCache
@@ -98,8 +99,6 @@ class Engine:
         self.shard = shard
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (one compile per shape)
-            import torch._dynamo
-
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.run_batch = torch.compile(shard.run_batch, dynamic=False)
         self.graphs = cuda if graphs is None else graphs
