@@ -32,6 +32,9 @@ class JobKeys:
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}"
 
+    def checkpoint(self, job_id: str) -> str:
+        return f"{self.prefix}:ckpt:{job_id}"
+
     def model_info(self, queue: str) -> str:
         return f"{self.prefix}:model:{queue}"
 
@@ -53,3 +56,12 @@ class ModelInfo(BaseModel):
     has_chat_template: bool
     head_layers: list[int] = Field(min_length=2, max_length=2)
     draft: str | None = None
+
+
+class Checkpoint(BaseModel):
+    """Tokens a running job has committed, saved with its progress: a retry resumes from them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1] = 1
+    token_ids: list[int] = Field(max_length=1 << 20)

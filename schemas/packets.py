@@ -44,6 +44,11 @@ class RoundPacket(BaseModel):
     max_new: int = Field(ge=1, description="Tokens this round may still commit before 'length'.")
     q_kind: QKind
     tensors: dict[str, TensorMeta] = Field(max_length=4)
+    replay: bool = Field(
+        False,
+        description="A session resumed on a new tail: input_ids replay the whole committed sequence from 0; "
+        "the tail checks (greedy) that the replay predicts its last token before verifying the drafts.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RoundPacket:
@@ -60,6 +65,8 @@ class RoundPacket(BaseModel):
             meta = self.tensors.get(name)
             if meta is None or len(meta.shape) != 2 or meta.shape[0] != k:
                 raise ValueError(f"tensor {name!r} must have {k} rows")
+        if self.replay and (self.start_pos != 0 or len(self.input_ids) < 2):
+            raise ValueError("a replay starts at position 0 with at least two committed tokens")
         return self
 
 

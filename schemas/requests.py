@@ -124,3 +124,5 @@ class GenerationResult(BaseModel):
     tokens_per_round: float = Field(description="Tokens committed per round (accepted + 1).")
     tokens_per_s: float
     timings: RoundTimings
+    resumed_tokens: int = Field(0, description="Tokens taken from a checkpoint (a retried job resumed).")
+    replays: int = Field(0, description="Times the session was replayed onto a live tail (tail crash).")

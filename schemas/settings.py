@@ -42,7 +42,10 @@ class Settings(BaseSettings):
         16, description="Sequences a worker runs as one batched forward (static caches preallocate this many)."
     )
     max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
-    reply_timeout_s: float = Field(60.0, description="How long a head waits for a tail's verdict.")
+    reply_timeout_s: float = Field(
+        15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."
+    )
+    resume_attempts: int = Field(3, description="Replays of one generation before it fails (and RQ retries it).")
     # --- relay packets and tail sessions ---
     max_packet_bytes: int = Field(64 << 20, description="Largest packet (header + tensors) accepted.")
     max_header_bytes: int = Field(1 << 20, description="Largest JSON header of a packet accepted.")

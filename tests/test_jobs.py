@@ -29,7 +29,14 @@ SPLIT = 2
 def head_worker(
     target: Path, url: str, queue: str, prefix: str, log: Path, name: str, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen:
-    env = {**os.environ, "SHARDFLOW_HEARTBEAT_TTL_S": "4", "SHARDFLOW_HEARTBEAT_S": "1", "SHARDFLOW_MAINTENANCE_S": "2"}
+    env = {
+        **os.environ,
+        "SHARDFLOW_HEARTBEAT_TTL_S": "4",
+        "SHARDFLOW_HEARTBEAT_S": "1",
+        "SHARDFLOW_MAINTENANCE_S": "2",
+        "SHARDFLOW_REPLY_TIMEOUT_S": "3",  # a dead tail is noticed (and its sessions replayed) quickly
+        "SHARDFLOW_RESUME_ATTEMPTS": "6",
+    }
     args = [
         sys.executable,
         "-m",
@@ -318,6 +325,9 @@ def test_killed_head_worker_job_is_retried_and_finishes(
         view = e.client.views([job_id])[0]
         assert view.status == "finished", view
         assert view.result["token_ids"] == reference(hf_models["qwen2"], tokenizers["qwen2"], prompt, n)
+        # the retry resumed from the checkpoint: fewer target forwards (rounds) than a fresh run of n
+        assert 0 < view.result["resumed_tokens"] < n and view.result["rounds"] == n - view.result["resumed_tokens"]
+        assert not e.r.exists(f"{e.prefix}:ckpt:{job_id}")
     finally:
         e.close()
 

@@ -144,8 +144,12 @@ def generate(
     session_id: str | None = None,
     on_tokens: TokenCallback | None = None,
     reply_timeout_s: float | None = None,
+    resume: list[int] | None = None,
 ) -> GenerationResult:
-    """Run one split speculative generation against the tails reachable through `r`."""
+    """Run one split speculative generation against the tails reachable through `r`.
+
+    `resume`: tokens already generated (a checkpoint of an earlier attempt); the generation goes on
+    from there, its first round replaying prompt + those tokens onto a tail."""
     prompt = runtime.prompt_ids(req)
     if req.sampling.seed is None and not req.sampling.greedy:
         req = req.model_copy(update={"sampling": req.sampling.model_copy(update={"seed": secrets.randbits(62)})})
@@ -158,5 +162,6 @@ def generate(
         prompt=prompt,
         on_tokens=on_tokens,
         reply_timeout_s=reply_timeout_s,
+        resume=resume,
     )
     return loop.run()

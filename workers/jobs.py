@@ -4,7 +4,8 @@ Producers enqueue jobs by the *name* `workers.jobs.run_generation` with one JSON
 GenerationRequest); the head worker (workers/head_worker.py) refuses any other function name. The
 function runs in the worker's own process, with the models it bound at start (`bind`), and:
 - returns an already stored result untouched (a re-run cannot clobber a finished result);
-- publishes progress to the job's meta and committed text to a per-job token stream, throttled;
+- publishes progress to the job's meta and committed text to a per-job token stream, throttled, with a
+  checkpoint of the committed tokens beside them: a retried job (its head worker died) resumes there;
 - fails without retry on an invalid request, and leaves transient failures to RQ's Retry.
 """
 
@@ -22,7 +23,7 @@ from rq.job import Job
 
 from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest, JobError, ShardFlowError
-from schemas.jobs import RUN_GENERATION, JobKeys
+from schemas.jobs import RUN_GENERATION, Checkpoint, JobKeys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
 
@@ -72,6 +73,11 @@ class Progress:
     flushed_chars: int = 0
     text: str = ""
 
+    def resume_from(self, generated: list[int]) -> None:
+        """Continue after a checkpoint: its text is on the token stream already."""
+        self.text = self.tokenizer.decode(generated, skip_special_tokens=True).rstrip("\ufffd")  # type: ignore[attr-defined]
+        self.flushed_chars = len(self.text)
+
     def on_tokens(self, new: list[int], generated: list[int]) -> None:
         self.rounds += 1
         self.accepted += max(len(new) - 1, 0)
@@ -95,6 +101,11 @@ class Progress:
         delta = self.text[self.flushed_chars :]
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(self.job.key, "meta", self.job.serializer.dumps(self.job.meta))
+        ckpt = self.keys.checkpoint(self.job.id)  # what a retry resumes from, consistent with the text streamed
+        if final:
+            pipe.delete(ckpt)
+        else:
+            pipe.set(ckpt, Checkpoint(token_ids=generated).model_dump_json(), ex=DEFAULTS.result_ttl_s)
         if delta or final:
             pipe.xadd(self.keys.tokens(self.job.id), {b"text": delta.encode(), b"final": b"1" if final else b"0"})
             pipe.expire(self.keys.tokens(self.job.id), DEFAULTS.result_ttl_s)
@@ -103,6 +114,18 @@ class Progress:
         self.flushed_chars = len(self.text)
         if cancelled and not final:
             raise JobCancelled("cancelled by user")
+
+
+def load_checkpoint(r: redis.Redis, keys: JobKeys, job_id: str) -> list[int]:
+    """Tokens an earlier attempt of this job committed (empty if none, or if the record is unreadable)."""
+    raw = r.get(keys.checkpoint(job_id))
+    if raw is None:
+        return []
+    try:
+        return Checkpoint.model_validate_json(raw).token_ids
+    except ValidationError as e:
+        log.warning("job %s: ignoring a bad checkpoint: %s", job_id, e.errors()[0]["msg"])
+        return []
 
 
 def store_result_once(r: redis.Redis, keys: JobKeys, job_id: str, result: GenerationResult) -> dict:
@@ -131,8 +154,19 @@ def run_generation(payload: dict) -> dict:
         raise InvalidRequest(job.meta["error"]) from None
     progress = Progress(job, _bound.r, keys, _bound.runtime.tokenizer)  # type: ignore[attr-defined]
     job.meta.pop("error", None)
+    resume = load_checkpoint(_bound.r, keys, job.id)
+    if resume:
+        log.info("job %s resumes from a checkpoint of %d tokens", job.id, len(resume))
+        progress.resume_from(resume)
     try:
-        result = generate(req, _bound.runtime, _bound.r, names=_bound.names, on_tokens=progress.on_tokens)  # type: ignore[arg-type]
+        result = generate(
+            req,
+            _bound.runtime,  # type: ignore[arg-type]
+            _bound.r,
+            names=_bound.names,
+            on_tokens=progress.on_tokens,
+            resume=resume,
+        )
     except (InvalidRequest, JobCancelled) as e:
         no_retry(job, str(e))
         raise

@@ -10,7 +10,7 @@ import redis
 import torch
 
 from relay_broker.streams import ReplyReader, StreamNames, delete_keys, publish
-from schemas.errors import PacketError, RemoteError, ShardFlowError
+from schemas.errors import PacketError, RemoteError, ReplyTimeout, ShardFlowError
 from schemas.packets import ClosePacket, ErrorReply, Verdict, decode_tail_message, encode_message, encode_round
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.settings import DEFAULTS
@@ -37,11 +37,15 @@ class RoundLoop:
         prompt: list[int],
         on_tokens: Callable[[list[int], list[int]], None] | None,
         reply_timeout_s: float | None,
+        resume: list[int] | None = None,
     ) -> None:
         self.req, self.rt, self.r, self.names, self.sid = req, runtime, r, names, session_id
         self.on_tokens, self.reply_timeout_s = on_tokens, reply_timeout_s
-        self.prompt, self.committed, self.pending = list(prompt), list(prompt), list(prompt)
-        self.generated: list[int] = []
+        self.generated: list[int] = list(resume or [])  # a checkpoint's tokens: the first round replays them
+        self.prompt, self.committed = list(prompt), list(prompt) + self.generated
+        self.pending = list(self.committed)
+        self.resumed, self.replays = len(self.generated), 0
+        self.replay_next = bool(self.generated)
         self.cache = runtime.engine.acquire()
         self.stream = names.shared_requests
         self.pinned = False
@@ -54,7 +58,7 @@ class RoundLoop:
 
     def run(self) -> GenerationResult:
         start = time.perf_counter()
-        finish: FinishReason | None = None
+        finish = self._already_finished()
         try:
             while finish is None:
                 finish = self._round(self.rounds)
@@ -77,7 +81,19 @@ class RoundLoop:
             tokens_per_round=n / max(self.rounds, 1),
             tokens_per_s=n / max(self.t.total_ms / 1000, 1e-9),
             timings=self.t,
+            resumed_tokens=self.resumed,
+            replays=self.replays,
         )
+
+    def _already_finished(self) -> FinishReason | None:
+        """A checkpoint can end where the generation did (the head died before storing the result)."""
+        if not self.generated:
+            return None
+        if self.generated[-1] in self.rt.eos_token_ids:
+            return "eos"
+        if self.stops.hit(self.committed):
+            return "stop"
+        return "length" if len(self.generated) >= self.req.max_new_tokens else None
 
     def _q(self, draft: Draft) -> tuple[str, dict[str, torch.Tensor]]:
         if not draft.tokens or self.req.sampling.greedy:
@@ -107,11 +123,28 @@ class RoundLoop:
             eos_token_ids=self.rt.eos_token_ids,
             max_new=remaining,
             q_kind=q_kind,
+            replay=self.replay_next,
         )
         _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
-        verdict = self._await(rid, fields)
+        try:
+            verdict = self._await(rid, fields)
+        except ReplyTimeout as e:
+            self._replay(rid, e)
+            return None
+        self.replay_next = False
         self._account(draft, verdict, (work.draft_s, work.head_s, time.perf_counter() - t0))
         return self._commit(draft, verdict, start)
+
+    def _replay(self, rid: int, why: ReplyTimeout) -> None:
+        """The tail holding this session is gone (or cut off): rebuild the session on any live tail by
+        replaying every committed token from position 0 in the next round."""
+        if self.replays >= DEFAULTS.resume_attempts:
+            raise ReplyTimeout(f"{why} (after {self.replays} replays onto other tails)")
+        self.replays += 1
+        log.warning("session %s: %s; replaying %d tokens onto a live tail", self.sid, why, len(self.committed))
+        self.cache.crop(0)
+        self.pending, self.replay_next = list(self.committed), True
+        self.stream, self.pinned = self.names.shared_requests, False
 
     def _await(self, rid: int, fields: dict) -> Verdict:
         """Publish the round and wait for its verdict (skipping stale replies of earlier rounds)."""

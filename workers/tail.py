@@ -202,7 +202,7 @@ class TailWorker:
         sess = self.sessions.get(p.session_id)
         if sess is not None and p.round_id <= sess.last_round:
             return None  # duplicate or late
-        if p.start_pos == 0 and p.round_id == 0:
+        if p.start_pos == 0:  # a new session, or one replayed onto this tail
             return self.sessions.open(p.session_id, self.engine.acquire())
         if sess is None:
             raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
@@ -242,7 +242,7 @@ class TailWorker:
                 [p.sess.cache for p in batch],
                 [p.hidden for p in batch],
                 [p.packet.start_pos for p in batch],
-                [len(p.packet.draft_ids) + 1 for p in batch],
+                [len(p.packet.draft_ids) + 1 + p.packet.replay for p in batch],
             )
             if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
                 torch.cuda.synchronize(logits[0].device)
@@ -257,10 +257,27 @@ class TailWorker:
                 out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e))
         return out
 
+    @staticmethod
+    def _check_replay(p: RoundPacket, logits: torch.Tensor) -> None:
+        """A replayed session must predict its own last committed token (greedy: as the argmax, up to a
+        rounding-size tie; sampled: with nonzero probability), or this tail is not computing what the
+        first one did."""
+        last = p.input_ids[-1]
+        if p.sampling.greedy:
+            top = float(logits.max())
+            ok = top - float(logits[last]) <= 1e-2 * max(1.0, abs(top))
+        else:
+            ok = float(warp(logits[None], p.sampling)[0, last]) > 0
+        if not ok:
+            raise SessionError(f"replay of session {p.session_id} does not reproduce its last committed token")
+
     def _verify(self, prep: Prepared, logits: torch.Tensor, forward_ms: float) -> dict:
         """Accept a prefix of the drafts, roll the cache back to the committed prefix, build the verdict."""
         p, sess, tensors = prep.packet, prep.sess, prep.tensors
         t1 = time.perf_counter()
+        if p.replay:
+            self._check_replay(p, logits[0])
+            logits = logits[1:]
         drafts = torch.tensor(p.draft_ids, dtype=torch.long, device=logits.device)
         if p.sampling.greedy:
             accepted, nxt = verify_greedy(logits, drafts)

@@ -1,0 +1,79 @@
+"""Crash recovery with real processes: a tail SIGKILLed while generations are in flight, its sessions
+replayed onto a restarted tail or onto another replica, output identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from producer.local import spawn_tail
+from relay_broker.streams import StreamNames
+from schemas.packets import Verdict, decode_tail_message
+from tests.conftest import PROMPTS
+from tests.test_jobs import SPLIT, Env, reference
+
+N_NEW = 150
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def consumer_ready(r, names: StreamNames, name: str) -> bool:
+    """The tail named `name` reads the shared stream (a busy tail's entry there can look idle, so by name)."""
+    try:
+        return any(c["name"].decode() == name for c in r.xinfo_consumers(names.shared_requests, names.tail_group))
+    except Exception:
+        return False
+
+
+def sessions_by_tail(r, names: StreamNames) -> dict[str, int]:
+    """How many live sessions each tail holds, from the latest verdict on each session's reply stream."""
+    held: dict[str, int] = {}
+    for key in r.scan_iter(match=f"{names.prefix}:reply:*"):
+        last = r.xrevrange(key, count=1)
+        if last:
+            msg = decode_tail_message(last[0][1])
+            if isinstance(msg, Verdict) and msg.tail_id:
+                held[msg.tail_id] = held.get(msg.tail_id, 0) + 1
+    return held
+
+
+@pytest.mark.parametrize("mode", ["restart", "replica"])
+def test_tail_killed_mid_flight_sessions_replay(
+    mode, models, redis_server, redis_client, tmp_path, hf_models, tokenizers
+):
+    e = Env(f"tailkill-{mode}", models, redis_server, redis_client, tmp_path, head_extra=("--concurrency", "5"))
+    names = StreamNames(e.prefix)
+    try:
+        if mode == "replica":  # a second tail replica is up from the start; nothing is restarted
+            e.procs["tail2"] = spawn_tail(
+                e.ms.target, (SPLIT, e.ms.n_layers), e.url, prefix=e.prefix, name="replica2", extra=["--threads", "1"]
+            )
+            wait_until(lambda: consumer_ready(e.r, names, "replica2"), 60, "second tail ready")
+        prompts = PROMPTS[:5]
+        res = e.cli("enqueue", *prompts, "--no-chat-template", "--max-new-tokens", str(N_NEW), "--drafter", "none")
+        assert res.exit_code == 0, res.output
+        ids = e.client.resolve(res.output.strip())
+        wait_until(lambda: all(v.progress for v in e.client.views(ids)), 60, "all 5 generations running")
+        held = sessions_by_tail(e.r, names)
+        victim = "tail2" if held.get("replica2", 0) > sum(held.values()) / 2 else "tail"
+        assert not any(v.status == "finished" for v in e.client.views(ids)), "kill came too late"
+        e.procs[victim].kill()
+        e.procs[victim].wait()
+        lost = held.get("replica2", 0) if victim == "tail2" else sum(held.values()) - held.get("replica2", 0)
+        if mode == "restart":
+            e.start_tail()
+        wait_until(lambda: all(v.status in ("finished", "failed") for v in e.client.views(ids)), 180, "all done")
+        views = e.client.views(ids)
+        for p, v in zip(prompts, views, strict=True):
+            assert v.status == "finished", v
+            assert v.result["token_ids"] == reference(hf_models["qwen2"], tokenizers["qwen2"], p, N_NEW)
+        assert lost >= 1 and sum(v.result["replays"] > 0 for v in views) >= lost  # the dead tail's sessions moved
+    finally:
+        e.close()
