@@ -1,13 +1,22 @@
 """Connect to Redis from a URL and retry transport errors (only those) with tenacity.
 
-URLs: redis://[user:password@]host:port/db, rediss:// (TLS; CA and client certs as query options or
-keyword arguments), unix:///path/to/socket?db=0. Job-level failures are never retried here.
+URLs: redis://[user:password@]host:port/db, rediss:// (TLS), unix:///path/to/socket?db=0. Job-level
+failures are never retried here, and neither are refused credentials or a server certificate that
+fails verification.
+
+TLS options are redis-py's, as URL query options (every process, and RQ's scheduler connection,
+inherits them from the one URL) or keyword arguments:
+    rediss://user:pw@host:6380/0?ssl_ca_certs=/tls/ca.crt                      trust this CA
+        &ssl_certfile=/tls/client.crt&ssl_keyfile=/tls/client.key              client certificate
+        &ssl_cert_reqs=required&ssl_check_hostname=true                        (the defaults)
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit
 
 import redis
 import redis.exceptions
@@ -21,8 +30,20 @@ TRANSPORT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, 
 AUTH_ERRORS = (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)
 
 
+def _certificate_rejected(e: BaseException) -> bool:
+    """The TLS handshake failed verifying the server's certificate (retrying cannot help)."""
+    seen: BaseException | None = e
+    for _ in range(8):  # the exception and what it was raised from
+        if seen is None:
+            break
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "CERTIFICATE_VERIFY_FAILED" in str(e)
+
+
 def _retryable(e: BaseException) -> bool:
-    return isinstance(e, TRANSPORT_ERRORS) and not isinstance(e, AUTH_ERRORS)
+    return isinstance(e, TRANSPORT_ERRORS) and not isinstance(e, AUTH_ERRORS) and not _certificate_rejected(e)
 
 
 def transport_retry(attempts: int = DEFAULTS.connect_attempts) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -42,6 +63,8 @@ def transport_retry(attempts: int = DEFAULTS.connect_attempts) -> Callable[[Call
             except AUTH_ERRORS as e:
                 raise TransportError(f"Redis refused the credentials: {e}") from e
             except TRANSPORT_ERRORS as e:
+                if _certificate_rejected(e):
+                    raise TransportError(f"Redis's TLS certificate is not trusted (ssl_ca_certs?): {e}") from e
                 raise TransportError(f"Redis unreachable after {attempts} attempts: {e}") from e
 
         call.__name__ = getattr(fn, "__name__", "call")
@@ -71,6 +94,9 @@ def connect(
         opts["username"] = username
     if password is not None:
         opts["password"] = password
+    tls_opts = sorted(k for k in parse_qs(urlsplit(url).query) if k.startswith("ssl_"))
+    if tls_opts and not url.startswith("rediss://"):
+        raise TransportError(f"{', '.join(tls_opts)} need a rediss:// URL (TLS), not {url.split(':', 1)[0]}://")
     try:
         client = redis.Redis.from_url(url, **opts)
     except ValueError as e:

@@ -46,14 +46,15 @@ def find_redis_server() -> str:
     return found
 
 
-def tls_redis_server() -> str | None:
-    """A redis-server built with TLS: $SHARDFLOW_TLS_REDIS_SERVER, else the first one on PATH or in
-    /usr/bin, /usr/local/bin linked to OpenSSL (Debian's `redis-server` package is); None if none."""
+def tls_redis_server(min_version: tuple[int, int] = (7, 0)) -> str | None:
+    """A redis-server built with TLS, at least `min_version` (ACL files with %R~/%W~ need 7.0):
+    $SHARDFLOW_TLS_REDIS_SERVER, else the first one on PATH or in /usr/bin, /usr/local/bin that is
+    linked to OpenSSL (Debian's `redis-server` package is); None if there is none."""
     env = os.environ.get("SHARDFLOW_TLS_REDIS_SERVER")
     if env:
         return env
     for path in (shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/local/bin/redis-server"):
-        if path and os.access(path, os.X_OK) and _links_openssl(path):
+        if path and os.access(path, os.X_OK) and _links_openssl(path) and _version(path) >= min_version:
             return path
     return None
 
@@ -64,6 +65,16 @@ def _links_openssl(path: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return "libssl" in out
+
+
+def _version(path: str) -> tuple[int, int]:
+    """(major, minor) of a redis-server binary ("Redis server v=7.0.15 ..."); (0, 0) if unknown."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+        major, minor = out.split("v=", 1)[1].split(".")[:2]
+        return int(major), int(minor)
+    except (OSError, subprocess.TimeoutExpired, IndexError, ValueError):
+        return (0, 0)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,434 @@
+"""The security model for real: the shipped ACL file (deploy/users.acl.template, rendered with test
+passwords) on a TLS-only redis-server with client certificates made at test time, one user per role.
+
+- every role can do its whole job: a tail and a head worker process and the producer CLI, each logged
+  in as its own user over rediss://, run real generations, follow, cancel, retry; ACL LOG stays empty;
+- what each role must not do is refused (NOPERM): the producer cannot write to the tails' request
+  streams or read verdicts, forge results or command workers; no role runs admin commands;
+- TLS: no CA, a foreign CA, no or a foreign client certificate, plain TCP, no password: all refused;
+- a forged job record (function or failure callback) never makes a head or a producer import code.
+
+Needs a redis-server 7+ built with TLS (Debian's `redis-server` package; scripts/test.sh installs it
+as root); without one these tests skip, which fails the suite under SHARDFLOW_STRICT_TESTS=1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+import yaml
+from click.testing import CliRunner
+from rq import Queue
+from rq.serializers import JSONSerializer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from producer.cli import main
+from producer.local import spawn_tail, wait_for_tails
+from relay_broker.connection import connect
+from relay_broker.embedded import EmbeddedRedis, TLSFiles, tls_redis_server
+from relay_broker.streams import StreamNames
+from schemas.errors import TransportError
+from workers.tiny_models import build_tokenizer, save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("render_acl", ROOT / "deploy" / "render_acl.py")
+assert _spec is not None and _spec.loader is not None
+render_acl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render_acl)
+
+ROLES = ("admin", "producer", "head", "tail")
+PREFIX, QUEUE, SPLIT, N_LAYERS = "shardflow", "secq", 2, 4
+CALLBACK_MARKER = "SHARDFLOW_TEST_CALLBACK_MARKER"
+
+
+# --- certificates, made with the openssl CLI (nothing committed) -----------------------------------
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+EC_KEY = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl(*f"req -x509 {EC_KEY} -keyout {name}.key -out {name}.crt -days 2 -subj /CN={name}".split(), cwd=d)
+
+
+def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
+    """A key and a certificate for `name`, signed by `ca`, with the X.509 extensions `ext`."""
+    (d / f"{name}.ext").write_text(ext + "\n")
+    _openssl(*f"req {EC_KEY} -keyout {name}.key -out {name}.csr -subj /CN={name}".split(), cwd=d)
+    sign = f"x509 -req -in {name}.csr -CA {ca}.crt -CAkey {ca}.key -CAcreateserial -out {name}.crt -days 2"
+    _openssl(*sign.split(), "-extfile", f"{name}.ext", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl CLI to make test certificates (scripts/test.sh installs it as root)")
+    d = tmp_path_factory.mktemp("pki")
+    _ca(d, "ca")
+    _ca(d, "rogue-ca")
+    _leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth")
+    _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth")
+    _leaf(d, "rogue-client", "rogue-ca", "extendedKeyUsage=clientAuth")
+    return d
+
+
+# --- one TLS-only redis-server with the shipped ACL file --------------------------------------------
+class Secured:
+    """The server, the test passwords, and a URL / client per role."""
+
+    def __init__(self, server: EmbeddedRedis, passwords: dict[str, str], pki: Path) -> None:
+        self.server, self.passwords, self.pki = server, passwords, pki
+
+    def url(self, role: str) -> str:
+        return self.server.url_for(role, self.passwords[role])
+
+    def client(self, role: str, **kwargs) -> redis.Redis:
+        return connect(self.url(role), attempts=1, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def secured(pki, tmp_path_factory) -> Iterator[Secured]:
+    binary = tls_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server 7+ built with TLS (apt-get install redis-server; scripts/test.sh does as root)")
+    passwords = {role: secrets.token_hex(24) for role in ROLES}
+    values = {f"REDIS_{role.upper()}_PASSWORD": pw for role, pw in passwords.items()} | {"SHARDFLOW_PREFIX": PREFIX}
+    acl = tmp_path_factory.mktemp("acl") / "users.acl"
+    render_acl.write_atomic(acl, render_acl.render(render_acl.TEMPLATE.read_text(), values))
+    tls = TLSFiles(pki / "ca.crt", pki / "server.crt", pki / "server.key", pki / "client.crt", pki / "client.key")
+    server = EmbeddedRedis(
+        binary=binary,
+        aclfile=acl,
+        tls=tls,
+        username="admin",
+        password=passwords["admin"],
+        extra_args=["--enable-debug-command", "yes"],  # so that only the ACL stands between a role and DEBUG
+    )
+    with server:
+        yield Secured(server, passwords, pki)
+
+
+def _refused(r: redis.Redis, *args: str) -> str:
+    """Send one raw command and return its NOPERM error text (fails if the command is allowed)."""
+    conn = r.connection_pool.get_connection()
+    try:
+        conn.send_command(*args)
+        with pytest.raises(redis.exceptions.NoPermissionError) as e:
+            conn.read_response()
+    finally:
+        conn.disconnect()
+        r.connection_pool.release(conn)
+    return str(e.value)
+
+
+# --- the ACL file and compose.yaml ------------------------------------------------------------------
+def test_rendered_acl_holds_only_hashes_and_disables_default():
+    pw = {f"REDIS_{r.upper()}_PASSWORD": f"{r}-{'x' * 20}" for r in ROLES}
+    text = render_acl.render(render_acl.TEMPLATE.read_text(), pw)
+    lines = {line.split()[1]: line for line in text.splitlines()}
+    assert set(lines) == {"default", *ROLES}
+    assert lines["default"].startswith("user default off ") and "nopass" not in text
+    for value in pw.values():
+        assert value not in text
+    for role in ROLES:
+        assert len([t for t in lines[role].split() if t.startswith("#") and len(t) == 65]) == 1
+    assert "${" not in text and "shardflow:tail:*" in lines["tail"]
+    with pytest.raises(render_acl.RenderError, match="REDIS_HEAD_PASSWORD is not set"):
+        render_acl.render(render_acl.TEMPLATE.read_text(), {k: v for k, v in pw.items() if "HEAD" not in k})
+    with pytest.raises(render_acl.RenderError, match="shorter than 16"):
+        render_acl.render(render_acl.TEMPLATE.read_text(), pw | {"REDIS_TAIL_PASSWORD": "short"})
+    with pytest.raises(render_acl.RenderError, match="SHARDFLOW_PREFIX"):
+        render_acl.render(render_acl.TEMPLATE.read_text(), pw | {"SHARDFLOW_PREFIX": "a*"})
+
+
+def test_compose_loads_the_rendered_acl_file_and_the_tls_overlay_agrees():
+    base = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    tls = yaml.safe_load((ROOT / "deploy" / "compose.tls.yaml").read_text())["services"]
+    redis_cmd = base["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--aclfile") + 1] == "/acl/users.acl" and "--user" not in redis_cmd
+    assert "render_acl.py" in " ".join(base["acl"]["command"])
+    assert base["redis"]["depends_on"]["acl"]["condition"] == "service_completed_successfully"
+    tls_cmd = tls["redis"]["command"]
+    assert tls_cmd[: len(redis_cmd)] == redis_cmd  # the overlay only adds TLS
+    assert tls_cmd[tls_cmd.index("--port") + 1] == "0" and tls_cmd[tls_cmd.index("--tls-auth-clients") + 1] == "yes"
+    for role in ("tail", "head", "producer"):
+        pw = f"${{REDIS_{role.upper()}_PASSWORD:-}}"
+        assert base[role]["environment"]["SHARDFLOW_REDIS_URL"].startswith(f"redis://{role}:{pw}@")
+        url = tls[role]["environment"]["SHARDFLOW_REDIS_URL"]
+        assert url.startswith(f"rediss://{role}:{pw}@") and "./tls:/tls:ro" in tls[role]["volumes"]
+        assert all(f"{opt}=/tls/" in url for opt in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"))
+
+
+# --- TLS ---------------------------------------------------------------------------------------------
+def test_tls_with_the_ca_and_a_client_certificate_only(secured):
+    s, pki, port = secured, secured.pki, secured.server.port
+    assert s.client("producer").ping()
+    auth = f"producer:{s.passwords['producer']}@127.0.0.1:{port}/0"
+    refused = {
+        "plain TCP": f"redis://{auth}",
+        "no CA (system trust store)": f"rediss://{auth}?ssl_certfile={pki}/client.crt&ssl_keyfile={pki}/client.key",
+        "a foreign CA": f"rediss://{auth}?ssl_ca_certs={pki}/rogue-ca.crt"
+        f"&ssl_certfile={pki}/client.crt&ssl_keyfile={pki}/client.key",
+        "no client certificate": f"rediss://{auth}?ssl_ca_certs={pki}/ca.crt",
+        "a foreign client certificate": f"rediss://{auth}?ssl_ca_certs={pki}/ca.crt"
+        f"&ssl_certfile={pki}/rogue-client.crt&ssl_keyfile={pki}/rogue-client.key",
+    }
+    for why, url in refused.items():
+        with pytest.raises(TransportError):
+            connect(url, attempts=1, socket_connect_timeout=3, socket_timeout=3)
+            pytest.fail(f"connected with {why}")
+    with pytest.raises(TransportError, match="credentials"):
+        connect(s.server.url_for("producer", "wrong-password"), attempts=1)
+    with pytest.raises(TransportError, match="credentials"):
+        connect(s.server.url_for(None, None), attempts=1)  # the default user is off
+    with pytest.raises(TransportError, match="rediss://"):
+        connect(f"redis://{auth}?ssl_ca_certs={pki}/ca.crt", attempts=1)
+
+
+# --- what each role must not do ---------------------------------------------------------------------
+ADMIN_COMMANDS = [
+    ("FLUSHALL",),
+    ("FLUSHDB",),
+    ("CONFIG", "GET", "*"),
+    ("CONFIG", "SET", "appendonly", "no"),
+    ("DEBUG", "SLEEP", "0"),
+    ("ACL", "LIST"),
+    ("ACL", "SETUSER", "evil", "on", ">evil-password", "~*", "+@all"),
+    ("KEYS", "*"),
+    ("SCAN", "0"),
+    ("MONITOR",),
+    ("CLIENT", "LIST"),
+    ("CLIENT", "KILL", "TYPE", "normal"),
+    ("CLIENT", "TRACKING", "on", "BCAST"),
+    ("SHUTDOWN", "NOSAVE"),
+    ("SCRIPT", "FLUSH"),
+    ("FUNCTION", "FLUSH"),
+    ("PUBLISH", "rq:pubsub:any-worker", '{"command": "shutdown"}'),
+]
+ROLE_DENIALS = {
+    "producer": [
+        ("XADD", f"{PREFIX}:tail:requests", "*", "h", "forged"),
+        ("XADD", f"{PREFIX}:tail:some-tail:requests", "*", "h", "forged"),
+        ("XRANGE", f"{PREFIX}:tail:requests", "-", "+"),
+        ("XREAD", "STREAMS", f"{PREFIX}:reply:some-session", "0"),
+        ("DEL", f"{PREFIX}:reply:some-session"),
+        ("SET", f"{PREFIX}:result:some-job", "{}"),
+        ("SET", f"{PREFIX}:ckpt:some-job", "{}"),
+        ("SET", f"{PREFIX}:model:{QUEUE}", "{}"),
+        ("GET", f"{PREFIX}:cancel:some-job"),
+        ("SUBSCRIBE", "rq:pubsub:any-worker"),
+        ("EVAL", "return 1", "0"),
+        ("SET", "elsewhere", "1"),
+    ],
+    "tail": [
+        ("XREAD", "STREAMS", f"{PREFIX}:reply:some-session", "0"),
+        ("HGETALL", "rq:job:some-job"),
+        ("RPUSH", f"rq:queue:{QUEUE}", "job"),
+        ("GET", f"{PREFIX}:result:some-job"),
+        ("SET", f"{PREFIX}:result:some-job", "{}"),
+        ("XADD", f"{PREFIX}:tokens:some-job", "*", "text", "x"),
+        ("SET", f"{PREFIX}:ckpt:some-job", "{}"),
+        ("SUBSCRIBE", "rq:pubsub:any-worker"),
+    ],
+    "head": [
+        ("XRANGE", f"{PREFIX}:tail:requests", "-", "+"),
+        ("XREADGROUP", "GROUP", f"{PREFIX}:tails", "h", "STREAMS", f"{PREFIX}:tail:requests", ">"),
+        ("SET", f"{PREFIX}:cancel:some-job", "1"),
+        ("HGETALL", f"{PREFIX}:batch:some-batch"),
+        ("XREAD", "STREAMS", f"{PREFIX}:tokens:some-job", "0"),
+        ("GET", f"{PREFIX}:model:{QUEUE}"),
+        ("SET", "elsewhere", "1"),
+    ],
+}
+
+
+@pytest.mark.parametrize("role", ["producer", "head", "tail"])
+def test_no_role_runs_admin_commands(secured, role):
+    r = secured.client(role)
+    for cmd in ADMIN_COMMANDS:
+        assert "no permissions" in _refused(r, *cmd), cmd
+    assert secured.client("admin").ping()  # still up
+
+
+@pytest.mark.parametrize("role", ["producer", "head", "tail"])
+def test_each_role_is_kept_out_of_other_roles_keys(secured, role):
+    r = secured.client(role)
+    for cmd in ROLE_DENIALS[role]:
+        assert "no permissions" in _refused(r, *cmd), cmd
+
+
+# --- everything each role needs, for real ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "qwen2", "qwen2", tokenizer=build_tokenizer())
+
+
+class Workers:
+    """A tail and a head worker process, each connected as its own user."""
+
+    def __init__(self, s: Secured, model: Path, logdir: Path) -> None:
+        self.logdir, self.procs = logdir, {}
+        self.procs["tail"] = spawn_tail(
+            model,
+            (SPLIT, N_LAYERS),
+            s.url("tail"),
+            prefix=PREFIX,
+            extra=["--threads", "1"],
+            log_path=logdir / "tail.log",
+        )
+        args = ["head", "--target", str(model), "--layers", f"0:{SPLIT}", "--queue", QUEUE, "--prefix", PREFIX]
+        args += ["--redis-url", s.url("head"), "--threads", "1", "--name", "sec-h1"]
+        with (logdir / "head.log").open("ab") as log:
+            self.procs["head"] = subprocess.Popen([sys.executable, "-m", "producer", *args], stdout=log, stderr=log)
+        admin = s.client("admin")
+        wait_for_tails(admin, StreamNames(PREFIX), proc=self.procs["tail"])
+        deadline = time.monotonic() + 90
+        while not admin.exists(f"{PREFIX}:model:{QUEUE}") or not admin.scard(f"rq:workers:{QUEUE}"):
+            assert self.procs["head"].poll() is None, (logdir / "head.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "head worker did not start"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def workers(secured, tiny, tmp_path_factory) -> Iterator[Workers]:
+    secured.client("admin").acl_log_reset()
+    w = Workers(secured, tiny, tmp_path_factory.mktemp("logs"))
+    yield w
+    w.close()
+
+
+def _producer_cli(s: Secured, *args: str):
+    return CliRunner().invoke(main, [*args, "--queue", QUEUE, "--prefix", PREFIX, "--redis-url", s.url("producer")])
+
+
+def _denials(s: Secured) -> list[dict]:
+    return [e for e in s.client("admin").acl_log() if e.get("reason") != "auth"]
+
+
+def _reference(model: Path, prompt: str, n: int) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.tensor([tok.encode(prompt)])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_every_role_does_its_whole_job_under_its_own_user(secured, workers, tiny):
+    s = secured
+    res = _producer_cli(
+        s,
+        "enqueue",
+        "Hello world!",
+        "The quick brown fox",
+        "--no-chat-template",
+        "--max-new-tokens",
+        "10",
+        "--wait",
+        "--json",
+        "--timeout",
+        "120",
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output.splitlines()[-1])
+    for prompt, job in zip(("Hello world!", "The quick brown fox"), data["jobs"], strict=True):
+        assert job["status"] == "finished"
+        assert job["result"]["token_ids"] == _reference(tiny, prompt, 10)
+    assert _producer_cli(s, "status", data["batch_id"], "--json").exit_code == 0
+    batch = _producer_cli(s, "enqueue", "Once upon a time", "--no-chat-template", "--max-new-tokens", "8")
+    follow = _producer_cli(s, "results", batch.output.strip(), "--follow", "--timeout", "60")
+    assert follow.exit_code == 0 and follow.output.startswith("[0] "), follow.output
+    info = json.loads(_producer_cli(s, "info", "--json").output)
+    assert next(q for q in info["queues"] if q["queue"] == QUEUE)["workers"] == 1
+    assert info["model"]["head_layers"] == [0, SPLIT]
+    _cancel_and_retry(s)
+    assert _denials(s) == [], "a role was refused something it needed during a real run"
+    # RQ's scheduler (its own process and connection, rebuilt from the head's URL) holds its lock over TLS
+    assert s.client("admin").exists(f"rq:scheduler-lock:{QUEUE}")
+
+
+def _cancel_and_retry(s: Secured) -> None:
+    """Cancel a running and a queued job (cancel flag, canceled registry), retry both, cancel again."""
+    res = _producer_cli(
+        s, "enqueue", "one", "two", "--no-chat-template", "--max-new-tokens", "1500", "--drafter", "none"
+    )
+    batch = res.output.strip()
+    admin = s.client("admin")
+    ids = [f"{batch}-{i:05d}" for i in range(2)]
+    deadline = time.monotonic() + 60
+    while not admin.exists(f"{PREFIX}:tokens:{ids[0]}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _producer_cli(s, "cancel", batch).output.strip() == "cancelled 2 job(s)"
+    final = ("failed", "canceled", "finished")
+    while time.monotonic() < deadline:
+        views = json.loads(_producer_cli(s, "status", batch, "--json").output)["jobs"]
+        if all(v["status"] in final for v in views):
+            break
+        time.sleep(0.2)
+    assert [(v["status"], v["error"]) for v in views] == [("failed", "cancelled by user"), ("canceled", None)]
+    retried = _producer_cli(s, "retry", batch)
+    assert retried.exit_code == 0 and sorted(retried.output.split()[-2:]) == ids, retried.output
+    assert _producer_cli(s, "cancel", batch).exit_code == 0
+    while time.monotonic() < deadline + 30:
+        views = json.loads(_producer_cli(s, "status", batch, "--json").output)["jobs"]
+        if all(v["status"] in final for v in views):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"cancelled jobs did not stop: {views}")
+
+
+def test_a_producer_cannot_make_a_head_run_code(secured, workers, tmp_path):
+    marker = tmp_path / "pwned"
+    q = Queue(QUEUE, connection=secured.client("producer"), serializer=JSONSerializer)
+    job = q.enqueue_call("os.system", args=(f"touch {marker}",), job_id="sec-forged-1")
+    deadline = time.monotonic() + 30
+    while job.get_status() not in ("failed", "finished") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.get_status() == "failed" and not marker.exists()
+    assert "not allow-listed" in job.latest_result().exc_string
+
+
+def forged_failure_callback(*args: object) -> None:
+    """Stands in for attacker-chosen code: proves whether a forged failure callback was called."""
+    Path(os.environ[CALLBACK_MARKER]).touch()
+
+
+def test_forged_abandoned_job_never_makes_a_producer_import_code(secured, workers, tmp_path, monkeypatch):
+    """RQ's registry cleanup (run by `shardflow info` when counting jobs) calls the failure callback a job
+    record names; one producer could plant such a record to run code in another's process."""
+    marker = tmp_path / "called"
+    monkeypatch.setenv(CALLBACK_MARKER, str(marker))
+    p = secured.client("producer")
+    q = Queue(f"{QUEUE}-idle", connection=p, serializer=JSONSerializer)  # a queue no worker serves
+    job = q.enqueue_call("workers.jobs.run_generation", args=({"prompt": "x"},), job_id="sec-forged-2")
+    q.remove(job)  # forge it as started and abandoned: not in the queue, in the wip registry, long expired
+    callback = f"{__name__}.forged_failure_callback"
+    p.hset(job.key, mapping={"status": "started", "failure_callback_name": callback, "retries_left": 0})
+    p.zadd(f"rq:wip:{q.name}", {f"{job.id}:forged-exec": 1})
+    res = _producer_cli(secured, "info", "--json")
+    assert res.exit_code == 0, (res.output, repr(res.exception), secured.client("admin").acl_log())
+    assert not marker.exists(), "a producer imported and ran a job record's failure callback"
+    assert p.hget(job.key, "status") == b"failed"  # the cleanup itself ran
