@@ -146,6 +146,12 @@ def tail(
 @click.option("--draft", default=None, help="Draft model sharing the target's tokenizer (dir or hub id).")
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
 @click.option(
+    "--compile-draft",
+    is_flag=True,
+    help="Run the draft model through torch.compile (CUDA: about half the drafting time; each batch size "
+    "compiles once, tens of seconds, at its first use).",
+)
+@click.option(
     "--concurrency",
     type=int,
     default=1,
@@ -174,6 +180,7 @@ def head(
     static: bool | None,
     graphs: bool | None,
     slots: int,
+    compile_draft: bool,
 ) -> None:
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
     from relay_broker.connection import connect
@@ -193,6 +200,7 @@ def head(
         static=static,
         graphs=graphs,
         slots=slots,
+        compile_draft=compile_draft,
     )
     info = ModelInfo(
         target=str(target),

@@ -38,9 +38,7 @@ def buckets(limit: int) -> list[int]:
 class BatchGraph:
     """One captured forward of `b` rows × `t` tokens over one pool (logits of `p` rows each, or hidden)."""
 
-    def __init__(
-        self, shard: Shard, run: Callable[..., torch.Tensor], pool: KVPool, b: int, t: int, p: int, mempool: object
-    ) -> None:
+    def __init__(self, shard: Shard, run: Callable[..., torch.Tensor], pool: KVPool, b: int, t: int, p: int) -> None:
         dev = shard.device
         self.pool = pool
         self.rows = torch.full((b,), pool.pad_slot, dtype=torch.long, device=dev)
@@ -61,7 +59,9 @@ class BatchGraph:
                     run(self.x, self.pos, view, self.pick)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
+            # A private memory pool: with a shared one, a graph captured later may keep its output in memory
+            # an earlier graph uses for intermediates, and replaying that one clobbers the output.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.out = run(self.x, self.pos, view, self.pick)
 
     def __call__(
@@ -110,10 +110,6 @@ class Engine:
         self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
         self._buckets = buckets(self.slots)
         self._graphs: dict[tuple[int, int, int, int], BatchGraph] = {}
-        self._mempool = None
-        if self.graphs:
-            with torch.cuda.device(shard.device):
-                self._mempool = torch.cuda.graph_pool_handle()
         self.pool = self._new_pool(self.slots) if self.static else None
         self._spare: list[KVPool] = []  # one-slot pools for sequences beyond the main pool
 
@@ -214,5 +210,5 @@ class Engine:
         key = (id(pool), size, t, p)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = BatchGraph(self.shard, self.run_batch, pool, size, t, p, self._mempool)
+            graph = self._graphs[key] = BatchGraph(self.shard, self.run_batch, pool, size, t, p)
         return graph
