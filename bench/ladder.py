@@ -52,18 +52,22 @@ def run_row(
         )
         return GenerationRequest(prompt_ids=p, max_new_tokens=new, draft=draft)
 
-    generate(request(prompts[0], refs[0]), runtime, r, names=names)  # warm-up: kernels, graph capture
+    def in_flight_run(work: list) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(work)) as pool:
+            return list(pool.map(lambda pr: generate(request(*pr), runtime, r, names=names), work))
+
+    work = [(prompts[i % len(prompts)], refs[i % len(refs)]) for i in range(in_flight)]
+    # warm-up: kernels, graph capture and compilation of every batch size the row will use
+    generate(request(prompts[0], refs[0]), runtime, r, names=names) if in_flight == 1 else in_flight_run(work)
     if runtime.shard.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runtime.shard.device)
     started = time.perf_counter()
     if in_flight == 1:
         results = [generate(request(p, ref), runtime, r, names=names) for p, ref in zip(prompts, refs, strict=True)]
     else:  # as many jobs in flight, sharing the head runtime (each its own cache, session and thread)
-        from concurrent.futures import ThreadPoolExecutor
-
-        work = [(prompts[i % len(prompts)], refs[i % len(refs)]) for i in range(in_flight)]
-        with ThreadPoolExecutor(in_flight) as pool:
-            results = list(pool.map(lambda pr: generate(request(*pr), runtime, r, names=names), work))
+        results = in_flight_run(work)
         refs = [ref for _, ref in work]
     wall = time.perf_counter() - started
     same = sum(res.token_ids == ref[: len(res.token_ids)] for res, ref in zip(results, refs, strict=True))

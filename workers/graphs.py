@@ -98,9 +98,9 @@ class Engine:
         cuda = shard.device.type == "cuda"
         self.shard = shard
         self.run_batch = shard.run_batch
-        if compile:  # fused kernels from torch.compile, captured in our own graphs (one compile per shape)
+        if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.run_batch = torch.compile(shard.run_batch, dynamic=False)
+            self.run_batch = torch.compile(shard.run_batch)  # shapes seen twice become dynamic
         self.graphs = cuda if graphs is None else graphs
         if self.graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
