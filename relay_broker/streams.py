@@ -81,6 +81,11 @@ class GroupReader:
     _last_claim: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """(Re)create the groups (a restarted Redis without persistence lost them); read own pending first."""
+        self._pending_done = False
         for s in self.streams:
             self._create_group(s)
 

@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     prefix: str = Field("shardflow", description="Namespace of every relay key ShardFlow writes.")
     socket_timeout_s: float = Field(30.0, description="Redis socket timeout; must exceed block_ms.")
     connect_attempts: int = Field(8, description="Attempts for a Redis operation on transport errors.")
+    reconnect_min_s: float = Field(0.5, description="First wait of a worker loop that lost Redis (then doubling).")
+    reconnect_max_s: float = Field(10.0, description="Longest wait between a worker loop's reconnect attempts.")
     block_ms: int = Field(1000, description="Redis BLOCK time of stream reads.")
     # --- jobs (RQ) ---
     queue: str = Field("shardflow", description="RQ queue that head workers serve and producers fill.")

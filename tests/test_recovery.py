@@ -8,6 +8,8 @@ import time
 import pytest
 
 from producer.local import spawn_tail
+from relay_broker.connection import connect
+from relay_broker.embedded import EmbeddedRedis, free_port
 from relay_broker.streams import StreamNames
 from schemas.packets import Verdict, decode_tail_message
 from tests.conftest import PROMPTS
@@ -77,3 +79,31 @@ def test_tail_killed_mid_flight_sessions_replay(
         assert lost >= 1 and sum(v.result["replays"] > 0 for v in views) >= lost  # the dead tail's sessions moved
     finally:
         e.close()
+
+
+def test_redis_restart_with_50_jobs_queued(models, tmp_path, hf_models, tokenizers):
+    """Redis (append-only) is killed with 50 jobs queued and restarted: workers reconnect with backoff,
+    no job is lost and every one finishes with the right output."""
+    data, port = tmp_path / "redis-data", free_port()
+    server = EmbeddedRedis(port=port, data_dir=data, appendonly=True).start()
+    e = Env("restart", models, server, connect(server.url), tmp_path)
+    try:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(50)]
+        res = e.cli("enqueue", *prompts, "--no-chat-template", "--max-new-tokens", "6", "--drafter", "none")
+        assert res.exit_code == 0, res.output
+        ids = e.client.resolve(res.output.strip())
+        time.sleep(1.5)  # appendfsync everysec: the queue is on disk
+        assert server.proc is not None
+        server.proc.kill()  # a crash, not a clean shutdown
+        server.proc.wait()
+        time.sleep(2.0)  # the workers notice
+        server = EmbeddedRedis(port=port, data_dir=data, appendonly=True).start()
+        wait_until(lambda: all(v.status in ("finished", "failed") for v in e.client.views(ids)), 180, "all done")
+        views = e.client.views(ids)
+        assert [v.status for v in views] == ["finished"] * 50
+        refs = {p: reference(hf_models["qwen2"], tokenizers["qwen2"], p, 6) for p in set(prompts)}
+        assert [v.result["token_ids"] for v in views] == [refs[p] for p in prompts]
+        assert e.procs["tail"].poll() is None and e.procs["head"].poll() is None  # both rode it out
+    finally:
+        e.close()
+        server.stop()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import redis
@@ -103,6 +104,18 @@ class HeadWorker(SimpleWorker):
         if model_info is not None:
             for q in queues:
                 r.set(JobKeys(self.names.prefix).model_info(q), model_info.model_dump_json())
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        """RQ's loop, restarted with backoff when it ends on an error (Redis lost mid-job, say) rather
+        than on a stop request: RQ retries a lost connection only while it waits for jobs."""
+        delay = 1.0
+        while True:
+            worked = super().work(*args, **kwargs)
+            if kwargs.get("burst") or self._stop_requested:
+                return worked
+            log.warning("worker %s: its loop ended on an error; restarting in %.0fs", self.name, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is threading.main_thread():  # workers in extra threads get none

@@ -23,7 +23,7 @@ import redis
 import torch
 
 from relay_broker.streams import GroupReader, StreamNames
-from schemas.errors import PacketError, SessionError, ShardFlowError
+from schemas.errors import PacketError, SessionError, ShardFlowError, TransportError
 from schemas.packets import (
     ClosePacket,
     ErrorReply,
@@ -145,15 +145,29 @@ class TailWorker:
     def serve(self) -> None:
         """Handle packets until `stop_event` is set."""
         log.info("tail %s serving layers %s on %s", self.tail_id, self.shard.layer_range, self.names.shared_requests)
+        delay = DEFAULTS.reconnect_min_s
         while not self.stop_event.is_set():
-            entries = self.reader.read(count=self.engine.slots)
-            if entries:
-                replies = self.handle_many([fields for _, _, fields in entries])
-                # every reply and ack of the batch in one round trip
-                self.reader.ack_many(
-                    [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(entries, replies, strict=True)]
-                )
+            try:
+                self._serve_once()
+                delay = DEFAULTS.reconnect_min_s
+            except (TransportError, redis.ResponseError) as e:  # Redis gone, restarted, or lost our groups
+                if isinstance(e, redis.ResponseError) and "NOGROUP" not in str(e):
+                    raise
+                log.warning("tail %s: %s; retrying in %.1fs", self.tail_id, e, delay)
+                self.stop_event.wait(delay)
+                delay = min(delay * 2, DEFAULTS.reconnect_max_s)
+                try:
+                    self.reader.reset()
+                except TransportError:
+                    pass
             self.sessions.expire()
+
+    def _serve_once(self) -> None:
+        entries = self.reader.read(count=self.engine.slots)
+        if entries:
+            replies = self.handle_many([fields for _, _, fields in entries])
+            done = [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(entries, replies, strict=True)]
+            self.reader.ack_many(done)  # every reply and ack of the batch in one round trip
 
     def handle(self, fields: dict) -> tuple[str, dict] | None:
         """Process one stream entry; return (reply stream, reply fields) to send, if any."""
