@@ -2,6 +2,7 @@
 
 Workers:   shardflow tail | head | redis          (producer/cli_workers.py)
 Jobs:      shardflow enqueue | status | results | retry | cancel | info   (producer/cli_jobs.py)
+Operators: shardflow dead-letters                 (producer/cli_admin.py)
 One-shot:  shardflow generate | local | demo
 
 Every option has --help; defaults come from schemas/settings.py (environment: SHARDFLOW_*).
@@ -198,4 +199,4 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-from producer import cli_jobs, cli_workers  # noqa: E402,F401  (registers the commands)
+from producer import cli_admin, cli_jobs, cli_workers  # noqa: E402,F401  (registers the commands)

@@ -4,6 +4,7 @@ Layout (all under one prefix):
   {prefix}:tail:requests            new sessions; every tail replica reads it through one group
   {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
   {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
+  {prefix}:dead-letters             packets tails refused, with the reason (capped)
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class StreamNames:
 
     def reply(self, session_id: str) -> str:
         return f"{self.prefix}:reply:{session_id}"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:dead-letters"
 
 
 @transport_retry()
@@ -77,6 +82,7 @@ class GroupReader:
     streams: list[str]
     claim_streams: list[str] = field(default_factory=list)  # streams whose stale entries this reader takes over
     claim_idle_ms: int = DEFAULTS.claim_idle_ms
+    dead_stream: str = f"{DEFAULTS.prefix}:dead-letters"
     _pending_done: bool = field(default=False, init=False)
     _last_claim: float = field(default=0.0, init=False)
 
@@ -134,9 +140,17 @@ class GroupReader:
         self.ack_many([(stream, entry_id, reply)])
 
     @transport_retry()
-    def ack_many(self, done: list[tuple[bytes | str, bytes, tuple[str, dict] | None]]) -> None:
-        """Send each entry's reply (if any), acknowledge and delete the entries: one round trip."""
+    def ack_many(
+        self,
+        done: list[tuple[bytes | str, bytes, tuple[str, dict] | None]],
+        dead_letters: list[dict] | None = None,
+        dead_stream: str | None = None,
+    ) -> None:
+        """Send each entry's reply (if any), acknowledge and delete the entries, and append refused
+        packets' records to the dead-letter stream: one round trip."""
         pipe = self.r.pipeline(transaction=False)
+        for record in dead_letters or []:
+            pipe.xadd(dead_stream or self.dead_stream, record, maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
         for stream, entry_id, reply in done:
             if reply is not None:
                 _add_reply(pipe, *reply)

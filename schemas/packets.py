@@ -108,6 +108,7 @@ class ErrorReply(BaseModel):
     round_id: int | None = None
     error: str
     tail_id: TailId = ""
+    retryable: bool = Field(False, description="The tail lost the session: replay it instead of failing.")
 
 
 HeadMessage = Annotated[RoundPacket | ClosePacket, Field(discriminator="kind")]
@@ -189,6 +190,34 @@ def decode_tail_message(fields: dict) -> Verdict | ErrorReply:
         return _TAIL.validate_json(head)
     except ValidationError as e:
         raise PacketError(_validation_message(e)) from None
+
+
+class DeadLetterRecord(BaseModel):
+    """An entry of the dead-letter stream: a packet a tail refused, with the reason."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    stream: str
+    entry_id: str
+    reason: str
+    session_id: str | None = None
+    round_id: int | None = None
+    tail_id: str = ""
+    header: str = Field("", description="The start of the packet's JSON header, as received.")
+    at: float = Field(description="Unix time the tail refused it.")
+
+    def fields(self) -> dict[bytes, bytes]:
+        return {HEADER: self.model_dump_json().encode()}
+
+
+def raw_header(fields: object) -> str:
+    """The packet's header as text, whatever it holds (for dead letters)."""
+    try:
+        raw = fields.get(HEADER, b"")  # type: ignore[attr-defined]
+        return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+    except Exception:
+        return ""
 
 
 def peek_session(fields: object) -> tuple[str | None, int | None]:

@@ -53,6 +53,7 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(1 << 20, description="Largest JSON header of a packet accepted.")
     max_tensor_elements: int = Field(1 << 26, description="Largest element count of one tensor.")
     request_stream_maxlen: int = Field(10_000, description="Approximate cap of a tail request stream.")
+    dead_letter_maxlen: int = Field(100_000, description="Approximate cap of the dead-letter stream.")
     reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
     reply_ttl_s: int = Field(600, description="Expiry of a session's reply stream after its last write.")
     claim_idle_ms: int = Field(

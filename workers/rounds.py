@@ -153,6 +153,8 @@ class RoundLoop:
         while True:
             msg = decode_tail_message(reply)
             if isinstance(msg, ErrorReply) and msg.round_id in (None, rid):
+                if msg.retryable:  # the tail lost this session (restarted under the same name, say): replay
+                    raise ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}")
                 raise RemoteError(f"tail {msg.tail_id or '?'} failed round {rid}: {msg.error}")
             if isinstance(msg, Verdict) and msg.round_id == rid:
                 return msg
@@ -175,6 +177,8 @@ class RoundLoop:
             self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed)
 
     def _commit(self, draft: Draft, v: Verdict, start: int) -> FinishReason | None:
+        if max(v.tokens + [v.next_token or 0]) >= self.rt.shard.config.vocab_size:
+            raise PacketError(f"verdict for round {v.round_id} holds token ids beyond the vocabulary")
         kept = min(v.accepted, len(v.tokens))
         if v.accepted > len(draft.tokens) or v.tokens[:kept] != draft.tokens[:kept]:
             raise PacketError(f"verdict for round {v.round_id} does not match the drafts sent")

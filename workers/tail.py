@@ -26,12 +26,14 @@ from relay_broker.streams import GroupReader, StreamNames
 from schemas.errors import PacketError, SessionError, ShardFlowError, TransportError
 from schemas.packets import (
     ClosePacket,
+    DeadLetterRecord,
     ErrorReply,
     RoundPacket,
     Verdict,
     decode_head_message,
     encode_message,
     peek_session,
+    raw_header,
 )
 from schemas.settings import DEFAULTS
 from workers.graphs import Engine
@@ -49,6 +51,28 @@ def default_tail_id() -> str:
 
 
 @dataclass
+class DeadLetter:
+    """A refused packet and why, until it is written to the dead-letter stream."""
+
+    fields: dict
+    reason: str
+    session_id: str | None
+    round_id: int | None
+
+    def record(self, stream: bytes | str, entry_id: bytes, tail_id: str) -> dict:
+        return DeadLetterRecord(
+            stream=stream.decode() if isinstance(stream, bytes) else stream,
+            entry_id=entry_id.decode(),
+            reason=self.reason[:2000],
+            session_id=self.session_id,
+            round_id=self.round_id,
+            tail_id=tail_id,
+            header=raw_header(self.fields)[:1000],
+            at=time.time(),
+        ).fields()
+
+
+@dataclass
 class Prepared:
     """A decoded, checked round waiting for the batched forward."""
 
@@ -56,6 +80,7 @@ class Prepared:
     sess: TailSession
     hidden: torch.Tensor
     tensors: dict[str, torch.Tensor]
+    fields: dict
 
 
 @dataclass
@@ -133,6 +158,7 @@ class TailWorker:
         self.tail_id = tail_id or default_tail_id()
         self.sessions = SessionStore(max_sessions, session_ttl_s, release=self.engine.release)
         self.stop_event = threading.Event()
+        self._dead: list[DeadLetter] = []
         shared = self.names.shared_requests
         self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
             r,
@@ -140,6 +166,7 @@ class TailWorker:
             self.tail_id,
             [shared, self.names.tail_requests(self.tail_id)],
             claim_streams=[shared],
+            dead_stream=self.names.dead_letters,
         )
 
     def serve(self) -> None:
@@ -167,7 +194,14 @@ class TailWorker:
         if entries:
             replies = self.handle_many([fields for _, _, fields in entries])
             done = [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(entries, replies, strict=True)]
-            self.reader.ack_many(done)  # every reply and ack of the batch in one round trip
+            where = {id(fields): (stream, entry_id) for stream, entry_id, fields in entries}
+            dead = [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
+            self.reader.ack_many(done, dead_letters=dead)  # replies, acks and dead letters: one round trip
+
+    def take_dead_letters(self) -> list[DeadLetter]:
+        """Packets refused since the last call (each with its reason), for the dead-letter stream."""
+        dead, self._dead = self._dead, []
+        return dead
 
     def handle(self, fields: dict) -> tuple[str, dict] | None:
         """Process one stream entry; return (reply stream, reply fields) to send, if any."""
@@ -187,7 +221,7 @@ class TailWorker:
             try:
                 prep = self._prepare(fields)
             except Exception as e:
-                out[i] = self._fail_with(sid, rid, e)
+                out[i] = self._fail_with(sid, rid, e, fields)
                 continue
             if isinstance(prep, Prepared):
                 batch.append((i, prep))
@@ -199,17 +233,21 @@ class TailWorker:
             out[i] = self.handle(entries[i])
         return out
 
-    def _fail_with(self, sid: str | None, rid: int | None, e: Exception) -> tuple[str, dict] | None:
+    def _fail_with(self, sid: str | None, rid: int | None, e: Exception, fields: dict) -> tuple[str, dict] | None:
+        """Dead-letter the packet with its reason and answer its session (if it names one) with an error;
+        a session this tail does not hold (restarted, expired) gets a retryable error: the head replays."""
         if isinstance(e, ShardFlowError):
-            return self._fail(sid, rid, str(e), error=False)
-        return self._fail(sid, rid, f"internal error: {type(e).__name__}: {e}", error=True)
-
-    def _fail(self, sid: str | None, rid: int | None, reason: str, *, error: bool) -> tuple[str, dict] | None:
+            reason, error = str(e), False
+        else:
+            reason, error = f"internal error: {type(e).__name__}: {e}", True
         (log.exception if error else log.warning)("bad packet (session %s, round %s): %s", sid, rid, reason)
+        self._dead.append(DeadLetter(fields, reason, sid, rid))
         if sid is None:
             return None
         self.sessions.drop(sid)  # its cache may be half-updated
-        msg = ErrorReply(session_id=sid, round_id=rid, error=reason, tail_id=self.tail_id)
+        msg = ErrorReply(
+            session_id=sid, round_id=rid, error=reason, tail_id=self.tail_id, retryable=isinstance(e, SessionError)
+        )
         return self.names.reply(sid), encode_message(msg)
 
     def _session_for(self, p: RoundPacket) -> TailSession | None:
@@ -230,10 +268,17 @@ class TailWorker:
         if isinstance(msg, ClosePacket):
             self.sessions.drop(msg.session_id)
             return None
+        vocab = self.shard.config.vocab_size
+        if max(msg.input_ids + msg.draft_ids) >= vocab:
+            raise PacketError(f"token ids must be below the vocabulary size {vocab}")
         sess = self._session_for(msg)
-        if sess is None:  # a duplicate: answer again with the verdict already sent, if it was the last one
+        if sess is None:  # duplicate or late: answer again with the verdict already sent, if it was the last one
             dup = self.sessions.get(msg.session_id)
             last = dup.last_reply if dup is not None and dup.last_round == msg.round_id else None
+            held = dup.last_round if dup is not None else None
+            self._dead.append(
+                DeadLetter(fields, f"duplicate or late round (session at round {held})", *peek_session(fields))
+            )
             return (self.names.reply(msg.session_id), last) if last is not None else None
         hidden = tensors["hidden"]
         cfg = self.shard.config
@@ -243,7 +288,7 @@ class TailWorker:
             )
         if hidden.shape[0] != len(msg.input_ids) + len(msg.draft_ids):
             raise PacketError(f"{hidden.shape[0]} hidden rows for {len(msg.input_ids) + len(msg.draft_ids)} tokens")
-        return Prepared(msg, sess, hidden.to(self.shard.dtype), tensors)
+        return Prepared(msg, sess, hidden.to(self.shard.dtype), tensors, fields)
 
     @torch.inference_mode()
     def _rounds(self, batch: list[Prepared]) -> list[tuple[str, dict] | None]:
@@ -261,14 +306,14 @@ class TailWorker:
             if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
                 torch.cuda.synchronize(logits[0].device)
         except Exception as e:
-            return [self._fail_with(p.packet.session_id, p.packet.round_id, e) for p in batch]
+            return [self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields) for p in batch]
         forward_ms = (time.perf_counter() - t0) * 1000
         out: list[tuple[str, dict] | None] = []
         for p, lg in zip(batch, logits, strict=True):
             try:
                 out.append((self.names.reply(p.packet.session_id), self._verify(p, lg, forward_ms)))
             except Exception as e:
-                out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e))
+                out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields))
         return out
 
     @staticmethod
