@@ -111,8 +111,8 @@ class HeadWorker(SimpleWorker):
         delay = 1.0
         while True:
             worked = super().work(*args, **kwargs)
-            if kwargs.get("burst") or self._stop_requested:
-                return worked
+            if kwargs.get("burst") or self._stop_requested or self._shutdown_requested_date is not None:
+                return worked  # finished, or stopped on request (an idle worker's stop sets only the date)
             log.warning("worker %s: its loop ended on an error; restarting in %.0fs", self.name, delay)
             time.sleep(delay)
             delay = min(delay * 2, 30.0)

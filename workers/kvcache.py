@@ -82,6 +82,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        scratch = -(-(max_len + scratch) // 16) * 16 - max_len  # total length a multiple of 16 (kernel alignment)
         shape = (slots + 1, kv_heads, max_len + scratch, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
