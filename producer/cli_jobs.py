@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
@@ -22,7 +24,10 @@ from producer.cli import (
     run_guarded,
 )
 from producer.client import Client, JobView
+from schemas.errors import TransportError
 from schemas.settings import DEFAULTS
+
+T = TypeVar("T")
 
 FINAL = {"finished", "failed", "canceled", "stopped", "expired"}
 json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
@@ -69,6 +74,22 @@ def _summary(views: list[JobView]) -> str:
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
 
 
+def _polled(fn: Callable[[], T], deadline: float | None) -> T:
+    """fn(), retried with backoff while Redis is unreachable (restarting, say), until the deadline."""
+    import redis
+
+    delay = DEFAULTS.reconnect_min_s
+    while True:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError, TransportError) as e:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransportError(f"Redis unreachable: {e}") from None
+            click.echo(f"Redis unreachable ({e}); retrying in {delay:.1f}s", err=True)
+            time.sleep(delay)
+            delay = min(delay * 2, DEFAULTS.reconnect_max_s)
+
+
 def wait_for(client: Client, ids: list[str], timeout: float | None, show: bool) -> list[JobView]:
     """Poll until every job is final; a progress bar on a terminal, plain lines otherwise."""
     deadline = time.monotonic() + timeout if timeout else None
@@ -79,7 +100,7 @@ def wait_for(client: Client, ids: list[str], timeout: float | None, show: bool) 
         bar = tqdm(total=len(ids), file=sys.stderr, unit="job", desc="generating")
     last = ""
     while True:
-        views = client.views(ids)
+        views = _polled(lambda: client.views(ids), deadline)
         done = sum(v.status in FINAL for v in views)
         speed = sum(v.progress.get("tokens_per_s", 0) for v in views if v.status == "started")
         if bar is not None:
@@ -110,7 +131,7 @@ def follow_text(client: Client, ids: list[str], timeout: float | None) -> list[J
     current = None
     while True:
         streams = {client.keys.tokens(j): last_id[j] for j in ids if j not in ended}
-        resp = client.r.xread(streams, count=64, block=300) if streams else []
+        resp = _polled(lambda s=streams: client.r.xread(s, count=64, block=300), deadline) if streams else []
         for stream, entries in resp or []:
             jid = stream.decode().rsplit(":", 1)[-1]
             for entry_id, fields in entries:
@@ -123,7 +144,7 @@ def follow_text(client: Client, ids: list[str], timeout: float | None) -> list[J
                     ended.add(jid)
                     click.echo("")
                     current = None
-        views = client.views(ids)
+        views = _polled(lambda: client.views(ids), deadline)
         for v in views:
             if v.status in FINAL and v.job_id not in ended and v.status != "finished":
                 ended.add(v.job_id)

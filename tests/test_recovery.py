@@ -3,6 +3,9 @@ replayed onto a restarted tail or onto another replica, output identical to an u
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -82,27 +85,34 @@ def test_tail_killed_mid_flight_sessions_replay(
 
 
 def test_redis_restart_with_50_jobs_queued(models, tmp_path, hf_models, tokenizers):
-    """Redis (append-only) is killed with 50 jobs queued and restarted: workers reconnect with backoff,
-    no job is lost and every one finishes with the right output."""
+    """Redis (append-only) is killed with 50 jobs queued and restarted: the workers and a waiting
+    `shardflow enqueue --wait` reconnect with backoff, no job is lost and every one finishes right."""
     data, port = tmp_path / "redis-data", free_port()
     server = EmbeddedRedis(port=port, data_dir=data, appendonly=True).start()
     e = Env("restart", models, server, connect(server.url), tmp_path)
     try:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(50)]
-        res = e.cli("enqueue", *prompts, "--no-chat-template", "--max-new-tokens", "6", "--drafter", "none")
-        assert res.exit_code == 0, res.output
-        ids = e.client.resolve(res.output.strip())
+        args = [*prompts, "--no-chat-template", "--max-new-tokens", "6", "--drafter", "none"]
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "producer", "enqueue", *args, "--wait", "--json", "--timeout", "200", *e.opts],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_until(lambda: e.r.keys(f"{e.prefix}:batch:*"), 60, "batch enqueued")
         time.sleep(1.5)  # appendfsync everysec: the queue is on disk
         assert server.proc is not None
         server.proc.kill()  # a crash, not a clean shutdown
         server.proc.wait()
-        time.sleep(2.0)  # the workers notice
+        time.sleep(2.0)  # the workers and the waiting CLI notice
         server = EmbeddedRedis(port=port, data_dir=data, appendonly=True).start()
-        wait_until(lambda: all(v.status in ("finished", "failed") for v in e.client.views(ids)), 180, "all done")
-        views = e.client.views(ids)
-        assert [v.status for v in views] == ["finished"] * 50
+        out, err = waiting.communicate(timeout=240)
+        assert waiting.returncode == 0, err[-2000:]
+        assert "Redis unreachable" in err  # the CLI rode out the restart
+        jobs = json.loads(out)["jobs"]
+        assert [j["status"] for j in jobs] == ["finished"] * 50
         refs = {p: reference(hf_models["qwen2"], tokenizers["qwen2"], p, 6) for p in set(prompts)}
-        assert [v.result["token_ids"] for v in views] == [refs[p] for p in prompts]
+        assert [j["result"]["token_ids"] for j in jobs] == [refs[p] for p in prompts]
         assert e.procs["tail"].poll() is None and e.procs["head"].poll() is None  # both rode it out
     finally:
         e.close()
