@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     claim_idle_ms: int = Field(
         5000, description="A request left unacknowledged this long by a tail (dead) is claimed by a live one."
     )
+    tail_stream_ttl_s: int = Field(
+        3600, description="A tail's own request stream (and its idle group consumer) outlives the tail this long."
+    )
     max_sessions: int = Field(256, description="Sessions a tail keeps KV caches for (least recent go).")
     session_ttl_s: float = Field(600.0, description="Idle time after which a tail drops a session.")
 

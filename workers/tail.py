@@ -159,6 +159,7 @@ class TailWorker:
         self.sessions = SessionStore(max_sessions, session_ttl_s, release=self.engine.release)
         self.stop_event = threading.Event()
         self._dead: list[DeadLetter] = []
+        self._last_keepalive = 0.0
         shared = self.names.shared_requests
         self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
             r,
@@ -188,6 +189,24 @@ class TailWorker:
                 except TransportError:
                     pass
             self.sessions.expire()
+            self._keepalive()
+
+    def _keepalive(self) -> None:
+        """Now and then: keep this tail's own stream from expiring (a dead tail's goes after
+        tail_stream_ttl_s) and drop consumers of the shared group that have been idle that long."""
+        now = time.monotonic()
+        if now - self._last_keepalive < DEFAULTS.maintenance_s * 20:
+            return
+        self._last_keepalive = now
+        ttl_ms = DEFAULTS.tail_stream_ttl_s * 1000
+        try:
+            self.r.expire(self.names.tail_requests(self.tail_id), DEFAULTS.tail_stream_ttl_s)
+            shared, group = self.names.shared_requests, self.names.tail_group
+            for c in self.r.xinfo_consumers(shared, group):
+                if int(c["idle"]) > ttl_ms and int(c["pending"]) == 0:
+                    self.r.xgroup_delconsumer(shared, group, c["name"])
+        except redis.RedisError as e:
+            log.debug("keepalive skipped: %s", e)
 
     def _serve_once(self) -> None:
         entries = self.reader.read(count=self.engine.slots)
