@@ -5,7 +5,9 @@
 Starts an embedded Redis and a tail process, runs the head here, and prints per drafter
 (none, n-gram, draft model): tokens/s, tokens per round, and the mean per-round split
 (draft, head forward, relay, tail forward + verify), beside a bare Redis PING round trip and a
-bare stream round trip (XADD + XREAD of a payload of the same size as a round's packet).
+bare stream round trip (XADD + XREAD of a payload of the same size as a round's packet), and the
+relay's floor: the same Redis operations as a round (pipelined XADD + blocking XREAD; XREADGROUP, then
+reply + XACK + XDEL) between two processes with no model and no codec.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
-from relay_broker.streams import StreamNames
+from relay_broker.streams import GroupReader, ReplyReader, StreamNames
 from schemas.requests import DraftSettings, GenerationRequest
 
 PROMPTS = [
@@ -52,6 +54,38 @@ def bare_round_trips(r, payload_bytes: int, n: int = 200) -> dict[str, float]:
         streams.append(time.perf_counter() - t0)
     r.delete("bench:rt")
     return {"ping_ms": statistics.median(pings) * 1000, "stream_rt_ms": statistics.median(streams) * 1000}
+
+
+def _echo_tail(url: str, n: int) -> None:
+    r = connect(url)
+    reader = GroupReader(r, "bench:g", "echo", ["bench:req"])
+    done = 0
+    while done < n:
+        for stream, entry_id, _ in reader.read(count=16, block_ms=1000):
+            reader.ack_many([(stream, entry_id, ("bench:rep", {b"h": b"v" * 200}))])
+            done += 1
+
+
+def relay_floor(url: str, payload_bytes: int, n: int = 500) -> float:
+    """Median round (ms) of the relay's own Redis operations between two processes with no model and
+    no packet codec: pipelined XADD + blocking XREAD on one side, XREADGROUP then reply + XACK + XDEL."""
+    import multiprocessing
+
+    r = connect(url)
+    GroupReader(r, "bench:g", "setup", ["bench:req"])
+    echo = multiprocessing.get_context("spawn").Process(target=_echo_tail, args=(url, n + 20))
+    echo.start()
+    reader = ReplyReader(r, "bench:rep")
+    fields = {b"h": b"x" * 300, b"t.hidden": b"y" * payload_bytes}
+    times = []
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        reader.publish_then_next("bench:req", fields, 30)
+        if i >= 20:
+            times.append(time.perf_counter() - t0)
+    echo.join(30)
+    r.delete("bench:req", "bench:rep")
+    return statistics.median(times) * 1000
 
 
 def run_ladder(target: Path, split: int, draft: Path | None, new: int, n_prompts: int, k: int) -> dict:
@@ -90,6 +124,7 @@ def run_ladder(target: Path, split: int, draft: Path | None, new: int, n_prompts
                 }
             hidden = runtime.shard.config.hidden_size
             bare = bare_round_trips(r, payload_bytes=(k + 1) * hidden * 4 + 400)
+            bare["relay_floor_ms"] = relay_floor(server.url, (k + 1) * hidden * 4)
             return {"rows": rows, "bare": bare, "threads": torch.get_num_threads()}
         finally:
             tail.terminate()
@@ -128,9 +163,11 @@ def main(target, split, draft, new, prompts, k, json_out) -> None:
         )
     bare = out["bare"]
     relay = statistics.mean(r["per_round_ms"]["relay_ms"] for r in out["rows"].values())
+    floor = bare["relay_floor_ms"]
     click.echo(
         f"bare Redis PING {bare['ping_ms']:.3f} ms, bare stream round trip {bare['stream_rt_ms']:.3f} ms; "
-        f"relay per round {relay:.3f} ms = {relay / bare['ping_ms']:.1f}x PING"
+        f"relay per round {relay:.3f} ms = {relay / bare['ping_ms']:.1f}x PING; the relay's Redis operations alone "
+        f"(two processes, no model or codec) {floor:.3f} ms = {floor / bare['ping_ms']:.1f}x PING"
     )
     if json_out:
         Path(json_out).write_text(json.dumps(out, indent=2))

@@ -115,6 +115,7 @@ HeadMessage = Annotated[RoundPacket | ClosePacket, Field(discriminator="kind")]
 TailMessage = Annotated[Verdict | ErrorReply, Field(discriminator="kind")]
 _HEAD = TypeAdapter(HeadMessage)
 _TAIL = TypeAdapter(TailMessage)
+_SESSION_ID = TypeAdapter(SessionId)
 
 
 def encode_round(packet_fields: dict, tensors: dict[str, torch.Tensor]) -> tuple[RoundPacket, dict]:
@@ -224,7 +225,7 @@ def peek_session(fields: object) -> tuple[str | None, int | None]:
     """Best-effort (session_id, round_id) of a packet that failed validation, for error replies."""
     try:
         raw = json.loads(fields[HEADER])  # type: ignore[index]
-        sid = TypeAdapter(SessionId).validate_python(raw["session_id"])
+        sid = _SESSION_ID.validate_python(raw["session_id"])
         rid = raw.get("round_id")
         return sid, rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None
     except Exception:
