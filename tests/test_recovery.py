@@ -14,9 +14,14 @@ from producer.local import spawn_tail
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis, free_port
 from relay_broker.streams import StreamNames
+from schemas.errors import ReplyTimeout
 from schemas.packets import Verdict, decode_tail_message
+from schemas.requests import GenerationRequest
 from tests.conftest import PROMPTS
 from tests.test_jobs import SPLIT, Env, reference
+from tests.test_parity import NEW, head_for
+from tests.test_parity import reference as parity_reference
+from workers.rounds import RoundLoop
 
 N_NEW = 150
 pytestmark = pytest.mark.slow  # kills and restarts real processes (about a minute); CI runs them
@@ -117,3 +122,27 @@ def test_redis_restart_with_50_jobs_queued(models, tmp_path, hf_models, tokenize
     finally:
         e.close()
         server.stop()
+
+
+def test_replay_before_any_token_is_a_fresh_first_round(models, hf_models, tokenizers, tails, redis_client):
+    """A tail lost during a generation's first round: the resend is a plain first round (there is no
+    generated token for a replay check to reproduce), and the output is still exact."""
+    ms = models["qwen2"]
+    names = tails.get(ms.target, SPLIT, ms.n_layers)
+    runtime = head_for(ms, SPLIT, ms.drafter)
+    req = GenerationRequest(prompt=PROMPTS[0], max_new_tokens=NEW, chat_template=False)
+    loop = RoundLoop(
+        req=req,
+        runtime=runtime,
+        r=redis_client,
+        names=names,
+        session_id="replay-first-round",
+        prompt=runtime.prompt_ids(req),
+        on_tokens=None,
+        reply_timeout_s=None,
+    )
+    loop._replay(0, ReplyTimeout("tail lost (test)"))
+    assert not loop.replay_next and loop.pending == loop.committed == runtime.prompt_ids(req)
+    result = loop.run()
+    assert result.token_ids == parity_reference("qwen2", hf_models["qwen2"], tokenizers["qwen2"])[0]
+    assert result.replays == 1

@@ -5,7 +5,8 @@ over [uncached committed tokens, drafts]) and takes the compute lock; whichever 
 runs everything queued by then as one batch: greedy model drafts of all of them advance together (one
 batched draft-model forward per draft position) and the lower shard runs once over every sequence's
 round. Other drafters (n-gram, sampled drafts) propose one by one inside the same batch. If a batch
-fails, each of its generations is retried alone, so one bad sequence fails only itself.
+fails, each of its generations is retried alone (its caches rolled back to where the round started),
+so one bad sequence fails only itself.
 """
 
 from __future__ import annotations
@@ -74,12 +75,18 @@ class Batcher:
     def _compute(self, batch: list[HeadWork]) -> None:
         try:
             self._compute_batch(batch)
-        except BaseException as e:
+        except Exception as e:
             if len(batch) == 1:
                 batch[0].error = e
             else:
-                for w in batch:  # isolate the failure: each alone
+                for w in batch:  # isolate the failure: each alone, from the state it was submitted in
+                    if w.cache.length > w.start:
+                        w.cache.crop(w.start)
                     self._compute([w])
+        except BaseException as e:  # interrupts and shutdowns: fail the batch and pass it on
+            for w in batch:
+                w.error = w.error or e
+            raise
         finally:
             for w in batch:
                 w.done = True

@@ -130,11 +130,17 @@ class Engine:
         return cache
 
     def release(self, cache: Cache) -> None:
-        """Return a sequence's cache; static slots (and their captured graphs) serve the next sequence."""
+        """Return a sequence's cache; static slots (and their captured graphs) serve the next sequence.
+        At most `slots` one-slot spare pools are kept; others are freed with their graphs."""
         if isinstance(cache, StaticKVCache):
             cache.pool.release(cache)
-            if cache.pool is not self.pool:
+            if cache.pool is self.pool:
+                return
+            if len(self._spare) < self.slots:
                 self._spare.append(cache.pool)
+            else:
+                for key in [k for k in self._graphs if k[0] == id(cache.pool)]:
+                    del self._graphs[key]
 
     def forward(self, cache: Cache, x: torch.Tensor, start: int, logits_last: int = 0) -> torch.Tensor:
         """Like `shard(x, start, cache, logits_last)`, through a captured graph when one applies."""
@@ -149,6 +155,8 @@ class Engine:
         (n = logits_last, one int or one per sequence). Static caches of one pool run as one batch."""
         n = len(caches)
         wants = [logits_last] * n if isinstance(logits_last, int) else list(logits_last)
+        for cache, x, start in zip(caches, xs, starts, strict=True):  # check every row before any runs
+            self.check(cache, start, x.shape[0])
         out: list[torch.Tensor | None] = [None] * n
         groups: dict[int, list[int]] = {}
         for i, (cache, x) in enumerate(zip(caches, xs, strict=True)):
@@ -169,16 +177,18 @@ class Engine:
                     out[i] = o
         return out  # type: ignore[return-value]
 
+    def check(self, cache: Cache, start: int, m: int) -> None:
+        """Raise ValueError unless `cache` holds exactly `start` positions and has room for m more."""
+        if cache.length != start:
+            raise ValueError(f"cache holds {cache.length} positions, round starts at {start}")
+        if isinstance(cache, StaticKVCache) and start + m > self.max_len:
+            raise ValueError(f"sequence of {start + m} positions exceeds the static cache of {self.max_len}")
+
     def _batch(
         self, caches: list[StaticKVCache], xs: list[torch.Tensor], starts: list[int], wants: list[int]
     ) -> list[torch.Tensor]:
         dev, pool = self.shard.device, caches[0].pool
         sizes = [x.shape[0] for x in xs]
-        for cache, start, m in zip(caches, starts, sizes, strict=True):
-            if cache.length != start:
-                raise ValueError(f"cache holds {cache.length} positions, round starts at {start}")
-            if start + m > self.max_len:
-                raise ValueError(f"sequence of {start + m} positions exceeds the static cache of {self.max_len}")
         t = self.step_tokens if self.graphs and self.pad else max(sizes)
         p = 0 if max(wants) == 0 else (1 if max(wants) == 1 else t)
         if min(sizes) == t:

@@ -116,7 +116,11 @@ class HeadRuntime:
 
     @property
     def context_length(self) -> int | None:
-        return getattr(self.shard.config, "max_position_embeddings", None)
+        """The longest prompt + new tokens this runtime can hold: the model's limit, and its static caches'."""
+        limits = [getattr(self.shard.config, "max_position_embeddings", None)]
+        engines = [self.engine] + ([self.draft_model.engine] if self.draft_model is not None else [])
+        limits += [e.max_len for e in engines if e is not None and e.static]
+        return min((x for x in limits if x), default=None)
 
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
         """Token ids of the request's prompt; raises InvalidRequest if it cannot fit the model."""

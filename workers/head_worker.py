@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
+from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
@@ -110,11 +111,23 @@ class HeadWorker(SimpleWorker):
         than on a stop request: RQ retries a lost connection only while it waits for jobs."""
         delay = 1.0
         while True:
-            worked = super().work(*args, **kwargs)
+            started = time.monotonic()
+            try:
+                worked = super().work(*args, **kwargs)
+            except (redis.ConnectionError, redis.TimeoutError) as e:  # raised from RQ's own teardown
+                log.warning("worker %s: Redis lost (%s)", self.name, e)
+                worked = False
+            except StopRequested:
+                return False
             if kwargs.get("burst") or self._stop_requested or self._shutdown_requested_date is not None:
                 return worked  # finished, or stopped on request (an idle worker's stop sets only the date)
+            if time.monotonic() - started > 60:
+                delay = 1.0  # it ran fine for a while: start the backoff over
             log.warning("worker %s: its loop ended on an error; restarting in %.0fs", self.name, delay)
-            time.sleep(delay)
+            try:
+                time.sleep(delay)
+            except StopRequested:  # a stop signal while waiting
+                return worked
             delay = min(delay * 2, 30.0)
 
     def _install_signal_handlers(self) -> None:

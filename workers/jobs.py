@@ -174,5 +174,6 @@ def run_generation(payload: dict) -> dict:
         job.meta["error"] = f"{type(e).__name__}: {e}"
         job.save_meta()
         raise
-    progress.flush(result.token_ids, final=True)
-    return store_result_once(_bound.r, keys, job.id, result)
+    stored = store_result_once(_bound.r, keys, job.id, result)  # first: a retry finds it, not the checkpoint
+    progress.flush(result.token_ids, final=True)  # then drop the checkpoint and end the token stream
+    return stored

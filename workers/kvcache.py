@@ -68,7 +68,7 @@ class KVPool:
     """Static keys/values for `slots` sequences, [slots + 1, kv_heads, max_len + scratch, head_dim] per
     layer. Each sequence owns one slot (a `StaticKVCache` view); the extra slot and the `scratch`
     positions past max_len take the writes of padding rows, so batches of any size up to `slots` run
-    as one fixed-shape (graph-capturable) forward."""
+    as one fixed-shape (graph-capturable) forward. A one-slot pool has no extra slot."""
 
     def __init__(
         self,
@@ -83,7 +83,9 @@ class KVPool:
         device: torch.device | str,
     ) -> None:
         scratch = -(-(max_len + scratch) // 16) * 16 - max_len  # total length a multiple of 16 (kernel alignment)
-        shape = (slots + 1, kv_heads, max_len + scratch, head_dim)
+        # a one-slot pool never has padding rows: warm-up and capture write its own slot's scratch positions
+        self.pad_slot = slots if slots > 1 else 0
+        shape = (slots + (slots > 1), kv_heads, max_len + scratch, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.slots, self.max_len, self.scratch = slots, max_len, scratch
@@ -105,10 +107,6 @@ class KVPool:
             dtype=shard.dtype,
             device=shard.device,
         )
-
-    @property
-    def pad_slot(self) -> int:
-        return self.slots
 
     @property
     def free(self) -> int:

@@ -61,7 +61,9 @@ class RoundLoop:
         finish = self._already_finished()
         try:
             while finish is None:
-                finish = self._round(self.rounds)
+                # round ids continue past a checkpoint (each round commits a token): sampled rounds of a
+                # resumed job never reuse an earlier attempt's per-round seeds
+                finish = self._round(self.resumed + self.rounds)
                 self.rounds += 1
         finally:
             self._close()
@@ -143,7 +145,7 @@ class RoundLoop:
         self.replays += 1
         log.warning("session %s: %s; replaying %d tokens onto a live tail", self.sid, why, len(self.committed))
         self.cache.crop(0)
-        self.pending, self.replay_next = list(self.committed), True
+        self.pending, self.replay_next = list(self.committed), bool(self.generated)  # prompt only: a new round 0
         self.stream, self.pinned = self.names.shared_requests, False
 
     def _await(self, rid: int, fields: dict) -> Verdict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -43,6 +44,7 @@ from workers.stopping import cut_at_stops
 from workers.verify import verify_greedy, verify_sampling
 
 log = logging.getLogger("shardflow.tail")
+TAIL_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def default_tail_id() -> str:
@@ -156,6 +158,10 @@ class TailWorker:
         self.engine = engine or Engine(shard)
         self.names = names or StreamNames()
         self.tail_id = tail_id or default_tail_id()
+        if not TAIL_ID.fullmatch(self.tail_id):
+            raise ValueError(f"tail name {self.tail_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
+        if max_sessions < self.engine.slots:  # a batch's sessions must never evict one another
+            raise ValueError(f"max_sessions ({max_sessions}) must be at least the batch slots ({self.engine.slots})")
         self.sessions = SessionStore(max_sessions, session_ttl_s, release=self.engine.release)
         self.stop_event = threading.Event()
         self._dead: list[DeadLetter] = []
@@ -178,9 +184,7 @@ class TailWorker:
             try:
                 self._serve_once()
                 delay = DEFAULTS.reconnect_min_s
-            except (TransportError, redis.ResponseError) as e:  # Redis gone, restarted, or lost our groups
-                if isinstance(e, redis.ResponseError) and "NOGROUP" not in str(e):
-                    raise
+            except (TransportError, redis.RedisError) as e:  # Redis gone, restarted, full, read-only, ...
                 log.warning("tail %s: %s; retrying in %.1fs", self.tail_id, e, delay)
                 self.stop_event.wait(delay)
                 delay = min(delay * 2, DEFAULTS.reconnect_max_s)
@@ -307,6 +311,9 @@ class TailWorker:
             )
         if hidden.shape[0] != len(msg.input_ids) + len(msg.draft_ids):
             raise PacketError(f"{hidden.shape[0]} hidden rows for {len(msg.input_ids) + len(msg.draft_ids)} tokens")
+        end = msg.start_pos + hidden.shape[0]
+        if self.engine.static and end > self.engine.max_len:
+            raise PacketError(f"round ends at position {end}, beyond this tail's cache of {self.engine.max_len}")
         return Prepared(msg, sess, hidden.to(self.shard.dtype), tensors, fields)
 
     @torch.inference_mode()
@@ -325,7 +332,14 @@ class TailWorker:
             if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
                 torch.cuda.synchronize(logits[0].device)
         except Exception as e:
-            return [self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields) for p in batch]
+            if len(batch) == 1:
+                return [self._fail_with(batch[0].packet.session_id, batch[0].packet.round_id, e, batch[0].fields)]
+            alone: list[tuple[str, dict] | None] = []
+            for p in batch:  # isolate the failure: each round alone, from where it started
+                if p.sess.cache.length > p.packet.start_pos:
+                    p.sess.cache.crop(p.packet.start_pos)
+                alone += self._rounds([p])
+            return alone
         forward_ms = (time.perf_counter() - t0) * 1000
         out: list[tuple[str, dict] | None] = []
         for p, lg in zip(batch, logits, strict=True):
