@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,7 @@ class HeadWork:
     head_s: float = 0.0
     error: BaseException | None = None
     done: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
 
 
 def _model_session(w: HeadWork) -> ModelDraftSession | None:
@@ -63,11 +64,19 @@ class Batcher:
         """Compute `work` (possibly inside another thread's batch); raise its error if it failed."""
         with self._queue_lock:
             self._queue.append(work)
-        with self.lock:
-            if not work.done:
-                with self._queue_lock:
-                    batch, self._queue = self._queue, []
-                self._compute(batch)
+        try:
+            with self.lock:
+                if not work.done:
+                    with self._queue_lock:
+                        batch, self._queue = self._queue, []
+                    self._compute(batch)
+        finally:  # interrupted while waiting (a job timeout, say): never leave the round to another batch
+            with self._queue_lock:
+                queued = work in self._queue
+                if queued:
+                    self._queue.remove(work)
+            if not queued:
+                work.finished.wait()  # another thread's batch holds it: its caches stay ours until it ends
         if work.error is not None:
             raise work.error
         return work
@@ -90,6 +99,7 @@ class Batcher:
         finally:
             for w in batch:
                 w.done = True
+                w.finished.set()
 
     def _compute_batch(self, batch: list[HeadWork]) -> None:
         t0 = time.perf_counter()

@@ -46,11 +46,17 @@ class RoundLoop:
         self.pending = list(self.committed)
         self.resumed, self.replays = len(self.generated), 0
         self.replay_next = bool(self.generated)
-        self.cache = runtime.engine.acquire()
+        self.drafter = runtime.drafter_for(req, len(prompt))
+        try:
+            self.cache = runtime.engine.acquire()
+        except BaseException:
+            close = getattr(self.drafter, "close", None)
+            if close is not None:
+                close()  # give the drafter's slot back
+            raise
         self.stream = names.shared_requests
         self.pinned = False
         self.reader = ReplyReader(r, names.reply(session_id))
-        self.drafter = runtime.drafter_for(req, len(prompt))
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
