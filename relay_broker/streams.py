@@ -82,7 +82,7 @@ class GroupReader:
     streams: list[str]
     claim_streams: list[str] = field(default_factory=list)  # streams whose stale entries this reader takes over
     claim_idle_ms: int = DEFAULTS.claim_idle_ms
-    dead_stream: str = f"{DEFAULTS.prefix}:dead-letters"
+    dead_stream: str = StreamNames().dead_letters
     _pending_done: bool = field(default=False, init=False)
     _last_claim: float = field(default=0.0, init=False)
 
@@ -144,13 +144,12 @@ class GroupReader:
         self,
         done: list[tuple[bytes | str, bytes, tuple[str, dict] | None]],
         dead_letters: list[dict] | None = None,
-        dead_stream: str | None = None,
     ) -> None:
         """Send each entry's reply (if any), acknowledge and delete the entries, and append refused
         packets' records to the dead-letter stream: one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for record in dead_letters or []:
-            pipe.xadd(dead_stream or self.dead_stream, record, maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
+            pipe.xadd(self.dead_stream, record, maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
         for stream, entry_id, reply in done:
             if reply is not None:
                 _add_reply(pipe, *reply)

@@ -16,6 +16,7 @@ from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from relay_broker.streams import StreamNames
+from tests.secure_redis import pki, secured  # noqa: F401  (fixtures of the TLS + ACL Redis)
 from workers.tiny_models import build_tokenizer, save_noisy_copy, save_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -40,7 +40,6 @@ class HeadWork:
     draft_s: float = 0.0
     head_s: float = 0.0
     error: BaseException | None = None
-    done: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
 
 
@@ -66,7 +65,7 @@ class Batcher:
             self._queue.append(work)
         try:
             with self.lock:
-                if not work.done:
+                if not work.finished.is_set():
                     with self._queue_lock:
                         batch, self._queue = self._queue, []
                     self._compute(batch)
@@ -98,7 +97,6 @@ class Batcher:
             raise
         finally:
             for w in batch:
-                w.done = True
                 w.finished.set()
 
     def _compute_batch(self, batch: list[HeadWork]) -> None:
@@ -109,8 +107,8 @@ class Batcher:
         with torch.inference_mode():
             xs = [torch.tensor(w.pending + d.tokens, device=dev) for w, d in zip(batch, drafts, strict=True)]
             hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
-            # copy out before the lock goes: the next batch replays the same graphs into the same buffers
-            hidden = [h.cpu() for h in hidden] if dev.type == "cuda" else hidden
+            if dev.type == "cuda":  # copy out before the lock goes: the next batch replays the same graphs
+                hidden = list(torch.cat(hidden).cpu().split([h.shape[0] for h in hidden]))  # one device sync
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         for w, d, h in zip(batch, drafts, hidden, strict=True):
