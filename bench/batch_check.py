@@ -55,6 +55,65 @@ def check(engine: Engine, ref_shard, n: int, rounds: int, logits: int, seed: int
     return worst
 
 
+@torch.inference_mode()
+def check_drafts(engine: Engine, ref_shard, n: int, rounds: int, seed: int) -> int:
+    """Whole greedy drafts (`Engine.draft_many`: one graph per draft) against token-by-token drafting with
+    growing caches; returns the number of rows that differ (drafts or cache lengths)."""
+    rnd = random.Random(seed)
+    dev, vocab = engine.shard.device, engine.shard.config.vocab_size
+
+    def tokens(m: int) -> torch.Tensor:
+        return torch.tensor([rnd.randrange(vocab) for _ in range(m)], device=dev)
+
+    caches = [engine.acquire() for _ in range(n)]
+    refs = [KVCache() for _ in range(n)]
+    for c, r in zip(caches, refs, strict=True):
+        x = tokens(rnd.randint(12, 20))
+        engine.forward(c, x, 0)
+        ref_shard(x, 0, r)
+    bad = 0
+    for _ in range(rounds):
+        feeds = [tokens(rnd.randint(1, 2)) for _ in range(n)]
+        ks = [rnd.randint(1, engine.max_draft) for _ in range(n)]
+        starts = [c.length for c in caches]
+        got = engine.draft_many(caches, feeds, starts, ks)
+        assert got is not None, "draft_many did not apply"
+        rows = got.tolist()
+        for i in range(n):
+            cur = int(ref_shard(feeds[i], starts[i], refs[i], 1)[-1].argmax())
+            want = [cur]
+            for j in range(1, ks[i]):
+                pos = starts[i] + feeds[i].shape[0] + j - 1
+                cur = int(ref_shard(torch.tensor([cur], device=dev), pos, refs[i], 1)[-1].argmax())
+                want.append(cur)
+            bad += rows[i][: ks[i]] != want or caches[i].length != refs[i].length
+        for i in range(n):
+            keep = rnd.randint(starts[i] + 1, caches[i].length)
+            caches[i].crop(keep)
+            refs[i].crop(keep)
+    for c in caches:
+        engine.release(c)
+    return bad
+
+
+@torch.inference_mode()
+def compare_fused(device: str) -> float:
+    """The lean fused forward (workers/fused.py) against the Hugging Face layers, same weights."""
+    a = load_shard("random:tiny", None, embed=True, head=True, device=device, dtype=torch.float32, fused=True)
+    b = load_shard("random:tiny", None, embed=True, head=True, device=device, dtype=torch.float32, fused=False)
+    assert a.fused is not None and b.fused is None
+    torch.manual_seed(1)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        pa.data.normal_(0, 0.2)
+        pb.data.copy_(pa.data)
+    x = torch.randint(0, a.config.vocab_size, (40,), device=device)
+    ca, cb = KVCache(), KVCache()
+    worst = float((a(x[:30], 0, ca, 30) - b(x[:30], 0, cb, 30)).abs().max())
+    for i in range(30, 40):
+        worst = max(worst, float((a(x[i : i + 1], i, ca, 1) - b(x[i : i + 1], i, cb, 1)).abs().max()))
+    return worst
+
+
 @click.command()
 @click.option("--device", default="cuda:0")
 @click.option("--rounds", type=int, default=6)
@@ -84,6 +143,16 @@ def main(device: str, rounds: int) -> None:
                 flag = "OK" if worst < 1e-4 else "BAD"
                 bad |= flag == "BAD"
                 click.echo(f"{mode:12s} {role:8s} n={n:2d} max|diff|={worst:.2e} {flag}")
+        engine = Engine(full, max_len=256, step_tokens=2, pad=False, slots=8, max_draft=8, **opts)
+        for n in (1, 3, 8):
+            bad_rows = check_drafts(engine, full, n, rounds, seed=n)
+            bad |= bad_rows > 0
+            click.echo(f"{mode:12s} drafts   n={n:2d} rows differing={bad_rows} {'OK' if not bad_rows else 'BAD'}")
+        fused_vs_hf = compare_fused(device)
+        bad |= fused_vs_hf > 1e-4
+        click.echo(
+            f"{mode:12s} fused layers vs HF layers max|diff|={fused_vs_hf:.2e} {'OK' if fused_vs_hf < 1e-4 else 'BAD'}"
+        )
     sys.exit(1 if bad else 0)
 
 

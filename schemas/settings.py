@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     batch_slots: int = Field(
         16, description="Sequences a worker runs as one batched forward (static caches preallocate this many)."
     )
+    fused_layers: bool = Field(
+        True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/fused.py)."
+    )
     max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
     reply_timeout_s: float = Field(
         15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."

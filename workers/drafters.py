@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from schemas.requests import SamplingParams
+from schemas.settings import DEFAULTS
 from workers.graphs import Engine
 from workers.sampling import warp
 from workers.shard import Shard
@@ -48,7 +49,7 @@ class ModelDrafter:
         if shard.embed is None or shard.lm_head is None:
             raise ValueError("a draft model needs its embedding and LM head")
         self.shard = shard
-        self.engine = engine or Engine(shard, step_tokens=2, pad=False)
+        self.engine = engine or Engine(shard, step_tokens=2, pad=False, max_draft=DEFAULTS.draft_k)
 
     def new_session(self) -> ModelDraftSession:
         return ModelDraftSession(self.engine)
@@ -84,6 +85,8 @@ class ModelDraftSession:
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
         """Draft k tokens, feeding each back on the device; one host sync at the end."""
+        if sampling.greedy and k > 0:
+            return propose_greedy_many([self], [context], [k])[0]
         feed, keep = self.plan(context)
         logits = self.engine.forward(self.cache, feed, keep, logits_last=1)[-1]
         picked: list[torch.Tensor] = []
@@ -104,31 +107,41 @@ class ModelDraftSession:
 
 
 def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[int]], ks: list[int]) -> list[Draft]:
-    """Greedy drafts for several sessions of one draft model at once: one batched forward per draft
-    position (rows whose k is reached drop out); one host sync at the end."""
+    """Greedy drafts for several sessions of one draft model at once: with CUDA graphs, the whole draft as
+    one graph replay (`Engine.draft_many`); otherwise one batched forward per draft position (rows whose
+    k is reached drop out). One host sync at the end."""
     engine = sessions[0].engine
     plans = [s.plan(c) for s, c in zip(sessions, contexts, strict=True)]
     with torch.inference_mode():
         caches = [s.cache for s in sessions]
-        logits = engine.forward_many(caches, [f for f, _ in plans], [k for _, k in plans], logits_last=1)
-        cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
-        drafts = cur.new_zeros((len(sessions), max(ks)))
-        drafts[:, 0] = cur
-        live = list(range(len(sessions)))
-        for i in range(1, max(ks)):
-            keep = [j for j, b in enumerate(live) if ks[b] > i]
-            if len(keep) < len(live):
-                cur, live = cur[keep], [live[j] for j in keep]
-            starts = [len(contexts[b]) + i - 1 for b in live]
-            logits = engine.forward_many([caches[b] for b in live], list(cur[:, None]), starts, logits_last=1)
-            cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
-            drafts[live, i] = cur
+        drafts = engine.draft_many(caches, [f for f, _ in plans], [k for _, k in plans], ks)
+        if drafts is None:
+            drafts = _greedy_steps(engine, caches, plans, contexts, ks)
         rows = drafts.tolist()
     out = []
     for s, c, k, row in zip(sessions, contexts, ks, rows, strict=True):
         s.tokens = list(c) + row[: max(k - 1, 0)]
         out.append(Draft(row[:k]))
     return out
+
+
+def _greedy_steps(
+    engine: Engine, caches: list, plans: list[tuple[torch.Tensor, int]], contexts: list[list[int]], ks: list[int]
+) -> torch.Tensor:
+    logits = engine.forward_many(caches, [f for f, _ in plans], [k for _, k in plans], logits_last=1)
+    cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
+    drafts = cur.new_zeros((len(caches), max(ks)))
+    drafts[:, 0] = cur
+    live = list(range(len(caches)))
+    for i in range(1, max(ks)):
+        keep = [j for j, b in enumerate(live) if ks[b] > i]
+        if len(keep) < len(live):
+            cur, live = cur[keep], [live[j] for j in keep]
+        starts = [len(contexts[b]) + i - 1 for b in live]
+        logits = engine.forward_many([caches[b] for b in live], list(cur[:, None]), starts, logits_last=1)
+        cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
+        drafts[live, i] = cur
+    return drafts
 
 
 class NgramDrafter:

@@ -16,6 +16,7 @@ Longer steps (a prompt's prefill) run eagerly over the sequence's slot.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch._dynamo
@@ -35,10 +36,49 @@ def buckets(limit: int) -> list[int]:
     return sorted({*out, limit})
 
 
-class BatchGraph:
-    """One captured forward of `b` rows × `t` tokens over one pool (logits of `p` rows each, or hidden)."""
+def greedy_steps(
+    run: Callable[..., torch.Tensor],
+    pool: KVPool,
+    rows: torch.Tensor,
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    pick: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """k greedy draft tokens per row [b, k], each fed back on the device: the first from the row's token
+    at `pick` after running x, the rest one position further each (capturable as one graph)."""
+    cur = run(x, pos, BatchView(pool, rows, pos), pick)[:, -1].argmax(-1)
+    out = [cur]
+    last, zero = pos.gather(1, pick), torch.zeros_like(pick)
+    limit = pool.index.shape[0] - 1  # padding rows stay on their scratch positions
+    for _ in range(1, k):
+        last = (last + 1).clamp(max=limit)
+        cur = run(cur[:, None], last, BatchView(pool, rows, last), zero)[:, -1].argmax(-1)
+        out.append(cur)
+    return torch.stack(out, dim=1)
 
-    def __init__(self, shard: Shard, run: Callable[..., torch.Tensor], pool: KVPool, b: int, t: int, p: int) -> None:
+
+def _draft_body(
+    run: Callable[..., torch.Tensor],
+    pool: KVPool,
+    rows: torch.Tensor,
+    pick: torch.Tensor,
+    steps: int,
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    _view: BatchView,
+    _pick: object,
+) -> torch.Tensor:
+    return greedy_steps(run, pool, rows, x, pos, pick, steps)
+
+
+class BatchGraph:
+    """One captured forward of `b` rows × `t` tokens over one pool (logits of `p` rows each, or hidden),
+    or with `steps` > 0 a whole greedy draft of that many tokens (`greedy_steps`; p = 1)."""
+
+    def __init__(
+        self, shard: Shard, run: Callable[..., torch.Tensor], pool: KVPool, b: int, t: int, p: int, steps: int = 0
+    ) -> None:
         dev = shard.device
         self.pool = pool
         self.rows = torch.full((b,), pool.pad_slot, dtype=torch.long, device=dev)
@@ -51,6 +91,11 @@ class BatchGraph:
         self.pos = self.pad_pos.expand(b, t).clone()
         self.pick = torch.arange(t - p, t, device=dev).expand(b, p).clone() if p else None
         view = BatchView(pool, self.rows, self.pos)
+        self.forward = run
+        if steps:
+            self.pick = torch.full((b, 1), t - 1, dtype=torch.long, device=dev)
+            self.forward = partial(_draft_body, run, pool, self.rows, self.pick, steps)
+        run = self.forward
         with torch.cuda.device(dev):  # capture on the shard's GPU, not the process's current one
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -94,6 +139,7 @@ class Engine:
         pad: bool = True,
         slots: int = DEFAULTS.batch_slots,
         compile: bool = False,
+        max_draft: int = 0,
     ) -> None:
         cuda = shard.device.type == "cuda"
         self.shard = shard
@@ -108,13 +154,15 @@ class Engine:
         limit = getattr(shard.config, "max_position_embeddings", None) or 8192
         self.max_len = min(max_len or 8192, limit)  # static caches hold this many positions
         self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
+        self.max_draft = max_draft  # longest greedy draft run as one graph (`draft_many`)
         self._buckets = buckets(self.slots)
-        self._graphs: dict[tuple[int, int, int, int], BatchGraph] = {}
+        self._graphs: dict[tuple[int, int, int, int, int], BatchGraph] = {}
         self.pool = self._new_pool(self.slots) if self.static else None
         self._spare: list[KVPool] = []  # one-slot pools for sequences beyond the main pool
 
     def _new_pool(self, slots: int) -> KVPool:
-        return KVPool.for_shard(self.shard, slots=slots, max_len=self.max_len, scratch=self.step_tokens)
+        scratch = self.step_tokens + self.max_draft  # a draft's extra steps may run past max_len
+        return KVPool.for_shard(self.shard, slots=slots, max_len=self.max_len, scratch=scratch)
 
     def acquire(self) -> Cache:
         """A cache for one sequence: a slot of the pool (or of a one-slot spare pool), or a dynamic cache."""
@@ -215,10 +263,41 @@ class Engine:
             return [out[b] for b in range(len(sizes))]
         return [out[b, m - w : m] for b, (m, w) in enumerate(zip(sizes, wants, strict=True))]
 
-    def _graph(self, pool: KVPool, b: int, t: int, p: int) -> BatchGraph:
+    def draft_many(
+        self, caches: Sequence[Cache], feeds: Sequence[torch.Tensor], starts: Sequence[int], ks: Sequence[int]
+    ) -> torch.Tensor | None:
+        """Greedy drafts [n, max(ks)] (device) of sequences of one pool, each from its feed of new tokens at
+        start..: one graph replay for all steps. Caches then hold feed + the first k-1 drafts of their own k.
+        None (nothing run) where this does not apply: dynamic caches, several pools, long feeds or drafts.
+        Without graphs (static caches on CPU, say) the same steps run eagerly."""
+        k = max(ks)
+        pool = getattr(caches[0], "pool", None)
+        sizes = [f.shape[0] for f in feeds]
+        if not self.static or k > self.max_draft or len(caches) > self.slots or max(sizes) > self.step_tokens:
+            return None
+        if not all(isinstance(c, StaticKVCache) and c.pool is pool for c in caches) or min(sizes) < 1:
+            return None
+        for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):
+            self.check(cache, start, m + kb - 1)
+        t = max(sizes)
+        x = feeds[0].new_zeros((len(feeds), t))
+        for b, f in enumerate(feeds):
+            x[b, : sizes[b]] = f
+        meta = [[c.slot, *range(s, s + t), m - 1] for c, s, m in zip(caches, starts, sizes, strict=True)]
+        meta_t = torch.tensor(meta, dtype=torch.long).to(self.shard.device, non_blocking=True)
+        rows, pos, pick = meta_t[:, 0], meta_t[:, 1 : 1 + t], meta_t[:, 1 + t :]
+        if self.graphs:
+            out = self._graph(pool, len(caches), t, 1, steps=k)(rows, x, pos, pick)  # type: ignore[arg-type]
+        else:
+            out = greedy_steps(self.run_batch, pool, rows, x, pos, pick, k)  # type: ignore[arg-type]
+        for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):
+            cache.advance(start + m + kb - 1)  # type: ignore[union-attr]
+        return out
+
+    def _graph(self, pool: KVPool, b: int, t: int, p: int, steps: int = 0) -> BatchGraph:
         size = next(s for s in self._buckets if s >= b) if pool is self.pool else 1
-        key = (id(pool), size, t, p)
+        key = (id(pool), size, t, p, steps)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = BatchGraph(self.shard, self.run_batch, pool, size, t, p)
+            graph = self._graphs[key] = BatchGraph(self.shard, self.run_batch, pool, size, t, p, steps)
         return graph

@@ -105,7 +105,8 @@ class HeadRuntime:
         if draft is not None:
             dshard = load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype)
             opts = dict(static=static, graphs=graphs, max_len=max_len, slots=slots)
-            drafter = ModelDrafter(dshard, Engine(dshard, step_tokens=2, pad=False, compile=compile_draft, **opts))
+            dengine = Engine(dshard, step_tokens=2, pad=False, compile=compile_draft, max_draft=max_k, **opts)
+            drafter = ModelDrafter(dshard, dengine)
             if drafter.shard.config.vocab_size < shard.config.vocab_size:
                 raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
         engine = Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=max_k + 1, slots=slots)

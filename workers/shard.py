@@ -19,7 +19,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen2Config
 
 from schemas.errors import ModelLoadError
+from schemas.settings import DEFAULTS
 from workers import attention
+from workers.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.kvcache import BatchView, KVCache, StaticKVCache
 
 Cache = KVCache | StaticKVCache
@@ -170,6 +172,7 @@ class Shard(nn.Module):
         super().__init__()
         self.config, self.layer_range = config, layer_range
         self.layers, self.rotary, self.embed, self.norm, self.lm_head = layers, rotary, embed, norm, lm_head
+        self.fused: FusedLayers | None = None  # the lean forward of workers/fused.py, when set (load_shard)
 
     @property
     def device(self) -> torch.device:
@@ -218,6 +221,8 @@ class Shard(nn.Module):
 
     def _layers(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: object) -> torch.Tensor:
         cos_sin = self.rotary(h, pos)
+        if self.fused is not None:
+            return self.fused(h, cos_sin, mask, cache)
         for layer in self.layers:
             h = layer(
                 h,
@@ -238,11 +243,13 @@ def load_shard(
     head: bool,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    fused: bool | None = None,
 ) -> Shard:
     """Load layers [a, b) (None = all) of `model`, plus its embedding and/or norm + LM head.
 
     `model` is a local directory or hub id; `random:<preset>` (see RANDOM_PRESETS) builds random
-    weights of a public model's shape on the device, for benchmarks."""
+    weights of a public model's shape on the device, for benchmarks. `fused` (default: the setting
+    `fused_layers`) runs known layer layouts through workers/fused.py instead of the HF modules."""
     if str(model).startswith("random:"):
         preset = RANDOM_PRESETS.get(str(model).split(":", 1)[1])
         if preset is None:
@@ -266,8 +273,12 @@ def load_shard(
     if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
         raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
     kept = nn.ModuleList(base.layers[a:b])
+    fuse = (DEFAULTS.fused_layers if fused is None else fused) and can_fuse(kept, config)
+    parts = []
     for layer in kept:
         _materialise(layer, _prefix_of(skeleton, layer), source, dtype, device)
+        if fuse:  # concatenate as each layer loads: peak memory stays one layer above the shard's
+            parts.append(fuse_layer(layer, concat=torch.device(device).type != "cpu"))
     embed_mod = norm_mod = head_mod = None
     embed_name = f"{_prefix_of(skeleton, base.embed_tokens)}weight"
     if embed:
@@ -287,4 +298,6 @@ def load_shard(
     left = [n for n, p in shard.named_parameters() if p.is_meta] + [n for n, t in shard.named_buffers() if t.is_meta]
     if left:
         raise ModelLoadError(f"tensors left unloaded: {left[:4]}")
+    if fuse:
+        shard.fused = fused_stack(kept[0], parts, config)
     return shard

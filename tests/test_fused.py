@@ -1,0 +1,149 @@
+"""The lean fused layer forward (workers/fused.py) and whole-draft runs (Engine.draft_many) compute what
+the Hugging Face layers and token-by-token drafting compute."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from workers.drafters import ModelDrafter, propose_greedy_many
+from workers.fused import FusedLayers, fuse_layer, fused_stack, rotate_half_signs, rotation
+from workers.graphs import BatchGraph, Engine, greedy_steps
+from workers.kvcache import BatchView, KVCache, KVPool
+from workers.shard import load_shard
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@torch.inference_mode()
+def test_fused_forward_equals_hf_layers(models, family):
+    path = models[family].target
+    fused = load_shard(path, None, embed=True, head=True, fused=True)
+    plain = load_shard(path, None, embed=True, head=True, fused=False)
+    assert isinstance(fused.fused, FusedLayers) and plain.fused is None
+    x = torch.arange(3, 40) % fused.config.vocab_size
+    for static in (False, True):  # growing caches, and static slots (masked)
+        ef, ep = Engine(fused, static=static, max_len=64), Engine(plain, static=static, max_len=64)
+        cf, cp = ef.acquire(), ep.acquire()
+        got, want = ef.forward(cf, x[:30], 0, 30), ep.forward(cp, x[:30], 0, 30)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for i in range(30, 37):  # one token at a time, then a rollback and a 3-token step
+            got, want = ef.forward(cf, x[i : i + 1], i, 1), ep.forward(cp, x[i : i + 1], i, 1)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        cf.crop(33)
+        cp.crop(33)
+        torch.testing.assert_close(ef.forward(cf, x[:3], 33, 3), ep.forward(cp, x[:3], 33, 3), rtol=1e-4, atol=1e-4)
+
+
+def test_rotation_matrix_is_rotate_half():
+    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    x = torch.randn(6, 5, 8)  # [positions, heads, d]
+    half = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+    want = x * cos.reshape(6, 1, 8) + half * sin.reshape(6, 1, 8)
+    torch.testing.assert_close(torch.matmul(x, rotation(cos, sin, rotate_half_signs(8, x.dtype, x.device))), want)
+
+
+@torch.inference_mode()
+def test_whole_drafts_equal_token_by_token(models, tokenizers):
+    """draft_many (one graph per draft on CUDA; the same steps eagerly here) against the step loop, for a
+    batch with different draft lengths and feeds of one and two tokens, across rollbacks."""
+    path = models["qwen2"].drafter
+    shard = load_shard(path, None, embed=True, head=True)
+    whole = ModelDrafter(shard, Engine(shard, static=True, max_len=128, step_tokens=2, pad=False, max_draft=6))
+    steps = ModelDrafter(shard, Engine(shard, static=False))
+    tok = tokenizers["qwen2"]
+    contexts = [tok.encode(p) for p in ("The quick brown fox", "Hello world! How are you", "Tokyo")]
+    a = [whole.new_session() for _ in contexts]
+    b = [steps.new_session() for _ in contexts]
+    ks = [6, 3, 1]
+    for round_ in range(4):
+        got = propose_greedy_many(a, contexts, ks)
+        want = propose_greedy_many(b, contexts, ks)
+        assert [d.tokens for d in got] == [d.tokens for d in want]
+        assert [s.cache.length for s in a] == [len(c) + k - 1 for c, k in zip(contexts, ks, strict=True)]
+        for i, d in enumerate(got):  # accept some drafts, then a correction token (or all + bonus)
+            keep = (round_ + i) % (len(d.tokens) + 1)
+            contexts[i] = contexts[i] + d.tokens[:keep] + [(d.tokens[keep - 1] + 1) % 300 if keep else 5]
+        ks = [ks[-1], *ks[:-1]]
+    assert whole.engine.draft_many([a[0].cache], [torch.tensor([1])], [a[0].cache.length], [7]) is None  # k > 6
+
+
+def test_dynamic_cache_path_still_used_when_unfused(models):
+    shard = load_shard(models["llama"].target, None, embed=True, head=True, fused=False)
+    out = shard(torch.tensor([1, 2, 3]), 0, KVCache(), 1)
+    assert out.shape == (1, shard.config.vocab_size)
+
+
+class _HostCopies(TorchDispatchMode):
+    """Records ops a CUDA graph capture refuses: host scalars copied to the device, CPU tensors mixed in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {a.device.type for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        if "scalar_tensor" in str(func) or ("cpu" in devices and len(devices) > 1):
+            self.bad.append(str(func))
+        return func(*args, **kwargs)
+
+
+@torch.inference_mode()
+def test_batched_forward_and_whole_draft_are_capture_safe():
+    """The fused forward and the whole-draft loop run on the meta device (standing in for CUDA) without
+    building host tensors: the CPU suite guards the GPU's graph captures."""
+    shard = load_shard("random:tiny", None, embed=True, head=True).to("meta")
+    shard.rotary = shard.rotary.to("meta")
+    shard.fused = fused_stack(shard.layers[0], [fuse_layer(x, concat=True) for x in shard.layers], shard.config)
+    pool = KVPool.for_shard(shard, slots=2, max_len=64, scratch=16)
+    rows, pick = torch.zeros(3, dtype=torch.long, device="meta"), torch.zeros(3, 1, dtype=torch.long, device="meta")
+    x = pos = torch.zeros(3, 2, dtype=torch.long, device="meta")
+    with _HostCopies() as spy:
+        shard.run_batch(x, pos, BatchView(pool, rows, pos), pick)
+        greedy_steps(shard.run_batch, pool, rows, x, pos, pick, 4)
+    assert spy.bad == []
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: `replay` re-runs the captured callable (set by the test)."""
+
+    def replay(self) -> None:
+        self.rerun()
+
+
+@contextlib.contextmanager
+def _no_capture(*_, **__):
+    yield
+
+
+@torch.inference_mode()
+def test_graph_wrapper_pads_and_replays(monkeypatch):
+    """BatchGraph's own logic (padding rows, inputs copied in, whole-draft body) on CPU, with capture and
+    replay simulated: replaying the recorded callable must give the eager whole-draft result."""
+    for name, value in {
+        "device": _no_capture,
+        "stream": _no_capture,
+        "graph": _no_capture,
+        "Stream": lambda: SimpleNamespace(wait_stream=lambda *_: None),
+        "current_stream": lambda: SimpleNamespace(wait_stream=lambda *_: None),
+        "CUDAGraph": _FakeGraph,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    shard = load_shard("random:tiny", None, embed=True, head=True)
+    pool = KVPool.for_shard(shard, slots=4, max_len=64, scratch=10)
+    ref_pool = KVPool.for_shard(shard, slots=4, max_len=64, scratch=10)
+    graph = BatchGraph(shard, shard.run_batch, pool, 4, 2, 1, steps=5)
+    graph.graph.rerun = lambda: graph.out.copy_(
+        graph.forward(graph.x, graph.pos, BatchView(pool, graph.rows, graph.pos), graph.pick)
+    )
+    x = torch.tensor([[5, 9], [7, 0]])
+    rows, pos, pick = torch.tensor([2, 0]), torch.tensor([[10, 11], [3, 4]]), torch.tensor([[1], [0]])
+    got = graph(rows, x, pos, pick)
+    want = greedy_steps(shard.run_batch, ref_pool, rows, x, pos, pick, 5)
+    assert got.shape == (2, 5)
+    assert torch.equal(got, want)
