@@ -190,8 +190,9 @@ def wide_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _wide_scores(bias: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, scale: float, one_gemm: bool) -> torch.Tensor:
-    """bias + scale * q3 @ k3 in float32 from half inputs (one GEMM where torch has `out_dtype`)."""
-    if one_gemm:
+    """bias + scale * q3 @ k3 in float32 from half inputs (one GEMM where torch has `out_dtype`; under
+    torch.compile, which cannot trace it, a half GEMM whose scores are widened, as HF's eager attention)."""
+    if one_gemm and not torch.compiler.is_compiling():
         return torch.baddbmm(bias, q3, k3, alpha=scale, out_dtype=torch.float32)
     return torch.bmm(q3, k3).float() * scale + bias
 

@@ -106,7 +106,9 @@ class BatchGraph:
             self.graph = torch.cuda.CUDAGraph()
             # A private memory pool: with a shared one, a graph captured later may keep its output in memory
             # an earlier graph uses for intermediates, and replaying that one clobbers the output.
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            # Captured on a stream of the shard's GPU: torch.cuda.graph's default capture stream is made once per
+            # process, on whichever GPU was current, and a graph of another GPU's work captured there is empty.
+            with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
                 self.out = run(self.x, self.pos, view, self.pick)
 
     def __call__(
