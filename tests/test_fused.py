@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from workers.drafters import ModelDrafter, propose_greedy_many
-from workers.fused import FusedLayers, fuse_layer, fused_stack, rotate_half_signs, rotation
+from workers.fused import FusedLayers, fuse_layer, fused_stack, rotate_elementwise, rotate_half_signs, rotation
 from workers.graphs import BatchGraph, Engine, greedy_steps
 from workers.kvcache import BatchView, KVCache, KVPool
 from workers.shard import load_shard
@@ -45,6 +45,7 @@ def test_rotation_matrix_is_rotate_half():
     half = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
     want = x * cos.reshape(6, 1, 8) + half * sin.reshape(6, 1, 8)
     torch.testing.assert_close(torch.matmul(x, rotation(cos, sin, rotate_half_signs(8, x.dtype, x.device))), want)
+    torch.testing.assert_close(rotate_elementwise(x, cos.reshape(6, 1, 8), sin.reshape(6, 1, 8)), want)
 
 
 @torch.inference_mode()

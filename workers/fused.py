@@ -8,7 +8,8 @@ each. Here each layer runs:
 - one GEMM for q, k and v together (weights concatenated at load; the HF modules keep views of them,
   so no memory is duplicated) and one for gate and up;
 - rotary embeddings for q and k as one batched matmul by a per-position rotation matrix built once
-  per forward (exactly `x * cos + rotate_half(x) * sin`: two nonzero terms per output);
+  per forward (exactly `x * cos + rotate_half(x) * sin`: two nonzero terms per output); under
+  torch.compile the elementwise form, which inductor fuses into the kernels around it;
 - attention as GEMMs with grouped-query heads folded into the query rows (no per-head K/V copies) and
   the causal/cache mask as an additive bias built once per forward (`baddbmm`, softmax, `bmm`);
 - the output and down projections fused with their residual adds (`addmm`).
@@ -19,7 +20,9 @@ concatenates a loaded layer's weights, layer by layer as they load, so peak memo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -91,24 +94,33 @@ class FusedLayers:
     ) -> torch.Tensor:
         """h [B, T, hidden], cos/sin [B, T, d] (the HF rotary module's), mask bool [B|1, 1, T, L] or None."""
         b, t, _ = h.shape
-        rot = rotation(*cos_sin, self.signs)
+        if torch.compiler.is_compiling():  # inductor fuses the elementwise form into neighbouring kernels
+            cos, sin = (c.reshape(-1, 1, c.shape[-1]) for c in cos_sin)
+            rope: Callable[[torch.Tensor], torch.Tensor] = partial(rotate_elementwise, cos=cos, sin=sin)
+        else:  # eager: one batched matmul is fewer launches than the five elementwise ops
+            rope = partial(torch.matmul, other=rotation(*cos_sin, self.signs))
         bias = None
         if mask is not None:
             g = self.heads // self.kv_heads
             full = torch.where(mask, *self.mask_values)  # [B|1, 1, T, L] additive bias
             bias = full[:, :, None].expand(b, self.kv_heads, g, t, mask.shape[-1]).reshape(-1, g * t, mask.shape[-1])
         for layer in self.layers:
-            h = self._layer(layer, h, rot, bias, cache)
+            h = self._layer(layer, h, rope, bias, cache)
         return h
 
     def _layer(
-        self, p: FusedLayer, h: torch.Tensor, rot: torch.Tensor, bias: torch.Tensor | None, cache: object
+        self,
+        p: FusedLayer,
+        h: torch.Tensor,
+        rope: Callable[[torch.Tensor], torch.Tensor],
+        bias: torch.Tensor | None,
+        cache: object,
     ) -> torch.Tensor:
         b, t, width = h.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         x = F.rms_norm(h, (width,), p.ln1, p.eps1)
         qkv = _linear_cat(x, p.qkv).view(b * t, hq + 2 * hkv, d)
-        qk = torch.matmul(qkv[:, : hq + hkv], rot).view(b, t, hq + hkv, d)  # rotary embeddings, q and k at once
+        qk = rope(qkv[:, : hq + hkv]).view(b, t, hq + hkv, d)  # rotary embeddings, q and k at once
         v = qkv[:, hq + hkv :].view(b, t, hkv, d).transpose(1, 2)
         keys, values = cache.update(qk[:, :, hq:].transpose(1, 2), v, p.idx)  # type: ignore[attr-defined]
         o = attend(qk[:, :, :hq], keys, values, bias, self.scale, self.wide_gemm)  # [B * T, hq * d]
@@ -134,6 +146,12 @@ def rotate_half_signs(d: int, dtype: torch.dtype, device: torch.device) -> torch
     sign[i + half, i] = -1.0
     sign[i, i + half] = 1.0
     return sign.to(device)
+
+
+def rotate_elementwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, as the HF layers write it (x [N, heads, d], cos/sin [N, 1, d])."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def rotation(cos: torch.Tensor, sin: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
