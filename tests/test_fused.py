@@ -4,18 +4,22 @@ the Hugging Face layers and token-by-token drafting compute."""
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from transformers import MistralConfig, Qwen2Config
 
+from schemas.errors import ModelLoadError
 from workers.drafters import ModelDrafter, propose_greedy_many
 from workers.fused import FusedLayers, fuse_layer, fused_stack, rotate_elementwise, rotate_half_signs, rotation
 from workers.graphs import BatchGraph, Engine, greedy_steps
-from workers.kvcache import BatchView, KVCache, KVPool
-from workers.shard import load_shard
+from workers.kvcache import BatchView, KVPool
+from workers.shard import FUSED_MAX_TOKENS, load_shard, sliding_window
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -25,18 +29,20 @@ def test_fused_forward_equals_hf_layers(models, family):
     fused = load_shard(path, None, embed=True, head=True, fused=True)
     plain = load_shard(path, None, embed=True, head=True, fused=False)
     assert isinstance(fused.fused, FusedLayers) and plain.fused is None
-    x = torch.arange(3, 40) % fused.config.vocab_size
-    for static in (False, True):  # growing caches, and static slots (masked)
-        ef, ep = Engine(fused, static=static, max_len=64), Engine(plain, static=static, max_len=64)
+    x = torch.arange(3, 120) % fused.config.vocab_size
+    for static, prompt in ((False, 30), (True, 30), (False, FUSED_MAX_TOKENS + 40)):
+        # growing caches, static slots (masked), and a prefill long enough to take the HF layers
+        ef, ep = Engine(fused, static=static, max_len=128), Engine(plain, static=static, max_len=128)
         cf, cp = ef.acquire(), ep.acquire()
-        got, want = ef.forward(cf, x[:30], 0, 30), ep.forward(cp, x[:30], 0, 30)
+        got, want = ef.forward(cf, x[:prompt], 0, prompt), ep.forward(cp, x[:prompt], 0, prompt)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for i in range(30, 37):  # one token at a time, then a rollback and a 3-token step
+        for i in range(prompt, prompt + 7):  # one token at a time, then a rollback and a 3-token step
             got, want = ef.forward(cf, x[i : i + 1], i, 1), ep.forward(cp, x[i : i + 1], i, 1)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        cf.crop(33)
-        cp.crop(33)
-        torch.testing.assert_close(ef.forward(cf, x[:3], 33, 3), ep.forward(cp, x[:3], 33, 3), rtol=1e-4, atol=1e-4)
+        cf.crop(prompt + 3)
+        cp.crop(prompt + 3)
+        got, want = ef.forward(cf, x[:3], prompt + 3, 3), ep.forward(cp, x[:3], prompt + 3, 3)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_rotation_matrix_is_rotate_half():
@@ -59,6 +65,14 @@ def test_whole_drafts_equal_token_by_token(models, tokenizers):
     tok = tokenizers["qwen2"]
     contexts = [tok.encode(p) for p in ("The quick brown fox", "Hello world! How are you", "Tokyo")]
     a = [whole.new_session() for _ in contexts]
+    used, run = [0], whole.engine.draft_many
+
+    def counted(*args):
+        out = run(*args)
+        used[0] += out is not None
+        return out
+
+    whole.engine.draft_many = counted
     b = [steps.new_session() for _ in contexts]
     ks = [6, 3, 1]
     for round_ in range(4):
@@ -70,13 +84,26 @@ def test_whole_drafts_equal_token_by_token(models, tokenizers):
             keep = (round_ + i) % (len(d.tokens) + 1)
             contexts[i] = contexts[i] + d.tokens[:keep] + [(d.tokens[keep - 1] + 1) % 300 if keep else 5]
         ks = [ks[-1], *ks[:-1]]
-    assert whole.engine.draft_many([a[0].cache], [torch.tensor([1])], [a[0].cache.length], [7]) is None  # k > 6
+    held = a[0].cache.length
+    for k in (7, 0):  # longer than the engine's max_draft, or no draft: not run, nothing changed
+        assert whole.engine.draft_many([a[0].cache], [torch.tensor([1])], [held], [k]) is None
+        assert a[0].cache.length == held
+    assert used[0] >= 3  # every round after the prompts' prefill ran as whole drafts
 
 
-def test_dynamic_cache_path_still_used_when_unfused(models):
-    shard = load_shard(models["llama"].target, None, embed=True, head=True, fused=False)
-    out = shard(torch.tensor([1, 2, 3]), 0, KVCache(), 1)
-    assert out.shape == (1, shard.config.vocab_size)
+def test_sliding_window_models_are_refused(models, tmp_path):
+    """Neither cache implements attention windows: a model whose window is shorter than its context
+    would silently attend too far, so it is refused at load."""
+    assert sliding_window(MistralConfig(sliding_window=8)) == 8
+    qwen = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=2)
+    assert sliding_window(qwen) == 16
+    assert sliding_window(Qwen2Config()) is None and sliding_window(MistralConfig(sliding_window=None)) is None
+    shutil.copytree(models["qwen2"].target, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="sliding-window"):
+        load_shard(tmp_path / "m", None, embed=True, head=True)
 
 
 class _HostCopies(TorchDispatchMode):

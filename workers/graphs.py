@@ -275,7 +275,13 @@ class Engine:
         k = max(ks)
         pool = getattr(caches[0], "pool", None)
         sizes = [f.shape[0] for f in feeds]
-        if not self.static or k > self.max_draft or len(caches) > self.slots or max(sizes) > self.step_tokens:
+        if (
+            not self.static
+            or k > self.max_draft
+            or min(ks) < 1
+            or len(caches) > self.slots
+            or max(sizes) > self.step_tokens
+        ):
             return None
         if not all(isinstance(c, StaticKVCache) and c.pool is pool for c in caches) or min(sizes) < 1:
             return None

@@ -25,6 +25,9 @@ from workers.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.kvcache import BatchView, KVCache, StaticKVCache
 
 Cache = KVCache | StaticKVCache
+# Steps longer than this (prompt prefills) run through the HF layers, whose attention kernel does not
+# materialise [heads x tokens x cache length] scores as the fused path's GEMM attention does.
+FUSED_MAX_TOKENS = 64
 Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
 
 
@@ -221,7 +224,7 @@ class Shard(nn.Module):
 
     def _layers(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: object) -> torch.Tensor:
         cos_sin = self.rotary(h, pos)
-        if self.fused is not None:
+        if self.fused is not None and h.shape[1] <= FUSED_MAX_TOKENS:
             return self.fused(h, cos_sin, mask, cache)
         for layer in self.layers:
             h = layer(
@@ -233,6 +236,16 @@ class Shard(nn.Module):
                 use_cache=True,
             )
         return h
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window a config turns on (Mistral's `sliding_window`, Qwen2's sliding layers), or None."""
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return window
+    if getattr(config, "model_type", "") == "mistral":
+        return window
+    return None
 
 
 def load_shard(
@@ -260,6 +273,9 @@ def load_shard(
         model_dir = resolve_model_dir(model)
         config = AutoConfig.from_pretrained(model_dir)
         source = checkpoint_source(weight_files(model_dir))
+    window = sliding_window(config)
+    if window is not None and window < (getattr(config, "max_position_embeddings", None) or window + 1):
+        raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported")
     n_layers = config.num_hidden_layers
     a, b = layers if layers is not None else (0, n_layers)
     if not 0 <= a < b <= n_layers:
