@@ -24,6 +24,14 @@ from workers.kvcache import KVCache
 from workers.shard import load_shard
 
 
+def rollback(rnd: random.Random, caches: list, refs: list[KVCache], starts: list[int]) -> None:
+    """Roll each sequence back to a random committed prefix past its step's start, as verification does."""
+    for cache, ref, start in zip(caches, refs, starts, strict=True):
+        keep = rnd.randint(start + 1, cache.length)
+        cache.crop(keep)
+        ref.crop(keep)
+
+
 @torch.inference_mode()
 def check(engine: Engine, ref_shard, n: int, rounds: int, logits: int, seed: int) -> float:
     rnd = random.Random(seed)
@@ -46,10 +54,7 @@ def check(engine: Engine, ref_shard, n: int, rounds: int, logits: int, seed: int
         for i in range(n):
             want = ref_shard(xs[i], starts[i], refs[i], wants[i])
             worst = max(worst, float((got[i].float() - want.float()).abs().max()))
-        for i in range(n):  # roll back to a random committed prefix, as verification does
-            keep = rnd.randint(starts[i] + 1, caches[i].length)
-            caches[i].crop(keep)
-            refs[i].crop(keep)
+        rollback(rnd, caches, refs, starts)
     for c in caches:
         engine.release(c)
     return worst
@@ -87,10 +92,7 @@ def check_drafts(engine: Engine, ref_shard, n: int, rounds: int, seed: int) -> i
                 cur = int(ref_shard(torch.tensor([cur], device=dev), pos, refs[i], 1)[-1].argmax())
                 want.append(cur)
             bad += rows[i][: ks[i]] != want or caches[i].length != refs[i].length
-        for i in range(n):
-            keep = rnd.randint(starts[i] + 1, caches[i].length)
-            caches[i].crop(keep)
-            refs[i].crop(keep)
+        rollback(rnd, caches, refs, starts)
     for c in caches:
         engine.release(c)
     return bad
