@@ -362,3 +362,28 @@ def test_head_worker_with_generations_in_flight(models, redis_server, redis_clie
         assert next(q for q in info["queues"] if q["queue"] == e.queue)["workers"] == 3
     finally:
         e.close()
+
+
+def test_token_stream_resend_is_not_streamed_twice(redis_client):
+    """A progress flush sent again (redis-py resends a pipeline after a dropped connection) must not put
+    the same text on the job's token stream twice: entry ids are where the text ends."""
+    from types import SimpleNamespace
+
+    from schemas.jobs import JobKeys
+    from workers.jobs import Progress
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i) for i in ids)
+
+    keys = JobKeys(prefix="resend")
+    job = SimpleNamespace(id="j1", key="resend:job:j1", meta={}, serializer=JSONSerializer)
+    progress = Progress(job, redis_client, keys, Chars())  # type: ignore[arg-type]
+    progress.flush([0, 1], final=False)
+    progress.flushed_chars = 0  # as if the reply was lost and the same pipeline ran again
+    progress.flush([0, 1], final=False)
+    progress.flush([0, 1, 2], final=True)
+    progress.flush([0, 1, 2], final=True)
+    entries = redis_client.xrange(keys.tokens("j1"))
+    assert "".join(f[b"text"].decode() for _, f in entries) == "abc"
+    assert [f[b"final"] for _, f in entries] == [b"0", b"1"]

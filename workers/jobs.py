@@ -107,10 +107,18 @@ class Progress:
         else:
             pipe.set(ckpt, Checkpoint(token_ids=generated).model_dump_json(), ex=DEFAULTS.result_ttl_s)
         if delta or final:
-            pipe.xadd(self.keys.tokens(self.job.id), {b"text": delta.encode(), b"final": b"1" if final else b"0"})
+            # The entry id is where the text ends (sequence 1 for the end marker): if the connection drops and
+            # redis-py sends the pipeline again, Redis refuses the repeated id instead of streaming the text twice.
+            entry = f"{len(self.text)}-{int(final)}"
+            fields = {b"text": delta.encode(), b"final": b"1" if final else b"0"}
+            pipe.xadd(self.keys.tokens(self.job.id), fields, id=entry)
             pipe.expire(self.keys.tokens(self.job.id), DEFAULTS.result_ttl_s)
         pipe.exists(self.keys.cancel(self.job.id))
-        cancelled = pipe.execute()[-1]
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and "equal or smaller" not in str(reply):
+                raise reply
+        cancelled = replies[-1]
         self.flushed_chars = len(self.text)
         if cancelled and not final:
             raise JobCancelled("cancelled by user")
