@@ -13,4 +13,4 @@ fi
 . .venv/bin/activate
 export SHARDFLOW_STRICT_TESTS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 python -m ruff check .
-python -m pytest -q "$@"
+python -m pytest -q -m "slow or not slow" "$@"  # every test, the slow ones too

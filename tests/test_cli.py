@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -13,6 +14,7 @@ from producer.cli import main
 from tests.conftest import PROMPTS
 
 
+@pytest.mark.slow
 def test_cli_generate_against_cli_tail(models, tails, redis_server, redis_client, hf_models, tokenizers):
     ms = models["llama"]
     names = tails.get(ms.target, 2, ms.n_layers)
@@ -63,6 +65,7 @@ def test_cli_rejects_bad_layers():
     assert res.exit_code == 2 and "0 <= A < B" in res.output
 
 
+@pytest.mark.slow
 def test_local_command_runs_end_to_end():
     res = subprocess.run(
         [sys.executable, "-m", "producer", "local", "Hello world", "--max-new-tokens", "8", "--json"],

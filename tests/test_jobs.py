@@ -271,6 +271,7 @@ def test_forged_job_function_is_refused(env, tmp_path):
     assert "refused job forged-1" in (env.tmp / "head.log").read_text()
 
 
+@pytest.mark.slow
 def test_rejected_generation_fails_with_reason_then_retry_finishes(
     models, redis_server, redis_client, tmp_path, hf_models, tokenizers
 ):
@@ -306,6 +307,7 @@ def test_rejected_generation_fails_with_reason_then_retry_finishes(
         e.close()
 
 
+@pytest.mark.slow
 def test_killed_head_worker_job_is_retried_and_finishes(
     models, redis_server, redis_client, tmp_path, hf_models, tokenizers
 ):
@@ -350,6 +352,7 @@ def test_cancel_queued_and_running_then_retry(env):
     assert env.cli("cancel", batch).exit_code == 0  # leave the worker free for other tests
 
 
+@pytest.mark.slow
 def test_head_worker_with_generations_in_flight(models, redis_server, redis_client, tmp_path, hf_models, tokenizers):
     e = Env("conc", models, redis_server, redis_client, tmp_path, head_extra=("--concurrency", "3"))
     try:

@@ -72,6 +72,7 @@ def measure(model: Path, layers: str, *flags: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_half_shard_peak_rss_near_half(big_checkpoint):
     half = measure(big_checkpoint, "0:4")

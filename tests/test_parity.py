@@ -67,6 +67,7 @@ def test_greedy_parity(family, split, drafter, k, models, hf_models, tokenizers,
         assert accepted > 0  # the rejection and acceptance paths both ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_greedy_parity_with_static_caches(family, models, hf_models, tokenizers, tails, redis_client):
     """Static KV caches rolled back in place (the path CUDA graphs replay over) give the same tokens."""
