@@ -1,5 +1,5 @@
 """A leaner forward for Llama/Qwen2-style decoder layers: the same weights and computation as the Hugging
-Face layers, in a third of the kernel launches.
+Face layers, in about half the kernel launches (a 14-layer 7B shard: 800 -> 386 on an H200).
 
 Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall
 elsewhere (the norm's weight is applied before rounding, a residual add is fused into its GEMM,
