@@ -167,8 +167,8 @@ def rotation(cos: torch.Tensor, sin: torch.Tensor, signs: torch.Tensor) -> torch
 
 
 def score_dtype(x: torch.Tensor) -> torch.dtype:
-    """Attention scores are kept in float32 (as flash kernels do): half GEMMs on CUDA write float32."""
-    return torch.float32 if x.is_cuda or x.dtype == torch.float32 else x.dtype
+    """Attention scores are kept in (at least) float32, as flash kernels keep them."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def attend(
@@ -213,11 +213,11 @@ def wide_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _wide_scores(bias: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, scale: float, one_gemm: bool) -> torch.Tensor:
-    """bias + scale * q3 @ k3 in float32 from half inputs (one GEMM where torch has `out_dtype`; under
-    torch.compile, which cannot trace it, a half GEMM whose scores are widened, as HF's eager attention)."""
+    """bias + scale * q3 @ k3 in float32 from half inputs: one GEMM where torch has `out_dtype` (CUDA),
+    else (CPU; under torch.compile, which cannot trace it) a float32 GEMM of widened copies."""
     if one_gemm and not torch.compiler.is_compiling():
         return torch.baddbmm(bias, q3, k3, alpha=scale, out_dtype=torch.float32)
-    return torch.bmm(q3, k3).float() * scale + bias
+    return torch.baddbmm(bias, q3.float(), k3.float(), alpha=scale)
 
 
 def can_fuse(layers: nn.ModuleList, config: object) -> bool:
