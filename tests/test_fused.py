@@ -18,7 +18,7 @@ from schemas.errors import ModelLoadError
 from workers.drafters import ModelDrafter, propose_greedy_many
 from workers.fused import FusedLayers, fuse_layer, fused_stack, rotate_elementwise, rotate_half_signs, rotation
 from workers.graphs import BatchGraph, Engine, greedy_steps
-from workers.kvcache import BatchView, KVPool
+from workers.kvcache import BatchView, KVCache, KVPool
 from workers.shard import FUSED_MAX_TOKENS, load_shard, sliding_window
 
 
@@ -175,3 +175,18 @@ def test_graph_wrapper_pads_and_replays(monkeypatch):
     want = greedy_steps(shard.run_batch, ref_pool, rows, x, pos, pick, 5)
     assert got.shape == (2, 5)
     assert torch.equal(got, want)
+
+
+@torch.inference_mode()
+def test_bf16_fused_forward_is_as_close_to_float32_as_hf(models):
+    """In bf16 the fused forward (float32 attention scores from widened q/k on CPUs) stays as close to the
+    float32 model as the HF layers do; roundings differ, so only closeness is checked."""
+    path = models["qwen2"].target
+    full = load_shard(path, None, embed=True, head=True, dtype=torch.float32, fused=False)
+    fused = load_shard(path, None, embed=True, head=True, dtype=torch.bfloat16, fused=True)
+    plain = load_shard(path, None, embed=True, head=True, dtype=torch.bfloat16, fused=False)
+    x = torch.arange(3, 33) % full.config.vocab_size
+    want = full(x, 0, KVCache(), 30)
+    err_fused = float((fused(x, 0, KVCache(), 30).float() - want).abs().max())
+    err_plain = float((plain(x, 0, KVCache(), 30).float() - want).abs().max())
+    assert err_fused <= 1.25 * err_plain + 1e-2
