@@ -82,7 +82,7 @@ def check_drafts(engine: Engine, ref_shard, n: int, rounds: int, seed: int) -> i
         feeds = [tokens(rnd.randint(1, 2)) for _ in range(n)]
         ks = [rnd.randint(1, engine.max_draft) for _ in range(n)]
         starts = [c.length for c in caches]
-        got = engine.draft_many(caches, feeds, starts, ks)
+        got = engine.draft_many(caches, [f.tolist() for f in feeds], starts, ks)
         assert got is not None, "draft_many did not apply"
         rows = got.tolist()
         for i in range(n):

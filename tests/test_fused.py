@@ -86,7 +86,7 @@ def test_whole_drafts_equal_token_by_token(models, tokenizers):
         ks = [ks[-1], *ks[:-1]]
     held = a[0].cache.length
     for k in (7, 0):  # longer than the engine's max_draft, or no draft: not run, nothing changed
-        assert whole.engine.draft_many([a[0].cache], [torch.tensor([1])], [held], [k]) is None
+        assert whole.engine.draft_many([a[0].cache], [[1]], [held], [k]) is None
         assert a[0].cache.length == held
     assert used[0] >= 3  # every round after the prompts' prefill ran as whole drafts
 

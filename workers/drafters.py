@@ -72,7 +72,7 @@ class ModelDraftSession:
     def model_session(self) -> ModelDraftSession:
         return self
 
-    def plan(self, context: list[int]) -> tuple[torch.Tensor, int]:
+    def plan(self, context: list[int]) -> tuple[list[int], int]:
         """Crop the cache to the longest prefix of context[:-1] it holds; return (tokens to feed, start)."""
         keep = 0
         limit = min(len(self.tokens), self.cache.length, len(context) - 1)
@@ -80,24 +80,24 @@ class ModelDraftSession:
             keep += 1
         self.cache.crop(keep)
         self.tokens = list(context)
-        return torch.tensor(context[keep:], device=self.device), keep
+        return context[keep:], keep
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
-        """Draft k tokens, feeding each back on the device; one host sync at the end."""
-        if sampling.greedy and k > 0:
+        """Draft k tokens, feeding each back on the device; one host sync at the end (greedy: see
+        `propose_greedy_many`)."""
+        if k <= 0:
+            return Draft([])
+        if sampling.greedy:
             return propose_greedy_many([self], [context], [k])[0]
         feed, keep = self.plan(context)
-        logits = self.engine.forward(self.cache, feed, keep, logits_last=1)[-1]
+        logits = self.engine.forward(self.cache, torch.tensor(feed, device=self.device), keep, logits_last=1)[-1]
         picked: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            if sampling.greedy:
-                tok = logits.argmax(-1, keepdim=True)
-            else:
-                probs = warp(logits[None], sampling)[0]
-                tok = torch.multinomial(probs, 1, generator=gen)
-                qs.append(probs)
+            probs = warp(logits[None], sampling)[0]
+            tok = torch.multinomial(probs, 1, generator=gen)
+            qs.append(probs)
             picked.append(tok)
             if i < k - 1:
                 logits = self.engine.forward(self.cache, tok, len(context) + i, logits_last=1)[-1]
@@ -126,9 +126,10 @@ def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[i
 
 
 def _greedy_steps(
-    engine: Engine, caches: list, plans: list[tuple[torch.Tensor, int]], contexts: list[list[int]], ks: list[int]
+    engine: Engine, caches: list, plans: list[tuple[list[int], int]], contexts: list[list[int]], ks: list[int]
 ) -> torch.Tensor:
-    logits = engine.forward_many(caches, [f for f, _ in plans], [k for _, k in plans], logits_last=1)
+    feeds = [torch.tensor(f, device=engine.shard.device) for f, _ in plans]
+    logits = engine.forward_many(caches, feeds, [k for _, k in plans], logits_last=1)
     cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
     drafts = cur.new_zeros((len(caches), max(ks)))
     drafts[:, 0] = cur

@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer"}
+Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias)
 
 
 @dataclass
@@ -41,22 +42,20 @@ class FusedLayer:
     idx: int
     ln1: torch.Tensor
     eps1: float
-    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]  # one concatenated (weight, bias), or q, k, v apart
+    qkv: list[Linear]  # one concatenated (weight, bias), or q, k, v apart
     w_o: torch.Tensor
     b_o: torch.Tensor | None
     ln2: torch.Tensor
     eps2: float
-    gate_up: list[torch.Tensor]  # one concatenated weight, or gate and up apart
+    gate_up: list[Linear]  # one concatenated (weight, None), or gate and up apart
     w_down: torch.Tensor
 
 
-def _fuse(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate Linear weights (and biases) along the output dim; the modules get views of them."""
+def _fuse(mods: list[nn.Linear]) -> Linear:
+    """Concatenate Linear weights (and biases: all or none, see `_supported`) along the output dim; the
+    modules get views of them."""
     w = torch.cat([m.weight.detach() for m in mods])
-    has_bias = [m.bias is not None for m in mods]
-    if any(has_bias) and not all(has_bias):
-        raise ValueError("mixed biases")
-    b = torch.cat([m.bias.detach() for m in mods]) if all(has_bias) else None
+    b = torch.cat([m.bias.detach() for m in mods]) if mods[0].bias is not None else None
     at = 0
     for m in mods:
         n = m.weight.shape[0]
@@ -71,8 +70,8 @@ def _supported(layer: nn.Module, config: object) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if type(layer).__name__ not in KNOWN or attn is None or mlp is None:
         return False
-    if getattr(attn, "sliding_window", None) is not None or hasattr(attn, "q_norm"):
-        return False
+    if hasattr(attn, "q_norm") or len({m.bias is None for m in (attn.q_proj, attn.k_proj, attn.v_proj)}) > 1:
+        return False  # (windowed attention is refused for every path by load_shard)
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(mlp, "down_proj", None) is None:
         return False
     return all(getattr(mlp, n, None) is not None for n in ("gate_proj", "up_proj")) and not getattr(
@@ -132,12 +131,12 @@ class FusedLayers:
         h2 = h.view(b * t, width)
         h2 = torch.addmm(h2, o, p.w_o.t()) if p.b_o is None else h2 + F.linear(o, p.w_o, p.b_o)
         x = F.rms_norm(h2, (width,), p.ln2, p.eps2)
-        gate, up = _linear_cat(x, [(w, None) for w in p.gate_up]).chunk(2, dim=-1)
+        gate, up = _linear_cat(x, p.gate_up).chunk(2, dim=-1)
         h2 = torch.addmm(h2, F.silu(gate) * up, p.w_down.t())
         return h2.view(b, t, width)
 
 
-def _linear_cat(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+def _linear_cat(x: torch.Tensor, parts: list[Linear]) -> torch.Tensor:
     if len(parts) == 1:
         return F.linear(x, *parts[0])
     return torch.cat([F.linear(x, w, b) for w, b in parts], dim=-1)
@@ -234,18 +233,17 @@ def _heads(layer: nn.Module, config: object) -> tuple[int, int, int]:
     return heads, getattr(config, "num_key_value_heads", None) or heads, layer.self_attn.head_dim
 
 
+def _apart(mods: list[nn.Linear]) -> list[Linear]:
+    return [(m.weight.detach(), m.bias.detach() if m.bias is not None else None) for m in mods]
+
+
 def fuse_layer(layer: nn.Module, concat: bool) -> FusedLayer:
     """One loaded layer's weights; with `concat`, q/k/v and gate/up concatenated (its HF modules then hold
     views of them). CPU workers keep them apart: their weights are views of the memory-mapped checkpoint,
     and launches are cheap there."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv_mods, gu_mods = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-    if concat:
-        qkv = [_fuse(qkv_mods)]
-        gate_up = [_fuse(gu_mods)[0]]
-    else:
-        qkv = [(m.weight.detach(), m.bias.detach() if m.bias is not None else None) for m in qkv_mods]
-        gate_up = [m.weight.detach() for m in gu_mods]
+    qkv, gate_up = ([_fuse(qkv_mods)], [_fuse(gu_mods)]) if concat else (_apart(qkv_mods), _apart(gu_mods))
     o_bias = attn.o_proj.bias
     return FusedLayer(
         idx=attn.layer_idx,

@@ -266,15 +266,16 @@ class Engine:
         return [out[b, m - w : m] for b, (m, w) in enumerate(zip(sizes, wants, strict=True))]
 
     def draft_many(
-        self, caches: Sequence[Cache], feeds: Sequence[torch.Tensor], starts: Sequence[int], ks: Sequence[int]
+        self, caches: Sequence[Cache], feeds: Sequence[list[int]], starts: Sequence[int], ks: Sequence[int]
     ) -> torch.Tensor | None:
-        """Greedy drafts [n, max(ks)] (device) of sequences of one pool, each from its feed of new tokens at
-        start..: one graph replay for all steps. Caches then hold feed + the first k-1 drafts of their own k.
+        """Greedy drafts [n, max(ks)] (device) of sequences of one pool, each from its feed of new token ids at
+        start..: one graph replay for all steps, one host-to-device copy for all inputs. Caches then hold
+        feed + the first k-1 drafts of their own k.
         None (nothing run) where this does not apply: dynamic caches, several pools, long feeds or drafts.
         Without graphs (static caches on CPU, say) the same steps run eagerly."""
         k = max(ks)
         pool = getattr(caches[0], "pool", None)
-        sizes = [f.shape[0] for f in feeds]
+        sizes = [len(f) for f in feeds]
         if (
             not self.static
             or k > self.max_draft
@@ -288,12 +289,12 @@ class Engine:
         for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):
             self.check(cache, start, m + kb - 1)
         t = max(sizes)
-        x = feeds[0].new_zeros((len(feeds), t))
-        for b, f in enumerate(feeds):
-            x[b, : sizes[b]] = f
-        meta = [[c.slot, *range(s, s + t), m - 1] for c, s, m in zip(caches, starts, sizes, strict=True)]
+        meta = [
+            [c.slot, *range(s, s + t), len(f) - 1, *f, *[0] * (t - len(f))]
+            for c, s, f in zip(caches, starts, feeds, strict=True)
+        ]
         meta_t = torch.tensor(meta, dtype=torch.long).to(self.shard.device, non_blocking=True)
-        rows, pos, pick = meta_t[:, 0], meta_t[:, 1 : 1 + t], meta_t[:, 1 + t :]
+        rows, pos, pick, x = meta_t[:, 0], meta_t[:, 1 : 1 + t], meta_t[:, 1 + t : 2 + t], meta_t[:, 2 + t :]
         if self.graphs:
             out = self._graph(pool, len(caches), t, 1, steps=k)(rows, x, pos, pick)  # type: ignore[arg-type]
         else:

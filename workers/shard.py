@@ -240,12 +240,8 @@ class Shard(nn.Module):
 
 def sliding_window(config: PretrainedConfig) -> int | None:
     """The attention window a config turns on (Mistral's `sliding_window`, Qwen2's sliding layers), or None."""
-    window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        return window
-    if getattr(config, "model_type", "") == "mistral":
-        return window
-    return None
+    windowed = "sliding_attention" in (getattr(config, "layer_types", None) or [])
+    return getattr(config, "sliding_window", None) if windowed or config.model_type == "mistral" else None
 
 
 def load_shard(
