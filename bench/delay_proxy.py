@@ -3,12 +3,17 @@ delay in each direction, order preserved.
 
     python bench/delay_proxy.py --upstream 127.0.0.1:6379 --delay-ms 43 --port 6380
     with DelayProxy("127.0.0.1", 6379, 0.043) as proxy: connect(f"redis://127.0.0.1:{proxy.port}/0")
+    with spawn_proxy(6379, 0.043) as port: ...   # in a process of its own (benchmarks: no shared GIL)
 """
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -70,6 +75,23 @@ class DelayProxy:
         self.stop()
 
 
+@contextmanager
+def spawn_proxy(upstream_port: int, delay_s: float, upstream_host: str = "127.0.0.1") -> Iterator[int]:
+    """Run the proxy in a process of its own (a real link shares no interpreter lock with the head);
+    yields the port it listens on."""
+    upstream = f"{upstream_host}:{upstream_port}"
+    cmd = [sys.executable, __file__, "--upstream", upstream, "--delay-ms", str(delay_s * 1000), "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("127.0.0.1:"):
+            raise RuntimeError(f"delay proxy did not start: {line!r}")
+        yield int(line.split()[0].rsplit(":", 1)[1])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 @click.command()
 @click.option("--upstream", default="127.0.0.1:6379", show_default=True, help="host:port to forward to.")
 @click.option("--delay-ms", type=float, default=43.0, show_default=True, help="Delay each way.")
@@ -77,7 +99,8 @@ class DelayProxy:
 def main(upstream: str, delay_ms: float, port: int) -> None:
     host, up_port = upstream.rsplit(":", 1)
     proxy = DelayProxy(host, int(up_port), delay_ms / 1000, port).start()
-    click.echo(f"127.0.0.1:{proxy.port} -> {upstream} (+{delay_ms} ms each way); Ctrl-C stops")
+    click.echo(f"127.0.0.1:{proxy.port} -> {upstream} (+{delay_ms} ms each way); Ctrl-C stops", nl=True)
+    sys.stdout.flush()
     threading.Event().wait()
 
 

@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from delay_proxy import DelayProxy
+from delay_proxy import spawn_proxy
 
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
@@ -171,9 +172,10 @@ def main(
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(n_prompts)]
     wanted = rows.split(",")
-    with EmbeddedRedis() as server:
-        proxy = DelayProxy("127.0.0.1", server.port, delay_ms / 1000).start() if delay_ms > 0 else None
-        head_url = f"redis://127.0.0.1:{proxy.port}/0" if proxy else server.url
+    with EmbeddedRedis() as server, ExitStack() as stack:
+        # the delay proxy runs in a process of its own: a real link shares no interpreter lock with the head
+        proxy_port = stack.enter_context(spawn_proxy(server.port, delay_ms / 1000)) if delay_ms > 0 else None
+        head_url = f"redis://127.0.0.1:{proxy_port}/0" if proxy_port else server.url
         tails = {}
         for mode, flags in (("eager", ["--dynamic-cache", "--no-graphs"]), ("graphs", [])):
             if not any(f"-{mode}" in w or (mode == "graphs" and "-compiled" in w) for w in wanted):
@@ -254,8 +256,6 @@ def main(
                 proc.terminate()
             for proc, _ in tails.values():
                 proc.wait(30)
-            if proxy:
-                proxy.stop()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import redis
 
@@ -52,10 +53,19 @@ def publish(r: redis.Redis, stream: str, fields: dict, maxlen: int = DEFAULTS.re
     return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
 
 
-def _add_reply(pipe: redis.client.Pipeline, stream: str, fields: dict) -> None:
+class Reply(NamedTuple):
+    """A reply for one session's stream; the stream expires ttl_s after it (a session's last verdict
+    expires sooner: its head reads it at once and deletes nothing)."""
+
+    stream: str
+    fields: dict
+    ttl_s: int = DEFAULTS.reply_ttl_s
+
+
+def _add_reply(pipe: redis.client.Pipeline, stream: str, fields: dict, ttl_s: int = DEFAULTS.reply_ttl_s) -> None:
     """Queue a reply on a session's stream, kept short and expiring when abandoned."""
     pipe.xadd(stream, fields, maxlen=DEFAULTS.reply_stream_maxlen, approximate=True)
-    pipe.expire(stream, DEFAULTS.reply_ttl_s)
+    pipe.expire(stream, ttl_s)
 
 
 @transport_retry()
@@ -67,9 +77,12 @@ def send_reply(r: redis.Redis, stream: str, fields: dict) -> None:
 
 
 @transport_retry()
-def delete_keys(r: redis.Redis, *keys: str) -> None:
-    if keys:
-        r.delete(*keys)
+def close_session(r: redis.Redis, stream: str, close_fields: dict, reply_stream: str) -> None:
+    """Tell the tail holding a session to drop it and delete the session's reply stream: one round trip."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xadd(stream, close_fields, maxlen=DEFAULTS.request_stream_maxlen, approximate=True)
+    pipe.delete(reply_stream)
+    pipe.execute()
 
 
 @dataclass
@@ -142,7 +155,7 @@ class GroupReader:
     @transport_retry()
     def ack_many(
         self,
-        done: list[tuple[bytes | str, bytes, tuple[str, dict] | None]],
+        done: list[tuple[bytes | str, bytes, Reply | None]],
         dead_letters: list[dict] | None = None,
     ) -> None:
         """Send each entry's reply (if any), acknowledge and delete the entries, and append refused

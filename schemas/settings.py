@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     dead_letter_maxlen: int = Field(100_000, description="Approximate cap of the dead-letter stream.")
     reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
     reply_ttl_s: int = Field(600, description="Expiry of a session's reply stream after its last write.")
+    final_reply_ttl_s: int = Field(
+        60, description="Expiry of a session's reply stream after its final verdict (the head deletes nothing)."
+    )
     claim_idle_ms: int = Field(
         5000, description="A request left unacknowledged this long by a tail (dead) is claimed by a live one."
     )

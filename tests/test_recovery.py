@@ -50,7 +50,7 @@ def sessions_by_tail(r, names: StreamNames) -> dict[str, int]:
         last = r.xrevrange(key, count=1)
         if last:
             msg = decode_tail_message(last[0][1])
-            if isinstance(msg, Verdict) and msg.tail_id:
+            if isinstance(msg, Verdict) and msg.tail_id and msg.finish_reason is None:  # live ones
                 held[msg.tail_id] = held.get(msg.tail_id, 0) + 1
     return held
 
@@ -146,3 +146,19 @@ def test_replay_before_any_token_is_a_fresh_first_round(models, hf_models, token
     result = loop.run()
     assert result.token_ids == parity_reference("qwen2", hf_models["qwen2"], tokenizers["qwen2"])[0]
     assert result.replays == 1
+
+
+def test_worker_restart_ends_its_own_stale_record(redis_client, monkeypatch):
+    """A head worker whose loop lost Redis could not record its end; a Redis restored from disk still
+    lists it as alive. Restarting must end that record instead of failing on RQ's 'name taken' check."""
+    from workers import jobs
+    from workers.head_worker import HeadWorker
+
+    monkeypatch.setattr(jobs, "bind", lambda *a: None)
+    worker = HeadWorker(["stale-q"], None, redis_client, name="stale-worker")
+    worker.register_birth()  # the record a lost loop leaves behind: alive, no death date
+    with pytest.raises(ValueError, match="active worker"):
+        HeadWorker(["stale-q"], None, redis_client, name="stale-worker").register_birth()
+    worker._end_own_record()
+    worker.register_birth()  # the restarted loop starts
+    worker.register_death()

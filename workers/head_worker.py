@@ -129,6 +129,17 @@ class HeadWorker(SimpleWorker):
             except StopRequested:  # a stop signal while waiting
                 return worked
             delay = min(delay * 2, 30.0)
+            self._end_own_record()
+
+    def _end_own_record(self) -> None:
+        """A loop that lost Redis could not record its end: a Redis restored from disk still lists this
+        worker as alive, and RQ refuses to start a worker whose name is taken. The record is this
+        worker's own, so end it before starting again (if Redis is still gone, the restart fails and
+        the loop waits again)."""
+        try:
+            self.register_death()
+        except redis.RedisError as e:
+            log.debug("worker %s: could not end its old record yet: %s", self.name, e)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is threading.main_thread():  # workers in extra threads get none

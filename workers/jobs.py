@@ -4,8 +4,9 @@ Producers enqueue jobs by the *name* `workers.jobs.run_generation` with one JSON
 GenerationRequest); the head worker (workers/head_worker.py) refuses any other function name. The
 function runs in the worker's own process, with the models it bound at start (`bind`), and:
 - returns an already stored result untouched (a re-run cannot clobber a finished result);
-- publishes progress to the job's meta and committed text to a per-job token stream, throttled, with a
-  checkpoint of the committed tokens beside them: a retried job (its head worker died) resumes there;
+- publishes progress to the job's meta and committed text to a per-job token stream, throttled and off
+  the round loop's path (a thread of its own), with a checkpoint of the committed tokens beside them:
+  a retried job (its head worker died) resumes there;
 - fails without retry on an invalid request, and leaves transient failures to RQ's Retry.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import redis
@@ -60,7 +62,12 @@ def no_retry(job: Job, reason: str) -> None:
 
 @dataclass
 class Progress:
-    """Throttled progress for one job: meta (counts, speed) + committed text on the token stream."""
+    """Throttled progress for one job: meta (counts, speed) + committed text on the token stream.
+
+    Flushes between rounds run on a thread of their own, so a far Redis's round trip never stalls the
+    generation (the round loop only hands over a copy of the tokens); at most one is in flight, so
+    token-stream entries stay in order. What a flush finds (a cancel request, a Redis error) is raised
+    in the generation's thread at its next round."""
 
     job: Job
     r: redis.Redis
@@ -72,6 +79,8 @@ class Progress:
     accepted: int = 0
     flushed_chars: int = 0
     text: str = ""
+    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "progress"), repr=False)
+    _inflight: Future | None = field(default=None, repr=False)
 
     def resume_from(self, generated: list[int]) -> None:
         """Continue after a checkpoint: its text is on the token stream already."""
@@ -81,9 +90,21 @@ class Progress:
     def on_tokens(self, new: list[int], generated: list[int]) -> None:
         self.rounds += 1
         self.accepted += max(len(new) - 1, 0)
-        now = time.monotonic()
-        if now - self.last_flush >= DEFAULTS.progress_interval_s:
-            self.flush(generated, final=False)
+        if self._inflight is not None:
+            if not self._inflight.done():
+                return  # the last flush is still on its way: the next round tries again
+            self._inflight.result()  # raises what it found (JobCancelled, a Redis error)
+            self._inflight = None
+        if time.monotonic() - self.last_flush >= DEFAULTS.progress_interval_s:
+            self.last_flush = time.monotonic()
+            self._inflight = self._pool.submit(self.flush, list(generated), False)
+
+    def wait(self) -> None:
+        """Let the flush in flight finish (what it found is not raised: the generation is over)."""
+        if self._inflight is not None:
+            wait([self._inflight])
+            self._inflight = None
+        self._pool.shutdown(wait=True)
 
     def flush(self, generated: list[int], final: bool) -> None:
         self.last_flush = time.monotonic()
@@ -167,14 +188,17 @@ def run_generation(payload: dict) -> dict:
         log.info("job %s resumes from a checkpoint of %d tokens", job.id, len(resume))
         progress.resume_from(resume)
     try:
-        result = generate(
-            req,
-            _bound.runtime,  # type: ignore[arg-type]
-            _bound.r,
-            names=_bound.names,
-            on_tokens=progress.on_tokens,
-            resume=resume,
-        )
+        try:
+            result = generate(
+                req,
+                _bound.runtime,  # type: ignore[arg-type]
+                _bound.r,
+                names=_bound.names,
+                on_tokens=progress.on_tokens,
+                resume=resume,
+            )
+        finally:
+            progress.wait()  # no progress flush may land after what follows
     except (InvalidRequest, JobCancelled) as e:
         no_retry(job, str(e))
         raise

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import redis
 import torch
 
-from relay_broker.streams import ReplyReader, StreamNames, delete_keys, publish
+from relay_broker.streams import ReplyReader, StreamNames, close_session
 from schemas.errors import PacketError, RemoteError, ReplyTimeout, ShardFlowError
 from schemas.packets import ClosePacket, ErrorReply, Verdict, decode_tail_message, encode_message, encode_round
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
@@ -56,6 +56,7 @@ class RoundLoop:
             raise
         self.stream = names.shared_requests
         self.pinned = False
+        self.tail_closed = False  # a final verdict came: the tail dropped the session, its reply stream expires
         self.reader = ReplyReader(r, names.reply(session_id))
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
@@ -193,6 +194,7 @@ class RoundLoop:
         if not self.pinned:
             self.stream, self.pinned = self.names.tail_requests(v.tail_id), True
         finish = v.finish_reason
+        self.tail_closed = finish is not None
         new: list[int] = []
         for tok in v.tokens:
             new.append(tok)
@@ -211,12 +213,16 @@ class RoundLoop:
         return finish
 
     def _close(self) -> None:
+        """Free this generation's slots; unless the tail ended the session itself (a final verdict: the
+        usual end, which then costs no round trip), tell it to drop the session and delete the replies."""
         self.rt.engine.release(self.cache)
         close = getattr(self.drafter, "close", None)
         if close is not None:
             close()
+        if self.tail_closed:
+            return
         try:
-            publish(self.r, self.stream, encode_message(ClosePacket(session_id=self.sid)))
-            delete_keys(self.r, self.names.reply(self.sid))
+            bye = encode_message(ClosePacket(session_id=self.sid))
+            close_session(self.r, self.stream, bye, self.names.reply(self.sid))
         except ShardFlowError as e:
             log.warning("session %s: could not close cleanly: %s", self.sid, e)

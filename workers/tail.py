@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from relay_broker.streams import GroupReader, StreamNames
+from relay_broker.streams import GroupReader, Reply, StreamNames
 from schemas.errors import PacketError, SessionError, ShardFlowError, TransportError
 from schemas.packets import (
     ClosePacket,
@@ -226,14 +226,14 @@ class TailWorker:
         dead, self._dead = self._dead, []
         return dead
 
-    def handle(self, fields: dict) -> tuple[str, dict] | None:
+    def handle(self, fields: dict) -> Reply | None:
         """Process one stream entry; return (reply stream, reply fields) to send, if any."""
         return self.handle_many([fields])[0]
 
-    def handle_many(self, entries: list[dict]) -> list[tuple[str, dict] | None]:
+    def handle_many(self, entries: list[dict]) -> list[Reply | None]:
         """Process stream entries read together; rounds of different sessions run as one batched forward.
         Never raises for a bad packet: it is logged and answered with an error when it names a session."""
-        out: list[tuple[str, dict] | None] = [None] * len(entries)
+        out: list[Reply | None] = [None] * len(entries)
         batch: list[tuple[int, Prepared]] = []
         later: list[int] = []  # a second packet of a session already in this batch waits for the first
         for i, fields in enumerate(entries):
@@ -256,7 +256,7 @@ class TailWorker:
             out[i] = self.handle(entries[i])
         return out
 
-    def _fail_with(self, sid: str | None, rid: int | None, e: Exception, fields: dict) -> tuple[str, dict] | None:
+    def _fail_with(self, sid: str | None, rid: int | None, e: Exception, fields: dict) -> Reply | None:
         """Dead-letter the packet with its reason and answer its session (if it names one) with an error;
         a session this tail does not hold (restarted, expired) gets a retryable error: the head replays."""
         if isinstance(e, ShardFlowError):
@@ -271,7 +271,7 @@ class TailWorker:
         msg = ErrorReply(
             session_id=sid, round_id=rid, error=reason, tail_id=self.tail_id, retryable=isinstance(e, SessionError)
         )
-        return self.names.reply(sid), encode_message(msg)
+        return Reply(self.names.reply(sid), encode_message(msg))
 
     def _session_for(self, p: RoundPacket) -> TailSession | None:
         sess = self.sessions.get(p.session_id)
@@ -285,7 +285,7 @@ class TailWorker:
             raise SessionError(f"round {p.round_id} starts at {p.start_pos}, the session holds {sess.cache.length}")
         return sess
 
-    def _prepare(self, fields: dict) -> Prepared | tuple[str, dict] | None:
+    def _prepare(self, fields: dict) -> Prepared | Reply | None:
         """Decode and check one entry: a round to run, or the reply to send at once (None: nothing)."""
         msg, tensors = decode_head_message(fields, max_bytes=self.max_packet_bytes, device=self.shard.device)
         if isinstance(msg, ClosePacket):
@@ -302,7 +302,7 @@ class TailWorker:
             self._dead.append(
                 DeadLetter(fields, f"duplicate or late round (session at round {held})", *peek_session(fields))
             )
-            return (self.names.reply(msg.session_id), last) if last is not None else None
+            return Reply(self.names.reply(msg.session_id), last) if last is not None else None
         hidden = tensors["hidden"]
         cfg = self.shard.config
         if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != cfg.hidden_size:
@@ -317,7 +317,7 @@ class TailWorker:
         return Prepared(msg, sess, hidden.to(self.shard.dtype), tensors, fields)
 
     @torch.inference_mode()
-    def _rounds(self, batch: list[Prepared]) -> list[tuple[str, dict] | None]:
+    def _rounds(self, batch: list[Prepared]) -> list[Reply | None]:
         """One batched forward over every prepared round, then each round's verification."""
         if not batch:
             return []
@@ -334,17 +334,17 @@ class TailWorker:
         except Exception as e:
             if len(batch) == 1:
                 return [self._fail_with(batch[0].packet.session_id, batch[0].packet.round_id, e, batch[0].fields)]
-            alone: list[tuple[str, dict] | None] = []
+            alone: list[Reply | None] = []
             for p in batch:  # isolate the failure: each round alone, from where it started
                 if p.sess.cache.length > p.packet.start_pos:
                     p.sess.cache.crop(p.packet.start_pos)
                 alone += self._rounds([p])
             return alone
         forward_ms = (time.perf_counter() - t0) * 1000
-        out: list[tuple[str, dict] | None] = []
+        out: list[Reply | None] = []
         for p, lg in zip(batch, logits, strict=True):
             try:
-                out.append((self.names.reply(p.packet.session_id), self._verify(p, lg, forward_ms)))
+                out.append(self._verify(p, lg, forward_ms))
             except Exception as e:
                 out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields))
         return out
@@ -363,8 +363,10 @@ class TailWorker:
         if not ok:
             raise SessionError(f"replay of session {p.session_id} does not reproduce its last committed token")
 
-    def _verify(self, prep: Prepared, logits: torch.Tensor, forward_ms: float) -> dict:
-        """Accept a prefix of the drafts, roll the cache back to the committed prefix, build the verdict."""
+    def _verify(self, prep: Prepared, logits: torch.Tensor, forward_ms: float) -> Reply:
+        """Accept a prefix of the drafts, roll the cache back to the committed prefix, build the verdict.
+        A final verdict ends the session here: the tail drops it, and the reply stream expires soon after
+        (its head, which reads the verdict at once, sends no close and deletes nothing)."""
         p, sess, tensors = prep.packet, prep.sess, prep.tensors
         t1 = time.perf_counter()
         if p.replay:
@@ -391,6 +393,8 @@ class TailWorker:
             timings={"tail_forward_ms": forward_ms, "verify_ms": (time.perf_counter() - t1) * 1000},
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict)
-        if finish is not None:
-            self.sessions.drop(p.session_id)
-        return sess.last_reply
+        stream = self.names.reply(p.session_id)
+        if finish is None:
+            return Reply(stream, sess.last_reply)
+        self.sessions.drop(p.session_id)
+        return Reply(stream, sess.last_reply, DEFAULTS.final_reply_ttl_s)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# What the GPU figures in docs/benchmarks.md come from: one device call per part, on nvidia-h200-x2.
+#   bench/device.sh ladder    # the ladder (graphs, compiled, 16 in flight, no speculation, eager rows)
+#   bench/device.sh checks    # profile_round, gpu_parity, batch_check
+# Wheels the device image lacks travel in .whl/ (see the tool library's device README); logs go to $OUT.
+set -uo pipefail
+OUT=${OUT:-bench/out/device}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+quiet() { grep --line-buffered -v -E "USDT|UserWarning|warn\(|_warn_once|profiler.py|pkg_resources"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+case "${1:-ladder}" in
+  ladder)
+    python3 bench/ladder.py --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \
+      --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43 --alpha 0.78 \
+      --new 128 --prompts 2 --max-len 2048 \
+      --rows "${ROWS:-spec-compiled,nospec-graphs,spec-graphs,spec-compiled-x16,spec-eager,nospec-eager}" \
+      --out "$OUT/ladder" 2>&1 | quiet | tee "$OUT/ladder.log" | grep -v "^ " | tail -40
+    ;;
+  checks)
+    python3 bench/profile_round.py --device cuda:0 --tail-device cuda:1 --compile-draft --out "$OUT" 2>&1 \
+      | quiet > "$OUT/profile.log"; tail -45 "$OUT/profile.log"
+    python3 bench/gpu_parity.py --head-device cuda:0 --tail-device cuda:1 2>&1 | quiet > "$OUT/parity.log"
+    tail -8 "$OUT/parity.log"
+    python3 bench/batch_check.py --device cuda:0 2>&1 | quiet > "$OUT/batch_check.log"; tail -8 "$OUT/batch_check.log"
+    ;;
+esac
