@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from workers import fused
 from workers.drafters import ModelDrafter, propose_greedy_many
 from workers.graphs import Engine
 from workers.shard import RANDOM_PRESETS, load_shard
@@ -129,6 +130,7 @@ def shard_stage(shard, k: int, ctx: int, logits: bool) -> Callable[[], object]:
 @click.option("--gap-ms", type=float, default=87.0)
 @click.option("--compile-draft", is_flag=True, help="also profile the torch.compile'd drafter")
 @click.option("--hf/--no-hf", default=True, help="also profile the head shard through the HF layers")
+@click.option("--rotary-variants", is_flag=True, help="also the compiled drafter with rotary as a matmul")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(
     device: str,
@@ -141,6 +143,7 @@ def main(
     gap_ms: float,
     compile_draft: bool,
     hf: bool,
+    rotary_variants: bool,
     out: Path | None,
 ) -> None:
     dev, tdev = torch.device(device), torch.device(tail_device or device)
@@ -153,6 +156,13 @@ def main(
     ]
     if compile_draft:
         stages.append(("draft-compiled", lambda: draft_stage(dshard, k, ctx, True), dev))
+    if compile_draft and rotary_variants:
+
+        def matmul_rotary() -> Callable[[], object]:
+            fused.ROTARY_ELEMENTWISE_UNDER_COMPILE = False  # compiled and captured at its first calls
+            return draft_stage(dshard, k, ctx, True)
+
+        stages.append(("draft-compiled-matmul-rotary", matmul_rotary, dev))
     head = load_shard(target, (0, split), embed=True, head=False, device=device, dtype=bf16)
     stages.append(("head", lambda: shard_stage(head, k, ctx, False), dev))
     tail = load_shard(target, (split, n_layers), embed=False, head=True, device=str(tdev), dtype=bf16)

@@ -15,23 +15,28 @@ from torch.utils._pytree import tree_flatten
 from transformers import MistralConfig, Qwen2Config
 
 from schemas.errors import ModelLoadError
+from workers import shard as shard_mod
 from workers.drafters import ModelDrafter, propose_greedy_many
 from workers.fused import FusedLayers, fuse_layer, fused_stack, rotate_elementwise, rotate_half_signs, rotation
 from workers.graphs import BatchGraph, Engine, greedy_steps
 from workers.kvcache import BatchView, KVCache, KVPool
-from workers.shard import FUSED_MAX_TOKENS, load_shard, sliding_window
+from workers.shard import load_shard, sliding_window
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @torch.inference_mode()
-def test_fused_forward_equals_hf_layers(models, family):
+def test_fused_forward_equals_hf_layers(models, family, monkeypatch):
     path = models[family].target
     fused = load_shard(path, None, embed=True, head=True, fused=True)
     plain = load_shard(path, None, embed=True, head=True, fused=False)
     assert isinstance(fused.fused, FusedLayers) and plain.fused is None
     x = torch.arange(3, 120) % fused.config.vocab_size
-    for static, prompt in ((False, 30), (True, 30), (False, FUSED_MAX_TOKENS + 40)):
-        # growing caches, static slots (masked), and a prefill long enough to take the HF layers
+    heads = fused.fused.heads
+    for static, prompt, budget in ((False, 30, None), (True, 30, None), (False, 100, heads * 64 * 64 * 4)):
+        # growing caches, static slots (masked), and a prefill whose scores outgrow the budget (HF layers)
+        monkeypatch.setattr(shard_mod, "FUSED_MAX_SCORE_BYTES", budget or shard_mod.FUSED_MAX_SCORE_BYTES)
+        if budget:
+            assert not fused._fused_fits(torch.empty(1, prompt, 1), None) and fused._fused_fits(x[:1, None], None)
         ef, ep = Engine(fused, static=static, max_len=128), Engine(plain, static=static, max_len=128)
         cf, cp = ef.acquire(), ep.acquire()
         got, want = ef.forward(cf, x[:prompt], 0, prompt), ep.forward(cp, x[:prompt], 0, prompt)

@@ -4,7 +4,8 @@ Face layers, in about half the kernel launches (a 14-layer 7B shard: 800 -> 386 
 Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall
 elsewhere (the norm's weight is applied before rounding, a residual add is fused into its GEMM,
 rotary rounds once), differences of the same size as those between the K+1-row forwards of a round
-and `generate`'s one-row steps. Steps longer than `shard.FUSED_MAX_TOKENS` (prefills) run the HF layers.
+and `generate`'s one-row steps. Steps whose scores would outgrow `shard.FUSED_MAX_SCORE_BYTES` (long
+prefills) run the HF layers.
 
 A lone drafter step is latency-bound: on an H200 the stock layer launched ~48 kernels per layer (7
 GEMMs, a dozen elementwise ops for RMSNorm and rotary embeddings, K/V copies per query head), ~2 µs
@@ -34,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer"}
+ROTARY_ELEMENTWISE_UNDER_COMPILE = True  # bench/profile_round.py --rotary-variants compares the matmul form
 Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias)
 
 
@@ -98,7 +100,7 @@ class FusedLayers:
     ) -> torch.Tensor:
         """h [B, T, hidden], cos/sin [B, T, d] (the HF rotary module's), mask bool [B|1, 1, T, L] or None."""
         b, t, _ = h.shape
-        if torch.compiler.is_compiling():  # inductor fuses the elementwise form into neighbouring kernels
+        if torch.compiler.is_compiling() and ROTARY_ELEMENTWISE_UNDER_COMPILE:  # inductor fuses it with its neighbours
             cos, sin = (c.reshape(-1, 1, c.shape[-1]) for c in cos_sin)
             rope: Callable[[torch.Tensor], torch.Tensor] = partial(rotate_elementwise, cos=cos, sin=sin)
         else:  # eager: one batched matmul is fewer launches than the five elementwise ops

@@ -25,9 +25,11 @@ from workers.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.kvcache import BatchView, KVCache, StaticKVCache
 
 Cache = KVCache | StaticKVCache
-# Steps longer than this (prompt prefills) run through the HF layers, whose attention kernel does not
-# materialise [heads x tokens x cache length] scores as the fused path's GEMM attention does.
-FUSED_MAX_TOKENS = 64
+# Steps whose float32 attention scores (batch x heads x tokens x cached positions) would take more than
+# this run through the HF layers (long prompt prefills), whose attention kernel does not materialise
+# them as the fused path's GEMM attention does. A 7B tail over a 2,048-position static cache: up to
+# 292 tokens fused.
+FUSED_MAX_SCORE_BYTES = 64 << 20
 Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
 
 
@@ -222,9 +224,14 @@ class Shard(nn.Module):
         rows = torch.arange(h.shape[0], device=h.device)[:, None]
         return self.lm_head(self.norm(h[rows, pick]))
 
+    def _fused_fits(self, h: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        assert self.fused is not None
+        positions = mask.shape[-1] if mask is not None else h.shape[1]
+        return h.shape[0] * self.fused.heads * h.shape[1] * positions * 4 <= FUSED_MAX_SCORE_BYTES
+
     def _layers(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: object) -> torch.Tensor:
         cos_sin = self.rotary(h, pos)
-        if self.fused is not None and h.shape[1] <= FUSED_MAX_TOKENS:
+        if self.fused is not None and self._fused_fits(h, mask):
             return self.fused(h, cos_sin, mask, cache)
         for layer in self.layers:
             h = layer(
