@@ -42,6 +42,7 @@ from workers.sampling import decode_q, round_generator, warp
 from workers.shard import Cache, Shard
 from workers.stopping import cut_at_stops
 from workers.verify import verify_greedy, verify_sampling
+from workers.warmth import KeepWarm
 
 log = logging.getLogger("shardflow.tail")
 TAIL_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -156,6 +157,7 @@ class TailWorker:
             raise ValueError("a tail shard needs the final norm and LM head")
         self.shard, self.r, self.max_packet_bytes = shard, r, max_packet_bytes
         self.engine = engine or Engine(shard)
+        self.warm = KeepWarm(DEFAULTS.keep_warm_ms)
         self.names = names or StreamNames()
         self.tail_id = tail_id or default_tail_id()
         if not TAIL_ID.fullmatch(self.tail_id):
@@ -330,7 +332,7 @@ class TailWorker:
                 [len(p.packet.draft_ids) + 1 + p.packet.replay for p in batch],
             )
             if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
-                torch.cuda.synchronize(logits[0].device)
+                torch.cuda.current_stream(logits[0].device).synchronize()  # not the keep-warm stream
         except Exception as e:
             if len(batch) == 1:
                 return [self._fail_with(batch[0].packet.session_id, batch[0].packet.round_id, e, batch[0].fields)]
@@ -347,6 +349,7 @@ class TailWorker:
                 out.append(self._verify(p, lg, forward_ms))
             except Exception as e:
                 out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields))
+        self.warm.after_round(self.shard.device)
         return out
 
     @staticmethod
@@ -372,10 +375,10 @@ class TailWorker:
         if p.replay:
             self._check_replay(p, logits[0])
             logits = logits[1:]
-        drafts = torch.tensor(p.draft_ids, dtype=torch.long, device=logits.device)
         if p.sampling.greedy:
-            accepted, nxt = verify_greedy(logits, drafts)
+            accepted, nxt = verify_greedy(logits, p.draft_ids)
         else:
+            drafts = torch.tensor(p.draft_ids, dtype=torch.long, device=logits.device)
             probs = warp(logits, p.sampling)
             q = decode_q(p.q_kind, drafts, tensors, probs.shape[-1])
             gen = round_generator(p.sampling.seed or 0, p.round_id, "verify", logits.device)
