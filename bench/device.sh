@@ -2,9 +2,9 @@
 # What the GPU figures in docs/benchmarks.md come from: one device call per part, on nvidia-h200-x2.
 #   bench/device.sh ladder    # the ladder (graphs, compiled, 16 in flight, no speculation, eager rows)
 #   bench/device.sh checks    # profile_round, gpu_parity, batch_check
-#   bench/device.sh profile   # profile_round only (compiled drafter with both rotary forms)
+#   bench/device.sh profile   # profile_round only (no HF-layers row)
 #   bench/device.sh ladder:330 profile:230   # several parts in one call, each capped (seconds)
-# ROWS=... picks ladder rows, KEEP_WARM_MS=... sets --keep-warm-ms; a capped part keeps what it wrote before the cap in $OUT.
+# ROWS=... picks ladder rows; a capped part keeps what it wrote before the cap in $OUT.
 # Wheels the device image lacks travel in .whl/ (see the tool library's device README); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-bench/out/device}
@@ -22,13 +22,13 @@ case "${part%%:*}" in
   ladder)
     timeout "$LIMIT" python3 bench/ladder.py --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \
       --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43 --alpha 0.78 \
-      --new 128 --prompts 2 --max-len 2048 --keep-warm-ms "${KEEP_WARM_MS:-0}" \
+      --new 128 --prompts 2 --max-len 2048 \
       --rows "${ROWS:-spec-compiled,nospec-graphs,spec-graphs,spec-compiled-x16,spec-eager,nospec-eager}" \
       --out "$OUT/ladder" 2>&1 | quiet | tee "$OUT/ladder.log" | grep -v "^ " | tail -40
     ;;
   profile)
     timeout "$LIMIT" python3 bench/profile_round.py --device cuda:0 --tail-device cuda:1 --compile-draft \
-      --rotary-variants --no-hf --out "$OUT" 2>&1 | quiet > "$OUT/profile.log"; tail -45 "$OUT/profile.log"
+      --no-hf --out "$OUT" 2>&1 | quiet > "$OUT/profile.log"; tail -45 "$OUT/profile.log"
     ;;
   checks)
     python3 bench/profile_round.py --device cuda:0 --tail-device cuda:1 --compile-draft --out "$OUT" 2>&1 \

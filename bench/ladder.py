@@ -17,7 +17,6 @@ ladder.json, ladder.md and ladder.png to --out.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -39,7 +38,6 @@ from relay_broker.streams import StreamNames
 from schemas.requests import DraftSettings, GenerationRequest
 from workers.head import HeadRuntime, generate
 from workers.shard import RANDOM_PRESETS
-from workers.warmth import KeepWarm
 
 FIELDS = ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms", "verify_ms")
 
@@ -149,13 +147,6 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
 @click.option("--prompt-len", type=int, default=128, show_default=True)
 @click.option("--max-len", type=int, default=2048, show_default=True, help="Static cache positions.")
 @click.option("--rows", default="nospec-eager,spec-eager,nospec-graphs,spec-graphs", show_default=True)
-@click.option(
-    "--keep-warm-ms",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="Head and tails keep their GPUs busy this long after each round (keep_warm_ms).",
-)
 @click.option("--out", type=click.Path(file_okay=False), default="bench/out", show_default=True)
 def main(
     target,
@@ -172,7 +163,6 @@ def main(
     prompt_len,
     max_len,
     rows,
-    keep_warm_ms,
     out,
 ) -> None:
     dt = getattr(torch, dtype)
@@ -182,7 +172,6 @@ def main(
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(n_prompts)]
     wanted = rows.split(",")
-    os.environ["SHARDFLOW_KEEP_WARM_MS"] = str(keep_warm_ms)  # the tails read it at start
     with EmbeddedRedis() as server, ExitStack() as stack:
         # the delay proxy runs in a process of its own: a real link shares no interpreter lock with the head
         proxy_port = stack.enter_context(spawn_proxy(server.port, delay_ms / 1000)) if delay_ms > 0 else None
@@ -210,8 +199,6 @@ def main(
             modes["compiled"] = dict(modes["graphs"], compile_draft=True)  # torch.compile'd drafter, graphs
             used = {w.split("-")[1] for w in wanted}
             runtimes = {m: HeadRuntime.load(target, (0, split), **load, **modes[m]) for m in modes if m in used}
-            for rt in runtimes.values():
-                rt.batcher.warm = KeepWarm(keep_warm_ms)
             # Each mode's synthetic drafter proposes that mode's own greedy continuation.
             plain = [
                 GenerationRequest(prompt_ids=p, max_new_tokens=new, draft=DraftSettings(kind="none")) for p in prompts
@@ -230,7 +217,6 @@ def main(
                 "prompts": n_prompts,
                 "prompt_len": prompt_len,
                 "dtype": dtype,
-                "keep_warm_ms": keep_warm_ms,
                 "head_device": head_device,
                 "tail_device": tail_device,
                 "ping_ms": ping_ms(r),

@@ -3,8 +3,7 @@
     python bench/profile_round.py --device cuda:0 [--tail-device cuda:1] [--compile-draft] [--out DIR]
 
 For each stage (the real `Engine` path: static caches + CUDA graphs) it prints the median wall time
-back to back and after an idle gap like a WAN round trip (`--gap-ms`, default 87; also with the GPU
-kept busy through the gap, as `keep_warm_ms` does, and with the host thread spinning), the CUDA kernels
+back to back and after an idle gap like a WAN round trip (`--gap-ms`, default 87), the CUDA kernels
 one call launches and their summed device time (torch.profiler), and the top kernels by time. The
 head shard also runs through the stock HF layers (`--hf`) to compare with workers/fused.py.
 Random Qwen2.5-7B / 0.5B-shaped bf16 weights (`random:` presets). Writes profile.json under --out.
@@ -25,32 +24,21 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers import fused
 from workers.drafters import ModelDrafter, propose_greedy_many
 from workers.graphs import Engine
 from workers.shard import RANDOM_PRESETS, load_shard
 from workers.verify import verify_greedy
-from workers.warmth import KeepWarm
 
 
 def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":  # this stream only: a keep-warm spin may run on another
-        torch.cuda.current_stream(dev).synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
-def timed(fn: Callable[[], object], dev: torch.device, n: int, gap_s: float, gap: str = "idle") -> float:
-    """Median wall ms of fn; before each call a gap: idle (sleep), "gpu" (a keep-warm spin on the GPU
-    through the sleep, as workers do with keep_warm_ms) or "cpu" (this thread busy-waits instead)."""
+def timed(fn: Callable[[], object], dev: torch.device, n: int, gap_s: float) -> float:
     times = []
-    warm = KeepWarm(gap_s * 1000 + 5)
     for _ in range(n):
-        if gap_s and gap == "cpu":
-            end = time.perf_counter() + gap_s
-            while time.perf_counter() < end:
-                pass
-        elif gap_s:
-            if gap == "gpu":
-                warm.after_round(dev)
+        if gap_s:
             time.sleep(gap_s)
         sync(dev)
         t = time.perf_counter()
@@ -83,19 +71,10 @@ def stage(name: str, fn: Callable[[], object], dev: torch.device, gap_ms: float,
         fn()
     warm = timed(fn, dev, 20, 0.0)
     idle = timed(fn, dev, 10, gap_ms / 1000)
-    gpu_busy = timed(fn, dev, 10, gap_ms / 1000, "gpu")
-    cpu_busy = timed(fn, dev, 10, gap_ms / 1000, "cpu")
     k = kernels(fn, dev)
-    report[name] = {
-        "warm_ms": warm,
-        "after_gap_ms": idle,
-        "after_gap_gpu_kept_warm_ms": gpu_busy,
-        "after_gap_cpu_spinning_ms": cpu_busy,
-        **k,
-    }
+    report[name] = {"warm_ms": warm, "after_gap_ms": idle, **k}
     click.echo(
-        f"{name}: {warm:.2f} ms warm, {idle:.2f} ms after a {gap_ms:.0f} ms gap ({gpu_busy:.2f} with the GPU "
-        f"kept warm, {cpu_busy:.2f} with this thread spinning); "
+        f"{name}: {warm:.2f} ms warm, {idle:.2f} ms after a {gap_ms:.0f} ms gap; "
         f"{k['kernels_per_call']} kernels, {k['device_ms_per_call']:.2f} ms of kernels"
     )
     for kname, ms, cnt in k["top"]:
@@ -150,7 +129,6 @@ def shard_stage(shard, k: int, ctx: int, logits: bool) -> Callable[[], object]:
 @click.option("--gap-ms", type=float, default=87.0)
 @click.option("--compile-draft", is_flag=True, help="also profile the torch.compile'd drafter")
 @click.option("--hf/--no-hf", default=True, help="also profile the head shard through the HF layers")
-@click.option("--rotary-variants", is_flag=True, help="also the compiled drafter with rotary as a matmul")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(
     device: str,
@@ -163,7 +141,6 @@ def main(
     gap_ms: float,
     compile_draft: bool,
     hf: bool,
-    rotary_variants: bool,
     out: Path | None,
 ) -> None:
     dev, tdev = torch.device(device), torch.device(tail_device or device)
@@ -176,13 +153,6 @@ def main(
     ]
     if compile_draft:
         stages.append(("draft-compiled", lambda: draft_stage(dshard, k, ctx, True), dev))
-    if compile_draft and rotary_variants:
-
-        def matmul_rotary() -> Callable[[], object]:
-            fused.ROTARY_ELEMENTWISE_UNDER_COMPILE = False  # compiled and captured at its first calls
-            return draft_stage(dshard, k, ctx, True)
-
-        stages.append(("draft-compiled-matmul-rotary", matmul_rotary, dev))
     head = load_shard(target, (0, split), embed=True, head=False, device=device, dtype=bf16)
     stages.append(("head", lambda: shard_stage(head, k, ctx, False), dev))
     tail = load_shard(target, (split, n_layers), embed=False, head=True, device=str(tdev), dtype=bf16)

@@ -47,11 +47,6 @@ class Settings(BaseSettings):
         True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/fused.py)."
     )
     max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
-    keep_warm_ms: float = Field(
-        0.0,
-        description="After each round a GPU worker keeps its GPU busy this long (one spinning block), so the "
-        "next round finds boost clocks after the network wait (workers/warmth.py); 0: off.",
-    )
     reply_timeout_s: float = Field(
         15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."
     )

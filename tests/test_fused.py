@@ -195,29 +195,3 @@ def test_bf16_fused_forward_is_as_close_to_float32_as_hf(models):
     err_fused = float((fused(x, 0, KVCache(), 30).float() - want).abs().max())
     err_plain = float((plain(x, 0, KVCache(), 30).float() - want).abs().max())
     assert err_fused <= 1.25 * err_plain + 1e-2
-
-
-def test_keep_warm_spins_once_per_window(monkeypatch):
-    """keep_warm_ms: after a round one spin kernel goes on a stream of its own, long enough to cover the
-    window; rounds inside most of that window launch nothing more; CPUs and 0 ms launch nothing."""
-    from workers import warmth
-
-    spins: list[int] = []
-    clock = [100.0]
-    monkeypatch.setattr(warmth.torch.cuda, "Stream", lambda device: "side")
-    monkeypatch.setattr(warmth.torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(warmth.torch.cuda, "_sleep", spins.append)
-    monkeypatch.setattr(warmth.time, "monotonic", lambda: clock[0])
-    gpu = torch.device("cuda:0")
-    warmth.KeepWarm(0).after_round(gpu)
-    warmth.KeepWarm(80).after_round(torch.device("cpu"))
-    assert spins == []
-    warm = warmth.KeepWarm(80)
-    warm.after_round(gpu)
-    assert spins == [int(80 * warmth._CYCLES_PER_MS)]
-    clock[0] += 0.030  # 50 ms of the spin left: still covered
-    warm.after_round(gpu)
-    assert len(spins) == 1
-    clock[0] += 0.020  # 30 ms left: less than half the window, spin again
-    warm.after_round(gpu)
-    assert len(spins) == 2

@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas.requests import SamplingParams
-from schemas.settings import DEFAULTS
 from workers.drafters import Draft, DraftSession, ModelDraftSession, propose_greedy_many
 from workers.graphs import Engine
 from workers.shard import Cache
-from workers.warmth import KeepWarm
 
 
 @dataclass
@@ -60,7 +58,6 @@ class Batcher:
         self._queue: list[HeadWork] = []
         self._queue_lock = threading.Lock()
         self.batches = self.rounds = 0  # counters: how well rounds batch
-        self.warm = KeepWarm(DEFAULTS.keep_warm_ms)
 
     def run(self, work: HeadWork) -> HeadWork:
         """Compute `work` (possibly inside another thread's batch); raise its error if it failed."""
@@ -112,7 +109,6 @@ class Batcher:
             hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
             if dev.type == "cuda":  # copy out before the lock goes: the next batch replays the same graphs
                 hidden = list(torch.cat(hidden).cpu().split([h.shape[0] for h in hidden]))  # one device sync
-                self.warm.after_round(dev)  # the rounds now cross the network
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         for w, d, h in zip(batch, drafts, hidden, strict=True):

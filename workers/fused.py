@@ -35,7 +35,6 @@ from torch import nn
 from torch.nn import functional as F
 
 KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer"}
-ROTARY_ELEMENTWISE_UNDER_COMPILE = True  # bench/profile_round.py --rotary-variants compares the matmul form
 Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias)
 
 
@@ -100,7 +99,7 @@ class FusedLayers:
     ) -> torch.Tensor:
         """h [B, T, hidden], cos/sin [B, T, d] (the HF rotary module's), mask bool [B|1, 1, T, L] or None."""
         b, t, _ = h.shape
-        if torch.compiler.is_compiling() and ROTARY_ELEMENTWISE_UNDER_COMPILE:  # inductor fuses it with its neighbours
+        if torch.compiler.is_compiling():  # inductor fuses the elementwise form into neighbouring kernels
             cos, sin = (c.reshape(-1, 1, c.shape[-1]) for c in cos_sin)
             rope: Callable[[torch.Tensor], torch.Tensor] = partial(rotate_elementwise, cos=cos, sin=sin)
         else:  # eager: one batched matmul is fewer launches than the five elementwise ops
@@ -215,8 +214,13 @@ def wide_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _wide_scores(bias: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, scale: float, one_gemm: bool) -> torch.Tensor:
     """bias + scale * q3 @ k3 in float32 from half inputs: one GEMM where torch has `out_dtype` (CUDA),
-    else (CPU; under torch.compile, which cannot trace it) a float32 GEMM of widened copies."""
-    if one_gemm and not torch.compiler.is_compiling():
+    else a float32 GEMM of widened copies (CPU). Under torch.compile (which cannot trace `out_dtype`;
+    only drafters are compiled) a half GEMM, widened after its float32 accumulation is rounded: inductor
+    fuses the widening into the softmax, where a float32 GEMM is a slow SIMT kernel on an H200 (0.8 ms
+    of a K = 8 draft, run 12). The rounding can only change which drafts are proposed, never the output."""
+    if torch.compiler.is_compiling():
+        return torch.bmm(q3, k3).float() * scale + bias
+    if one_gemm:
         return torch.baddbmm(bias, q3, k3, alpha=scale, out_dtype=torch.float32)
     return torch.baddbmm(bias, q3.float(), k3.float(), alpha=scale)
 

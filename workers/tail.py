@@ -42,7 +42,6 @@ from workers.sampling import decode_q, round_generator, warp
 from workers.shard import Cache, Shard
 from workers.stopping import cut_at_stops
 from workers.verify import verify_greedy, verify_sampling
-from workers.warmth import KeepWarm
 
 log = logging.getLogger("shardflow.tail")
 TAIL_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -157,7 +156,6 @@ class TailWorker:
             raise ValueError("a tail shard needs the final norm and LM head")
         self.shard, self.r, self.max_packet_bytes = shard, r, max_packet_bytes
         self.engine = engine or Engine(shard)
-        self.warm = KeepWarm(DEFAULTS.keep_warm_ms)
         self.names = names or StreamNames()
         self.tail_id = tail_id or default_tail_id()
         if not TAIL_ID.fullmatch(self.tail_id):
@@ -332,7 +330,7 @@ class TailWorker:
                 [len(p.packet.draft_ids) + 1 + p.packet.replay for p in batch],
             )
             if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
-                torch.cuda.current_stream(logits[0].device).synchronize()  # not the keep-warm stream
+                torch.cuda.synchronize(logits[0].device)
         except Exception as e:
             if len(batch) == 1:
                 return [self._fail_with(batch[0].packet.session_id, batch[0].packet.round_id, e, batch[0].fields)]
@@ -349,7 +347,6 @@ class TailWorker:
                 out.append(self._verify(p, lg, forward_ms))
             except Exception as e:
                 out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields))
-        self.warm.after_round(self.shard.device)
         return out
 
     @staticmethod
