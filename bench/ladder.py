@@ -10,14 +10,18 @@ through the real head -> Redis -> tail -> verify path with a WAN delay between t
 
 Random weights make drafts meaningless, so speculative rows use the synthetic drafter: it runs the real
 draft model (paying its cost) and then proposes the target's own reference continuation with each
-token replaced by a wrong one with probability 1 - alpha ("synthetic acceptance alpha"). Writes
-ladder.json, ladder.md and ladder.png to --out.
+token replaced by a wrong one with probability 1 - alpha ("synthetic acceptance alpha"). Memory per
+worker: the head's peak (torch's peak allocation on a GPU, peak resident set on CPU) and the tail
+process's (GPU memory it holds per nvidia-smi, or its peak resident set). Writes ladder.json, ladder.md
+and ladder.png to --out.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -74,7 +78,9 @@ def run_row(
     same = sum(res.token_ids == ref[: len(res.token_ids)] for res, ref in zip(results, refs, strict=True))
     rounds = sum(x.rounds for x in results)
     split = {f: sum(getattr(x.timings, f) for x in results) / rounds for f in FIELDS}
-    mem = torch.cuda.max_memory_allocated(runtime.shard.device) if runtime.shard.device.type == "cuda" else 0
+    cuda = runtime.shard.device.type == "cuda"
+    dev = runtime.shard.device
+    mem = torch.cuda.max_memory_allocated(dev) if cuda else process_memory_gb(os.getpid(), False) * 1e9
     return {
         "row": name,
         "in_flight": in_flight,
@@ -88,6 +94,27 @@ def run_row(
         "equal_to_reference": f"{same}/{len(results)}",
         "outputs": [x.token_ids for x in results],
     }
+
+
+def process_memory_gb(pid: int, gpu: bool) -> float:
+    """A worker process's memory: GPU memory it holds (nvidia-smi; the caching allocator keeps its peak),
+    or its peak resident set (VmHWM) on CPU. 0.0 when it cannot be read."""
+    try:
+        if gpu:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+            rows = [line.split(",") for line in out.splitlines() if "," in line]
+            mib = sum(float(used) for owner, used in rows if int(owner) == pid)
+            return mib * 2**20 / 1e9
+        status = Path(f"/proc/{pid}/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+        return kib * 1024 / 1e9
+    except (OSError, ValueError, StopIteration, subprocess.SubprocessError):
+        return 0.0
 
 
 def ping_ms(r) -> float:
@@ -104,8 +131,8 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     (out / "ladder.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [
         "| row | tokens/s per job | aggregate tokens/s | tokens/round | draft ms | head ms | relay ms | "
-        "tail+verify ms | non-network ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "tail+verify ms | non-network ms | head / tail memory GB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:
         p = x["per_round_ms"]
@@ -113,7 +140,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
             f"| {x['row']} | {x['tokens_per_s']:.2f} | {x['aggregate_tokens_per_s']:.2f} | "
             f"{x['tokens_per_round']:.2f} | {p['draft_ms']:.1f} | "
             f"{p['head_forward_ms']:.1f} | {p['relay_ms']:.1f} | {p['tail_forward_ms'] + p['verify_ms']:.1f} | "
-            f"{x['non_network_ms']:.1f} |"
+            f"{x['non_network_ms']:.1f} | {x['head_peak_mem_gb']:.2f} / {x.get('tail_mem_gb', 0.0):.2f} |"
         )
     (out / "ladder.md").write_text("\n".join(lines) + "\n")
     try:
@@ -247,6 +274,7 @@ def main(
                         in_flight,
                     )
                 )
+                table[-1]["tail_mem_gb"] = process_memory_gb(tails[mode][0].pid, tail_device.startswith("cuda"))
                 click.echo(json.dumps({k: v for k, v in table[-1].items() if k != "outputs"}))
                 write_outputs(Path(out), meta, table)  # after every row: a cut-short run still reports
             write_outputs(Path(out), meta, table)
