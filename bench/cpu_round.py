@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
-from relay_broker.streams import GroupReader, ReplyReader, StreamNames
+from relay_broker.streams import GroupReader, Reply, ReplyReader, StreamNames
 from schemas.requests import DraftSettings, GenerationRequest
 
 PROMPTS = [
@@ -62,7 +62,7 @@ def _echo_tail(url: str, n: int) -> None:
     done = 0
     while done < n:
         for stream, entry_id, _ in reader.read(count=16, block_ms=1000):
-            reader.ack_many([(stream, entry_id, ("bench:rep", {b"h": b"v" * 200}))])
+            reader.ack_many([(stream, entry_id, Reply("bench:rep", {b"h": b"v" * 200}))])
             done += 1
 
 

@@ -148,7 +148,7 @@ class GroupReader:
     def _flatten(resp: list | None) -> list[Entry]:
         return [(s, i, f) for s, entries in (resp or []) for i, f in entries]
 
-    def ack(self, stream: bytes | str, entry_id: bytes, reply: tuple[str, dict] | None = None) -> None:
+    def ack(self, stream: bytes | str, entry_id: bytes, reply: Reply | None = None) -> None:
         """Send the entry's reply (if any), then acknowledge and delete the entry: one round trip."""
         self.ack_many([(stream, entry_id, reply)])
 

@@ -195,3 +195,17 @@ def test_bf16_fused_forward_is_as_close_to_float32_as_hf(models):
     err_fused = float((fused(x, 0, KVCache(), 30).float() - want).abs().max())
     err_plain = float((plain(x, 0, KVCache(), 30).float() - want).abs().max())
     assert err_fused <= 1.25 * err_plain + 1e-2
+
+
+def test_batched_rounds_of_a_7b_shard_stay_fused():
+    """The score budget takes batched rounds of a 7B shard over 8,192-position caches (16 x 9 tokens)
+    and sends a long prompt's prefill to the HF layers."""
+    from types import SimpleNamespace
+
+    from workers.shard import Shard
+
+    shard = SimpleNamespace(fused=SimpleNamespace(heads=28))
+    fits = Shard._fused_fits
+    assert fits(shard, torch.empty(16, 9, 0), torch.ones(16, 1, 9, 8210, dtype=torch.bool))  # type: ignore[arg-type]
+    assert fits(shard, torch.empty(1, 137, 0), torch.ones(1, 1, 137, 8210, dtype=torch.bool))  # type: ignore[arg-type]
+    assert not fits(shard, torch.empty(1, 2000, 0), torch.ones(1, 1, 2000, 8210, dtype=torch.bool))  # type: ignore[arg-type]

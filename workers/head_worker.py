@@ -117,6 +117,11 @@ class HeadWorker(SimpleWorker):
             except (redis.ConnectionError, redis.TimeoutError) as e:  # raised from RQ's own teardown
                 log.warning("worker %s: Redis lost (%s)", self.name, e)
                 worked = False
+            except ValueError as e:  # RQ refused the name: Redis came back after our record could be ended
+                if "active worker named" not in str(e):
+                    raise
+                log.warning("worker %s: %s; ending the stale record", self.name, e)
+                worked = False
             except StopRequested:
                 return False
             if kwargs.get("burst") or self._stop_requested or self._shutdown_requested_date is not None:

@@ -26,10 +26,11 @@ from workers.kvcache import BatchView, KVCache, StaticKVCache
 
 Cache = KVCache | StaticKVCache
 # Steps whose float32 attention scores (batch x heads x tokens x cached positions) would take more than
-# this run through the HF layers (long prompt prefills), whose attention kernel does not materialise
-# them as the fused path's GEMM attention does. A 7B tail over a 2,048-position static cache: up to
-# 292 tokens fused.
-FUSED_MAX_SCORE_BYTES = 64 << 20
+# this run through the HF layers (long or many prompt prefills), whose attention kernel does not
+# materialise them as the fused path's GEMM attention does. Rounds always fit: 16 sequences x 9 tokens
+# of a 7B shard (28 heads) over 8,192 positions take 132 MB; one 7B prefill may be 1,170 tokens over
+# 2,048 positions, 292 over 8,192.
+FUSED_MAX_SCORE_BYTES = 256 << 20
 Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
 
 

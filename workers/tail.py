@@ -227,7 +227,7 @@ class TailWorker:
         return dead
 
     def handle(self, fields: dict) -> Reply | None:
-        """Process one stream entry; return (reply stream, reply fields) to send, if any."""
+        """Process one stream entry; return the reply to send, if any."""
         return self.handle_many([fields])[0]
 
     def handle_many(self, entries: list[dict]) -> list[Reply | None]:
@@ -271,7 +271,8 @@ class TailWorker:
         msg = ErrorReply(
             session_id=sid, round_id=rid, error=reason, tail_id=self.tail_id, retryable=isinstance(e, SessionError)
         )
-        return Reply(self.names.reply(sid), encode_message(msg))
+        # a head waiting on this session reads it at once; one that is gone leaves nothing for long
+        return Reply(self.names.reply(sid), encode_message(msg), DEFAULTS.final_reply_ttl_s)
 
     def _session_for(self, p: RoundPacket) -> TailSession | None:
         sess = self.sessions.get(p.session_id)
