@@ -1,6 +1,7 @@
 """CPU benchmark of one split speculative generation path with tiny (or given) models.
 
-    python bench/cpu_round.py [--target DIR --split N --draft DIR] [--new 64] [--prompts 6] [--json OUT]
+    python bench/cpu_round.py [--target DIR --split N --draft DIR] [--new 64] [--prompts 6] [--delay-ms 43]
+        [--json OUT]
 
 Starts an embedded Redis and a tail process, runs the head here, and prints per drafter
 (none, n-gram, draft model): tokens/s, tokens per round, and the mean per-round split
@@ -17,12 +18,16 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from delay_proxy import spawn_proxy
 
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
@@ -88,16 +93,20 @@ def relay_floor(url: str, payload_bytes: int, n: int = 500) -> float:
     return statistics.median(times) * 1000
 
 
-def run_ladder(target: Path, split: int, draft: Path | None, new: int, n_prompts: int, k: int) -> dict:
+def run_ladder(
+    target: Path, split: int, draft: Path | None, new: int, n_prompts: int, k: int, delay_ms: float = 0.0
+) -> dict:
     from transformers import AutoConfig
 
     from workers.head import HeadRuntime, generate
 
     n_layers = AutoConfig.from_pretrained(target).num_hidden_layers
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis() as server, ExitStack() as stack:
         tail = spawn_tail(target, (split, n_layers), server.url)
         try:
-            r = connect(server.url)
+            # with a delay, the head (and the PING beside it) reach Redis through the WAN delay proxy
+            port = stack.enter_context(spawn_proxy(server.port, delay_ms / 1000)) if delay_ms > 0 else server.port
+            r = connect(f"redis://127.0.0.1:{port}/0")
             runtime = HeadRuntime.load(target, (0, split), draft=draft)
             wait_for_tails(r, StreamNames(), proc=tail)
             rows = {}
@@ -124,7 +133,7 @@ def run_ladder(target: Path, split: int, draft: Path | None, new: int, n_prompts
                 }
             hidden = runtime.shard.config.hidden_size
             bare = bare_round_trips(r, payload_bytes=(k + 1) * hidden * 4 + 400)
-            bare["relay_floor_ms"] = relay_floor(server.url, (k + 1) * hidden * 4)
+            bare["relay_floor_ms"] = relay_floor(server.url, (k + 1) * hidden * 4) if delay_ms <= 0 else None
             return {"rows": rows, "bare": bare, "threads": torch.get_num_threads()}
         finally:
             tail.terminate()
@@ -140,8 +149,9 @@ def run_ladder(target: Path, split: int, draft: Path | None, new: int, n_prompts
 @click.option("--new", type=int, default=64, show_default=True, help="Tokens per generation.")
 @click.option("--prompts", type=int, default=6, show_default=True, help="Prompts per row.")
 @click.option("-k", type=int, default=8, show_default=True, help="Draft tokens per round.")
+@click.option("--delay-ms", type=float, default=0.0, show_default=True, help="Head <-> Redis delay each way.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write results here.")
-def main(target, split, draft, new, prompts, k, json_out) -> None:
+def main(target, split, draft, new, prompts, k, delay_ms, json_out) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if target is None:
             from workers.tiny_models import save_noisy_copy, save_tiny_model
@@ -151,7 +161,7 @@ def main(target, split, draft, new, prompts, k, json_out) -> None:
         from transformers import AutoConfig
 
         split = split or AutoConfig.from_pretrained(target).num_hidden_layers // 2
-        out = run_ladder(Path(target), split, Path(draft) if draft else None, new, prompts, k)
+        out = run_ladder(Path(target), split, Path(draft) if draft else None, new, prompts, k, delay_ms)
     cols = ("tok/s", "tok/round", "round ms", "draft", "head", "relay", "tail+verify")
     click.echo(f"{'drafter':8} " + " ".join(f"{c:>9}" for c in cols))
     for kind, row in out["rows"].items():
@@ -166,8 +176,13 @@ def main(target, split, draft, new, prompts, k, json_out) -> None:
     floor = bare["relay_floor_ms"]
     click.echo(
         f"bare Redis PING {bare['ping_ms']:.3f} ms, bare stream round trip {bare['stream_rt_ms']:.3f} ms; "
-        f"relay per round {relay:.3f} ms = {relay / bare['ping_ms']:.1f}x PING; the relay's Redis operations alone "
-        f"(two processes, no model or codec) {floor:.3f} ms = {floor / bare['ping_ms']:.1f}x PING"
+        f"relay per round {relay:.3f} ms = {relay / bare['ping_ms']:.2f}x PING"
+        + (
+            f"; the relay's Redis operations alone (two processes, no model or codec) {floor:.3f} ms = "
+            f"{floor / bare['ping_ms']:.1f}x PING"
+            if floor is not None
+            else f" (+{delay_ms:g} ms each way)"
+        )
     )
     if json_out:
         Path(json_out).write_text(json.dumps(out, indent=2))
