@@ -9,6 +9,7 @@ delay in each direction, order preserved.
 from __future__ import annotations
 
 import asyncio
+import select
 import subprocess
 import sys
 import threading
@@ -83,13 +84,16 @@ def spawn_proxy(upstream_port: int, delay_s: float, upstream_host: str = "127.0.
     cmd = [sys.executable, __file__, "--upstream", upstream, "--delay-ms", str(delay_s * 1000), "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline() if proc.stdout else ""
+        ready = select.select([proc.stdout], [], [], 30)[0] if proc.stdout else []
+        line = proc.stdout.readline() if ready and proc.stdout else ""
         if not line.startswith("127.0.0.1:"):
             raise RuntimeError(f"delay proxy did not start: {line!r}")
         yield int(line.split()[0].rsplit(":", 1)[1])
     finally:
         proc.terminate()
         proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
 
 
 @click.command()
