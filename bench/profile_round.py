@@ -107,7 +107,7 @@ def shard_stage(shard, k: int, ctx: int, logits: bool) -> Callable[[], object]:
         prefill = torch.randn(ctx, width, device=dev, dtype=shard.dtype)
         x = torch.randn(k + 1, width, device=dev, dtype=shard.dtype)
     engine.forward(cache, prefill, 0)
-    drafts = torch.arange(k, device=dev)
+    drafts = list(range(k))
 
     def run() -> None:
         cache.crop(ctx)

@@ -13,8 +13,8 @@ from tests.conftest import PROMPTS
 from workers.drafters import ModelDrafter, NgramDrafter
 from workers.head import HeadRuntime, generate
 from workers.kvcache import KVCache
+from workers.sessions import SessionStore
 from workers.shard import load_shard
-from workers.tail import SessionStore
 
 GREEDY = SamplingParams()
 

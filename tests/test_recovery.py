@@ -159,6 +159,6 @@ def test_worker_restart_ends_its_own_stale_record(redis_client, monkeypatch):
     worker.register_birth()  # the record a lost loop leaves behind: alive, no death date
     with pytest.raises(ValueError, match="active worker"):
         HeadWorker(["stale-q"], None, redis_client, name="stale-worker").register_birth()
-    worker._end_own_record()
-    worker.register_birth()  # the restarted loop starts
+    worker._restarted = True  # what the loop sets when it restarts after an error
+    worker.register_birth()  # the restarted loop starts: its own stale record is ended first
     worker.register_death()

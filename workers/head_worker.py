@@ -79,6 +79,7 @@ class HeadWorker(SimpleWorker):
     """Runs generation jobs with models loaded once, heartbeating while each runs."""
 
     death_penalty_class = TimerDeathPenalty  # job timeouts by timer, not SIGALRM: works in worker threads
+    _restarted = False  # set once RQ's loop has been restarted after an error (see register_birth)
 
     def __init__(
         self,
@@ -117,11 +118,6 @@ class HeadWorker(SimpleWorker):
             except (redis.ConnectionError, redis.TimeoutError) as e:  # raised from RQ's own teardown
                 log.warning("worker %s: Redis lost (%s)", self.name, e)
                 worked = False
-            except ValueError as e:  # RQ refused the name: Redis came back after our record could be ended
-                if "active worker named" not in str(e):
-                    raise
-                log.warning("worker %s: %s; ending the stale record", self.name, e)
-                worked = False
             except StopRequested:
                 return False
             if kwargs.get("burst") or self._stop_requested or self._shutdown_requested_date is not None:
@@ -134,13 +130,19 @@ class HeadWorker(SimpleWorker):
             except StopRequested:  # a stop signal while waiting
                 return worked
             delay = min(delay * 2, 30.0)
+            self._restarted = True
+
+    def register_birth(self) -> None:
+        """RQ refuses to start a worker whose name a live record holds. After a restart of the loop that
+        record is this worker's own, left alive by a Redis restored from disk (the lost loop could not
+        record its end): end it first, in the same step, so Redis coming back in between cannot matter.
+        A first start keeps RQ's check: two workers never share a name."""
+        if self._restarted:
             self._end_own_record()
+        super().register_birth()
 
     def _end_own_record(self) -> None:
-        """A loop that lost Redis could not record its end: a Redis restored from disk still lists this
-        worker as alive, and RQ refuses to start a worker whose name is taken. The record is this
-        worker's own, so end it before starting again (if Redis is still gone, the restart fails and
-        the loop waits again)."""
+        """Record this worker's end (if Redis is still gone, the restart fails and the loop waits again)."""
         try:
             self.register_death()
         except redis.RedisError as e:

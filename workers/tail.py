@@ -16,9 +16,7 @@ import secrets
 import socket
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 import torch
@@ -39,7 +37,8 @@ from schemas.packets import (
 from schemas.settings import DEFAULTS
 from workers.graphs import Engine
 from workers.sampling import decode_q, round_generator, warp
-from workers.shard import Cache, Shard
+from workers.sessions import SessionStore, TailSession
+from workers.shard import Shard
 from workers.stopping import cut_at_stops
 from workers.verify import verify_greedy, verify_sampling
 
@@ -83,58 +82,6 @@ class Prepared:
     hidden: torch.Tensor
     tensors: dict[str, torch.Tensor]
     fields: dict
-
-
-@dataclass
-class TailSession:
-    cache: Cache
-    last_round: int = -1
-    last_reply: dict | None = None
-    touched: float = field(default_factory=time.monotonic)
-
-
-class SessionStore:
-    """Sessions by id: least recently used dropped beyond max_sessions, idle ones after ttl_s.
-    A dropped session's cache goes to `release` (the engine reuses static caches and their graphs)."""
-
-    def __init__(
-        self,
-        max_sessions: int = DEFAULTS.max_sessions,
-        ttl_s: float = DEFAULTS.session_ttl_s,
-        release: Callable[[Cache], None] | None = None,
-    ) -> None:
-        self.max_sessions, self.ttl_s, self.release = max_sessions, ttl_s, release
-        self._by_id: OrderedDict[str, TailSession] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def get(self, sid: str) -> TailSession | None:
-        sess = self._by_id.get(sid)
-        if sess is not None:
-            self._by_id.move_to_end(sid)
-            sess.touched = time.monotonic()
-        return sess
-
-    def open(self, sid: str, cache: Cache) -> TailSession:
-        self.drop(sid)
-        self._by_id[sid] = sess = TailSession(cache)
-        while len(self._by_id) > self.max_sessions:
-            old = next(iter(self._by_id))
-            log.info("session %s dropped (more than %d sessions)", old, self.max_sessions)
-            self.drop(old)
-        return sess
-
-    def drop(self, sid: str) -> None:
-        sess = self._by_id.pop(sid, None)
-        if sess is not None and self.release is not None:
-            self.release(sess.cache)
-
-    def expire(self) -> None:
-        cutoff = time.monotonic() - self.ttl_s
-        for sid in [s for s, v in self._by_id.items() if v.touched < cutoff]:
-            log.info("session %s expired after %.0fs idle", sid, self.ttl_s)
-            self.drop(sid)
 
 
 class TailWorker:

@@ -13,13 +13,12 @@ import torch
 from schemas.errors import PacketError
 
 
-def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor | list[int]) -> tuple[int, int]:
-    """(accepted drafts, next token) for greedy decoding; logits are [k+1, V]. Pass the drafts as host
-    ids: then the argmax's copy is the round's one device sync."""
+def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
+    """(accepted drafts, next token) for greedy decoding; logits are [k+1, V], drafts host ids: the
+    argmax's copy is the round's one device sync."""
     target = logits.argmax(dim=-1).tolist()
-    d = drafts.tolist() if isinstance(drafts, torch.Tensor) else list(drafts)
     accepted = 0
-    while accepted < len(d) and d[accepted] == target[accepted]:
+    while accepted < len(drafts) and drafts[accepted] == target[accepted]:
         accepted += 1
     return accepted, target[accepted]
 

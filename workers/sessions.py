@@ -1,0 +1,67 @@
+"""The tail's sessions: one KV cache per generation it serves, dropped when least recently used beyond
+a cap, when idle too long, or when the generation ends (see workers/tail.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from schemas.settings import DEFAULTS
+from workers.shard import Cache
+
+log = logging.getLogger("shardflow.tail")
+
+
+@dataclass
+class TailSession:
+    cache: Cache
+    last_round: int = -1
+    last_reply: dict | None = None
+    touched: float = field(default_factory=time.monotonic)
+
+
+class SessionStore:
+    """Sessions by id: least recently used dropped beyond max_sessions, idle ones after ttl_s.
+    A dropped session's cache goes to `release` (the engine reuses static caches and their graphs)."""
+
+    def __init__(
+        self,
+        max_sessions: int = DEFAULTS.max_sessions,
+        ttl_s: float = DEFAULTS.session_ttl_s,
+        release: Callable[[Cache], None] | None = None,
+    ) -> None:
+        self.max_sessions, self.ttl_s, self.release = max_sessions, ttl_s, release
+        self._by_id: OrderedDict[str, TailSession] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, sid: str) -> TailSession | None:
+        sess = self._by_id.get(sid)
+        if sess is not None:
+            self._by_id.move_to_end(sid)
+            sess.touched = time.monotonic()
+        return sess
+
+    def open(self, sid: str, cache: Cache) -> TailSession:
+        self.drop(sid)
+        self._by_id[sid] = sess = TailSession(cache)
+        while len(self._by_id) > self.max_sessions:
+            old = next(iter(self._by_id))
+            log.info("session %s dropped (more than %d sessions)", old, self.max_sessions)
+            self.drop(old)
+        return sess
+
+    def drop(self, sid: str) -> None:
+        sess = self._by_id.pop(sid, None)
+        if sess is not None and self.release is not None:
+            self.release(sess.cache)
+
+    def expire(self) -> None:
+        cutoff = time.monotonic() - self.ttl_s
+        for sid in [s for s, v in self._by_id.items() if v.touched < cutoff]:
+            log.info("session %s expired after %.0fs idle", sid, self.ttl_s)
+            self.drop(sid)
