@@ -23,7 +23,7 @@ from producer.cli import (
     request_defaults,
     run_guarded,
 )
-from producer.client import Client, JobView
+from producer.client import Client, JobView, token_chunk
 from schemas.errors import TransportError
 from schemas.settings import DEFAULTS
 
@@ -123,24 +123,34 @@ def wait_for(client: Client, ids: list[str], timeout: float | None, show: bool) 
 
 
 def follow_text(client: Client, ids: list[str], timeout: float | None) -> list[JobView]:
-    """Print committed text of running jobs as it arrives, until every job is final."""
+    """Print committed text of running jobs as it arrives, until every job is final. Token streams can be
+    written by other clients: an entry that is not a text chunk is skipped, and a finished job whose stream
+    holds nothing more (its end marker lost or expired) counts as ended."""
     deadline = time.monotonic() + timeout if timeout else None
     last_id = dict.fromkeys(ids, "0-0")
     index = {jid: i for i, jid in enumerate(ids)}
     ended: set[str] = set()
+    finished: set[str] = set()  # seen finished before this pass's read
     current = None
     while True:
         streams = {client.keys.tokens(j): last_id[j] for j in ids if j not in ended}
         resp = _polled(lambda s=streams: client.r.xread(s, count=64, block=300), deadline) if streams else []
+        fed: set[str] = set()
         for stream, entries in resp or []:
-            jid = stream.decode().rsplit(":", 1)[-1]
+            jid = stream.decode(errors="replace").rsplit(":", 1)[-1]
+            if jid not in index:
+                continue
+            fed.add(jid)
             for entry_id, fields in entries:
                 last_id[jid] = entry_id
+                chunk = token_chunk(fields)
+                if chunk is None:
+                    continue
                 if current != jid:
                     click.echo(f"\n[{index[jid]}] " if current is not None else f"[{index[jid]}] ", nl=False)
                     current = jid
-                click.echo(fields.get(b"text", b"").decode(), nl=False)
-                if fields.get(b"final") == b"1":
+                click.echo(chunk[0], nl=False)
+                if chunk[1]:
                     ended.add(jid)
                     click.echo("")
                     current = None
@@ -149,6 +159,9 @@ def follow_text(client: Client, ids: list[str], timeout: float | None) -> list[J
             if v.status in FINAL and v.job_id not in ended and v.status != "finished":
                 ended.add(v.job_id)
                 click.echo(f"\n[{v.index}] {v.status}: {v.error or ''}")
+            elif v.job_id in finished and v.job_id not in fed:  # finished, and a read since found nothing more
+                ended.add(v.job_id)
+        finished = {v.job_id for v in views if v.status == "finished"}
         if all(v.status in FINAL for v in views) and (ended >= {v.job_id for v in views if v.status == "finished"}):
             return views
         if deadline is not None and time.monotonic() > deadline:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis
+from pydantic import ValidationError
 from rq import Queue, Retry, Worker
 from rq.group import Group
 from rq.job import Job, JobStatus
@@ -24,7 +25,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from schemas.errors import InvalidRequest, ShardFlowError
-from schemas.jobs import RUN_GENERATION, JobKeys, ModelInfo, job_id_for
+from schemas.jobs import RUN_GENERATION, JobKeys, ModelInfo, job_id_for, job_ttl
 from schemas.requests import GenerationRequest
 from schemas.settings import DEFAULTS
 from workers.head_worker import AllowListJob
@@ -68,6 +69,25 @@ class Batch:
     job_ids: list[str]
 
 
+def token_chunk(fields: dict) -> tuple[str, bool] | None:
+    """(text, is the end) of a token-stream entry, or None for an entry that is not one (others can write it)."""
+    text, final = fields.get(b"text"), fields.get(b"final")
+    if not isinstance(text, bytes) or final not in (b"0", b"1") or len(fields) != 2:
+        return None
+    return text.decode("utf-8", errors="replace"), final == b"1"
+
+
+def stored_result(raw: bytes | None) -> dict | str | None:
+    """A stored result as data, None if there is none, or a line saying it is unreadable."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    return data if isinstance(data, dict) and isinstance(data.get("text"), str) else "unreadable result record"
+
+
 def new_batch_id() -> str:
     return time.strftime("b%Y%m%d-%H%M%S-") + secrets.token_hex(3)
 
@@ -89,8 +109,12 @@ class Client:
 
     # --- enqueue -------------------------------------------------------------------------------
     def model_info(self) -> ModelInfo | None:
+        """What the queue's head workers announce; None if nothing (or nothing readable) is announced."""
         raw = self.r.get(self.keys.model_info(self.queue_name))
-        return ModelInfo.model_validate_json(raw) if raw else None
+        try:
+            return ModelInfo.model_validate_json(raw) if raw else None
+        except ValidationError:
+            return None
 
     def enqueue(
         self,
@@ -100,11 +124,18 @@ class Client:
         result_ttl: int = DEFAULTS.result_ttl_s,
         retries: int = DEFAULTS.job_retries,
     ) -> Batch:
-        """Enqueue one job per request under one batch, atomically; returns the batch."""
+        """Enqueue one job per request under one batch, atomically; returns the batch.
+
+        `result_ttl` (seconds, at least 1) is the one lifetime of everything a job leaves: its RQ record and
+        result (failed or not), ShardFlow's result, text stream and checkpoint, counted from when they are
+        written; the batch record lasts as long from enqueueing (the batch stays listed while any of its
+        jobs exists, through RQ's group of the same name)."""
         if not requests:
             raise InvalidRequest("nothing to enqueue")
+        if result_ttl < 1:
+            raise InvalidRequest("result_ttl must be at least 1 second")
         batch_id = batch_id or new_batch_id()
-        if self.r.exists(self.keys.batch(batch_id)):
+        if self.r.exists(self.keys.batch(batch_id), Group.get_key(batch_id)):
             raise InvalidRequest(f"batch {batch_id} already exists")
         ids = [job_id_for(batch_id, i) for i in range(len(requests))]
         retry = Retry(max=retries, interval=DEFAULTS.retry_intervals_s[:retries] or 0) if retries > 0 else None
@@ -115,7 +146,7 @@ class Client:
                 job_id=jid,
                 timeout=DEFAULTS.job_timeout_s,
                 result_ttl=result_ttl,
-                failure_ttl=max(result_ttl, DEFAULTS.failure_ttl_s),
+                failure_ttl=result_ttl,
                 retry=retry,
                 meta={"batch": batch_id, "index": i, "prompt": preview(req)},
                 description=f"{batch_id}[{i}]",
@@ -127,62 +158,94 @@ class Client:
                 self.keys.batch(batch_id),
                 mapping={"queue": self.queue_name, "count": len(ids), "created_at": time.time()},
             )
-            pipe.expire(self.keys.batch(batch_id), max(result_ttl, DEFAULTS.failure_ttl_s))
+            pipe.expire(self.keys.batch(batch_id), result_ttl)
             Group(self.r, name=batch_id).enqueue_many(self.queue, datas, pipeline=pipe)
             pipe.execute()
         return Batch(batch_id, self.queue_name, ids)
 
     # --- lookup ---------------------------------------------------------------------------------
     def batch_job_ids(self, batch_id: str) -> list[str]:
+        """Job ids of a batch in enqueue order: from its record, or once that expired (a queue that waited
+        longer than the result TTL) from RQ's group of the same name, which lasts while any job does."""
         count = self.r.hget(self.keys.batch(batch_id), "count")
-        if count is None:
+        if count is not None and count.isdigit():
+            return [job_id_for(batch_id, i) for i in range(int(count))]
+        members = sorted(m.decode(errors="replace") for m in self.r.smembers(Group.get_key(batch_id)))
+        if not members:
             raise NotFound(f"unknown batch {batch_id!r}")
-        return [job_id_for(batch_id, i) for i in range(int(count))]
+        return members
 
     def resolve(self, target: str) -> list[str]:
         """Job ids of a batch id, or [job id] for a job id; NotFound otherwise."""
-        if self.r.exists(self.keys.batch(target)):
+        if self.r.exists(self.keys.batch(target), Group.get_key(target)):
             return self.batch_job_ids(target)
         if self.r.exists(Job.key_for(target)):
             return [target]
         raise NotFound(f"no batch or job {target!r}")
 
-    def views(self, job_ids: list[str]) -> list[JobView]:
-        jobs = Job.fetch_many(job_ids, connection=self.r, serializer=JSONSerializer)
-        stored = self.r.mget([self.keys.result(j) for j in job_ids]) if job_ids else []
-        out = []
-        for i, (jid, job, res) in enumerate(zip(job_ids, jobs, stored, strict=True)):
-            if job is None:
-                out.append(JobView(jid, i, "expired", result=json.loads(res) if res else None))
-                continue
-            meta = job.meta or {}
-            got = job.get_status(refresh=False)
-            status = got.value if isinstance(got, JobStatus) else str(got or "unknown")
-            result = json.loads(res) if res else None
-            error = meta.get("error") if status in ("failed", "stopped", "canceled", "scheduled") else None
-            if status == "failed" and not error:
-                latest = job.latest_result()
-                error = (latest.exc_string or "").strip().splitlines()[-1] if latest and latest.exc_string else "failed"
-            out.append(
-                JobView(
-                    jid,
-                    int(meta.get("index", i)),
-                    status,
-                    meta.get("prompt", ""),
-                    meta.get("progress", {}),
-                    error,
-                    result,
-                )
-            )
+    def jobs(self, job_ids: list[str]) -> list[Job | str | None]:
+        """RQ jobs by id: None where a job is gone; where its record does not restore (anyone who can write
+        RQ's keys can forge one), a line saying why, so one bad record never breaks a whole batch's view."""
+        with self.r.pipeline(transaction=False) as pipe:
+            for jid in job_ids:
+                pipe.hgetall(Job.key_for(jid))
+            raws = pipe.execute()
+        out: list[Job | str | None] = []
+        for jid, raw in zip(job_ids, raws, strict=True):
+            job = AllowListJob(jid, connection=self.r, serializer=JSONSerializer) if raw else None
+            try:
+                if job is not None:
+                    job.restore(raw)
+                    job.get_status(refresh=False)
+            except Exception as e:
+                job = f"unreadable job record ({type(e).__name__})"
+            out.append(job)
         return out
+
+    def views(self, job_ids: list[str]) -> list[JobView]:
+        stored = self.r.mget([self.keys.result(j) for j in job_ids]) if job_ids else []
+        return [
+            self._view(i, jid, job, stored_result(raw))
+            for i, (jid, job, raw) in enumerate(zip(job_ids, self.jobs(job_ids), stored, strict=True))
+        ]
+
+    @staticmethod
+    def _view(i: int, jid: str, job: Job | str | None, result: dict | str | None) -> JobView:
+        """One job as users see it; fields others could have forged are checked for type."""
+        bad = result if isinstance(result, str) else None
+        result = None if bad else result
+        if job is None or isinstance(job, str):
+            status, error = ("expired", bad) if job is None else ("unknown", job)
+            return JobView(jid, i, status, error=error, result=result)
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        got = job.get_status(refresh=False)
+        status = got.value if isinstance(got, JobStatus) else str(got or "unknown")
+        error = meta.get("error") if status in ("failed", "stopped", "canceled", "scheduled") else None
+        if status == "failed" and not error:
+            try:
+                latest = job.latest_result()
+                exc = latest.exc_string if latest is not None else None
+            except Exception:  # RQ's result stream holds an entry it cannot read
+                exc = None
+            error = exc.strip().splitlines()[-1] if exc and exc.strip() else "failed"
+        index, progress, prompt = meta.get("index", i), meta.get("progress"), meta.get("prompt")
+        return JobView(
+            jid,
+            index if isinstance(index, int) else i,
+            status,
+            prompt if isinstance(prompt, str) else "",
+            progress if isinstance(progress, dict) else {},
+            str(error) if error is not None else bad,
+            result,
+        )
 
     # --- actions --------------------------------------------------------------------------------
     def retry(self, job_ids: list[str]) -> list[str]:
         """Re-enqueue the failed, stopped or canceled jobs among job_ids, keeping their ids and batch."""
         done = []
         registry = FailedJobRegistry(queue=self.queue)
-        for job in Job.fetch_many(job_ids, connection=self.r, serializer=JSONSerializer):
-            if job is None or job.get_status(refresh=False) not in RETRYABLE:
+        for job in self.jobs(job_ids):
+            if not isinstance(job, Job) or job.get_status(refresh=False) not in RETRYABLE:
                 continue
             job.meta.pop("error", None)
             job.retries_left = DEFAULTS.job_retries
@@ -201,12 +264,13 @@ class Client:
     def cancel(self, job_ids: list[str]) -> list[str]:
         """Cancel queued jobs now; ask running ones to stop at their next progress update."""
         done = []
-        for job in Job.fetch_many(job_ids, connection=self.r, serializer=JSONSerializer):
-            if job is None:
+        for job in self.jobs(job_ids):
+            if not isinstance(job, Job):
                 continue
             status = job.get_status(refresh=False)
             if status == JobStatus.STARTED:
-                self.r.set(self.keys.cancel(job.id), 1, ex=DEFAULTS.job_timeout_s)
+                ttl = min(DEFAULTS.job_timeout_s, job_ttl(job))  # never outlives what the job itself leaves
+                self.r.set(self.keys.cancel(job.id), 1, ex=ttl)
                 done.append(job.id)
             elif status not in DONE:
                 job.cancel()
@@ -214,23 +278,32 @@ class Client:
         return done
 
     def info(self) -> dict:
-        """Queues, live workers and jobs per state, for `shardflow info`."""
+        """Queues, live workers and jobs per state, for `shardflow info`. Read only: registries are counted
+        with ZCARD, not RQ's `count`, which first runs RQ's cleanup (it fails abandoned jobs: writes to
+        `rq:results:*`, and calls the failure callback a job record names); head workers' maintenance does
+        that cleanup. Workers whose record expired (dead ones, until a live worker drops them) are skipped
+        rather than dropped here: the producer has no write access to RQ's worker keys."""
+        live: dict[str, dict] = {}
+        for key in sorted(Worker.all_keys(connection=self.r)):
+            state, names = self.r.hmget(key, "state", "queues")
+            if state is None and names is None:
+                continue
+            live[key] = {
+                "name": key.removeprefix(Worker.redis_worker_namespace_prefix),
+                "state": state.decode() if state else "?",
+                "queues": names.decode().split(",") if names else [],
+            }
         queues = []
         for q in Queue.all(connection=self.r, serializer=JSONSerializer, job_class=AllowListJob):
-            queues.append(
-                {
-                    "queue": q.name,
-                    "queued": q.count,
-                    "started": q.started_job_registry.count,
-                    "finished": q.finished_job_registry.count,
-                    "failed": q.failed_job_registry.count,
-                    "scheduled": q.scheduled_job_registry.count,
-                    "canceled": q.canceled_job_registry.count,
-                    "workers": Worker.count(connection=self.r, queue=q),
-                }
-            )
-        workers = [
-            {"name": w.name, "state": str(w.get_state()), "queues": w.queue_names()}
-            for w in Worker.all(connection=self.r)
-        ]
-        return {"queues": queues, "workers": workers, "model": (m.model_dump() if (m := self.model_info()) else None)}
+            registries = {
+                "started": q.started_job_registry,
+                "finished": q.finished_job_registry,
+                "failed": q.failed_job_registry,
+                "scheduled": q.scheduled_job_registry,
+                "canceled": q.canceled_job_registry,
+            }
+            counts = {state: self.r.zcard(registry.key) for state, registry in registries.items()}
+            workers = len(live.keys() & set(Worker.all_keys(connection=self.r, queue=q)))
+            queues.append({"queue": q.name, "queued": q.count, **counts, "workers": workers})
+        model = self.model_info()
+        return {"queues": queues, "workers": list(live.values()), "model": model.model_dump() if model else None}

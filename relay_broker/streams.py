@@ -10,6 +10,7 @@ Layout (all under one prefix):
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -173,41 +174,93 @@ class GroupReader:
 
 @dataclass
 class ReplyReader:
-    """Reads one session's reply stream in order, remembering where it stopped."""
+    """Reads one session's reply stream in order, remembering where it stopped.
+
+    Anyone who can write the stream (a tail, or any client of a Redis without ACLs) can put entries in it,
+    so the caller checks each one and hands the bad ones back with `refuse`: they go to the dead-letter
+    stream in the same round trip as the next read (at most `max_dead_letters` records per reader; the rest
+    are only counted). Entries are read `count` at a time, so a flood of junk costs one round trip per
+    `count` entries and holds at most `count` entries in memory."""
 
     r: redis.Redis
     stream: str
     last_id: bytes = b"0-0"
+    dead_stream: str | None = None
+    count: int = DEFAULTS.reply_read_count
+    max_dead_letters: int = DEFAULTS.reply_dead_letters_max
+    entry_id: bytes = field(default=b"", init=False)  # id of the entry `next` returned last
+    refused: int = field(default=0, init=False)
+    _buffer: deque = field(default_factory=deque, init=False, repr=False)
+    _dead: list[dict] = field(default_factory=list, init=False, repr=False)
 
     def next(self, timeout_s: float = DEFAULTS.reply_timeout_s) -> dict[bytes, bytes]:
         """Return the next reply's fields; raise ReplyTimeout if none comes within timeout_s."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        while not self._buffer:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise ReplyTimeout(f"no reply on {self.stream} within {timeout_s:.1f}s")
-            got = self._read(min(left_ms, DEFAULTS.block_ms))
-            if got:
-                self.last_id, fields = got[0][1][0]
-                return fields
+            self._take(self._read(min(left_ms, DEFAULTS.block_ms)))
+        return self._pop()
 
     def publish_then_next(
         self, stream: str, fields: dict, timeout_s: float = DEFAULTS.reply_timeout_s
     ) -> dict[bytes, bytes]:
         """Send a request and wait for the next reply in one round trip (XADD + blocking XREAD pipelined)."""
-        got = self._publish_and_read(stream, fields, min(int(timeout_s * 1000), DEFAULTS.block_ms))
-        if got:
-            self.last_id, fields = got[0][1][0]
-            return fields
-        return self.next(timeout_s - DEFAULTS.block_ms / 1000)
+        deadline = time.monotonic() + timeout_s
+        self._take(self._publish_and_read(stream, fields, min(int(timeout_s * 1000), DEFAULTS.block_ms)))
+        return self._pop() if self._buffer else self.next(max(deadline - time.monotonic(), 0.0))
+
+    def refuse(self, record: dict) -> None:
+        """Dead-letter the entry `next` returned last (`record`: its DeadLetterRecord fields)."""
+        self.refused += 1
+        if self.dead_stream is not None and self.refused <= self.max_dead_letters:
+            self._dead.append(record)
+
+    @transport_retry()
+    def flush(self) -> None:
+        """Send the dead letters still queued (the session ended before another read)."""
+        if self._dead:
+            pipe = self.r.pipeline(transaction=False)
+            self._queue_dead(pipe)
+            pipe.execute(raise_on_error=False)
+
+    def _take(self, resp: list | None) -> None:
+        for _, entries in resp or []:
+            self._buffer.extend(entries)
+        if self._buffer:
+            self.last_id = self._buffer[-1][0]
+
+    def _pop(self) -> dict[bytes, bytes]:
+        self.entry_id, fields = self._buffer.popleft()
+        return fields
+
+    def _queue_dead(self, pipe: redis.client.Pipeline) -> int:
+        """Queue the dead letters on `pipe` (a refused write, under an old ACL file say, fails nothing else)."""
+        n, dead, self._dead = len(self._dead), self._dead, []
+        for record in dead:
+            pipe.xadd(self.dead_stream, record, maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
+        return n
 
     @transport_retry()
     def _publish_and_read(self, stream: str, fields: dict, block_ms: int) -> list:
         pipe = self.r.pipeline(transaction=False)
+        n = self._queue_dead(pipe)
         pipe.xadd(stream, fields, maxlen=DEFAULTS.request_stream_maxlen, approximate=True)
-        pipe.xread({self.stream: self.last_id}, count=1, block=max(block_ms, 1))
-        return pipe.execute()[1]
+        pipe.xread({self.stream: self.last_id}, count=self.count, block=max(block_ms, 1))
+        return self._result(pipe.execute(raise_on_error=False), n)
 
     @transport_retry()
     def _read(self, block_ms: int) -> list:
-        return self.r.xread({self.stream: self.last_id}, count=1, block=block_ms)
+        pipe = self.r.pipeline(transaction=False)
+        n = self._queue_dead(pipe)
+        pipe.xread({self.stream: self.last_id}, count=self.count, block=block_ms)
+        return self._result(pipe.execute(raise_on_error=False), n)
+
+    @staticmethod
+    def _result(replies: list, dead: int) -> list:
+        """The XREAD's answer; an error of the commands after the `dead` dead-letter writes raises."""
+        for reply in replies[dead:]:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies[-1]

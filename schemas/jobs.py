@@ -39,6 +39,13 @@ class JobKeys:
         return f"{self.prefix}:model:{queue}"
 
 
+def job_ttl(job: object) -> int:
+    """Seconds everything a job writes is kept: its RQ record's result TTL (set from `--result-ttl`), or the
+    default where the record has none usable (RQ's -1 = forever, 0, or a forged value)."""
+    ttl = getattr(job, "result_ttl", None)
+    return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else DEFAULTS.result_ttl_s
+
+
 def job_id_for(batch_id: str, index: int) -> str:
     """Deterministic job id of the index-th prompt of a batch."""
     return f"{batch_id}-{index:05d}"

@@ -194,7 +194,7 @@ def decode_tail_message(fields: dict) -> Verdict | ErrorReply:
 
 
 class DeadLetterRecord(BaseModel):
-    """An entry of the dead-letter stream: a packet a tail refused, with the reason."""
+    """An entry of the dead-letter stream: a packet a tail refused, or a reply a head refused, with the reason."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -205,8 +205,9 @@ class DeadLetterRecord(BaseModel):
     session_id: str | None = None
     round_id: int | None = None
     tail_id: str = ""
+    refused_by: Literal["tail", "head"] = "tail"
     header: str = Field("", description="The start of the packet's JSON header, as received.")
-    at: float = Field(description="Unix time the tail refused it.")
+    at: float = Field(description="Unix time it was refused.")
 
     def fields(self) -> dict[bytes, bytes]:
         return {HEADER: self.model_dump_json().encode()}

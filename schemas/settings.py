@@ -58,6 +58,12 @@ class Settings(BaseSettings):
     request_stream_maxlen: int = Field(10_000, description="Approximate cap of a tail request stream.")
     dead_letter_maxlen: int = Field(100_000, description="Approximate cap of the dead-letter stream.")
     reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
+    reply_read_count: int = Field(
+        16, description="Replies a head reads per round trip (a flood of junk in a reply stream is skipped this fast)."
+    )
+    reply_dead_letters_max: int = Field(
+        32, description="Refused replies one generation dead-letters (more are only counted and logged)."
+    )
     reply_ttl_s: int = Field(600, description="Expiry of a session's reply stream after its last write.")
     final_reply_ttl_s: int = Field(
         60, description="Expiry of a session's reply stream after its final verdict (the head deletes nothing)."

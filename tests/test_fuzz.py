@@ -1,6 +1,7 @@
 """Fuzzing the relay: over a thousand malformed, truncated, oversized, wrong-version, out-of-vocabulary
 and duplicated packets written into a tail's streams while real generations run. The tail survives,
-the real generations still equal HF generate, and every bad packet is dead-lettered with its reason."""
+the real generations still equal HF generate, and every bad packet is dead-lettered with its reason.
+The same for junk written into live sessions' reply streams: heads refuse it and finish exactly."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from click.testing import CliRunner
 
 from producer.cli import main
 from relay_broker.streams import publish
-from schemas.packets import HEADER, DeadLetterRecord, encode_round
+from schemas.packets import HEADER, DeadLetterRecord, Verdict, encode_message, encode_round
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
+from schemas.settings import DEFAULTS
 from tests.conftest import PROMPTS
 from tests.test_parity import NEW, head_for, reference
 from workers.head import generate
@@ -145,3 +147,68 @@ def test_fuzzed_streams_dead_letter_everything_and_real_generations_finish(
     )
     assert listed.exit_code == 0 and f"{want} dead letter(s)" in listed.output
     assert len([line for line in listed.output.splitlines() if "tail fuzzed" in line]) == 5
+
+
+def junk_replies(sid: str, vocab: int) -> list[dict]:
+    """Entries that are no reply to the round a head waits for: junk, another session's, a round not sent,
+    verdicts that contradict any drafts (far more accepted than drafted, ids beyond the vocabulary)."""
+    forged = [
+        Verdict(session_id="someone-else", round_id=0, accepted=0, tokens=[5], next_token=5),
+        Verdict(session_id=sid, round_id=1 << 30, accepted=0, tokens=[5], next_token=5),
+    ]
+    for r in range(24):
+        forged.append(Verdict(session_id=sid, round_id=r, accepted=60, tokens=[5] * 61, next_token=5))
+        forged.append(Verdict(session_id=sid, round_id=r, accepted=0, tokens=[vocab + 3], next_token=vocab + 3))
+    return [
+        {b"x": b"1"},
+        {HEADER: b"\xff\x00 not json"},
+        {HEADER: b'{"v": 2, "kind": "verdict"}'},
+        {HEADER: b'{"v": 1, "kind": "verdict", "session_id": "' + sid.encode() + b'"}'},
+        {HEADER: b"[]", b"t.x": b"\x00" * 64},
+        *(encode_message(v) for v in forged),
+    ]
+
+
+def test_junk_in_live_reply_streams_never_fails_a_generation(models, hf_models, tokenizers, tails, redis_client):
+    """Anyone who can write a session's reply stream (a tail, any client of a Redis without ACLs) floods it
+    with junk while the generation runs: the head dead-letters what is no reply to its round, keeps waiting
+    for the real verdict, and the output equals HF generate."""
+    ms = models[FAMILY]
+    names = tails.get(ms.target, SPLIT, ms.n_layers, ("--name", "poisoned"))
+    runtime = head_for(ms, SPLIT, ms.drafter)
+    expected = reference(FAMILY, hf_models[FAMILY], tokenizers[FAMILY])[8:11]
+    results: list = [None] * 3
+    done = threading.Event()
+
+    def real(i: int) -> None:
+        prompt, k4 = PROMPTS[8 + i], DraftSettings(k=4)
+        req = GenerationRequest(prompt=prompt, max_new_tokens=NEW, chat_template=False, draft=k4)
+        results[i] = generate(req, runtime, redis_client, names=names, session_id=f"poisoned{i}").token_ids
+
+    def poison() -> None:
+        junk = {f"poisoned{i}": junk_replies(f"poisoned{i}", runtime.shard.config.vocab_size) for i in range(3)}
+        while not done.is_set():
+            pipe = redis_client.pipeline(transaction=False)
+            for sid, entries in junk.items():
+                for fields in entries:
+                    pipe.xadd(names.reply(sid), fields)
+            pipe.execute()
+            time.sleep(0.01)
+
+    poisoner = threading.Thread(target=poison)
+    poisoner.start()
+    threads = [threading.Thread(target=real, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    done.set()
+    poisoner.join(10)
+    assert results == expected
+    records = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in redis_client.xrange(names.dead_letters)]
+    refused = Counter(r.session_id for r in records if r.refused_by == "head")
+    assert set(refused) == {"poisoned0", "poisoned1", "poisoned2"}
+    assert max(refused.values()) <= DEFAULTS.reply_dead_letters_max  # a flood is counted, not all stored
+    reasons = " ".join(r.reason for r in records if r.refused_by == "head")
+    for why in ("no header", "not JSON", "version", "naming session someone-else", "not sent"):
+        assert why in reasons, why

@@ -25,7 +25,7 @@ from rq.job import Job
 
 from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest, JobError, ShardFlowError
-from schemas.jobs import RUN_GENERATION, Checkpoint, JobKeys
+from schemas.jobs import RUN_GENERATION, Checkpoint, JobKeys, job_ttl
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
 
@@ -73,6 +73,7 @@ class Progress:
     r: redis.Redis
     keys: JobKeys
     tokenizer: object
+    ttl: int = DEFAULTS.result_ttl_s  # of the checkpoint and the token stream: the job's result TTL
     started: float = field(default_factory=time.monotonic)
     last_flush: float = 0.0
     rounds: int = 0
@@ -126,14 +127,14 @@ class Progress:
         if final:
             pipe.delete(ckpt)
         else:
-            pipe.set(ckpt, Checkpoint(token_ids=generated).model_dump_json(), ex=DEFAULTS.result_ttl_s)
+            pipe.set(ckpt, Checkpoint(token_ids=generated).model_dump_json(), ex=self.ttl)
         if delta or final:
             # The entry id is where the text ends (sequence 1 for the end marker): if the connection drops and
             # redis-py sends the pipeline again, Redis refuses the repeated id instead of streaming the text twice.
             entry = f"{len(self.text)}-{int(final)}"
             fields = {b"text": delta.encode(), b"final": b"1" if final else b"0"}
             pipe.xadd(self.keys.tokens(self.job.id), fields, id=entry)
-            pipe.expire(self.keys.tokens(self.job.id), DEFAULTS.result_ttl_s)
+            pipe.expire(self.keys.tokens(self.job.id), self.ttl)
         pipe.exists(self.keys.cancel(self.job.id))
         replies = pipe.execute(raise_on_error=False)
         for reply in replies:
@@ -157,12 +158,27 @@ def load_checkpoint(r: redis.Redis, keys: JobKeys, job_id: str) -> list[int]:
         return []
 
 
-def store_result_once(r: redis.Redis, keys: JobKeys, job_id: str, result: GenerationResult) -> dict:
-    """Write the result unless one exists; return whichever is stored."""
+def stored_result(r: redis.Redis, keys: JobKeys, job_id: str) -> dict | None:
+    """The result stored for this job, if one is there and reads as a result (others may write the key)."""
+    raw = r.get(keys.result(job_id))
+    if raw is None:
+        return None
+    try:
+        return GenerationResult.model_validate_json(raw).model_dump(mode="json")
+    except ValidationError:
+        log.warning("job %s: ignoring an unreadable stored result", job_id)
+        return None
+
+
+def store_result_once(r: redis.Redis, keys: JobKeys, job_id: str, result: GenerationResult, ttl: int) -> dict:
+    """Write the result unless a readable one exists (kept `ttl` seconds); return whichever is stored."""
     data = result.model_dump(mode="json")
-    if r.set(keys.result(job_id), json.dumps(data), nx=True, ex=DEFAULTS.result_ttl_s):
+    if r.set(keys.result(job_id), json.dumps(data), nx=True, ex=ttl):
         return data
-    return json.loads(r.get(keys.result(job_id)) or json.dumps(data))
+    existing = stored_result(r, keys, job_id)
+    if existing is None:  # unreadable: this job's own result replaces it
+        r.set(keys.result(job_id), json.dumps(data), ex=ttl)
+    return existing or data
 
 
 def run_generation(payload: dict) -> dict:
@@ -173,15 +189,16 @@ def run_generation(payload: dict) -> dict:
     if job is None or _bound is None:
         raise RuntimeError("run_generation must run inside a ShardFlow head worker")
     keys = JobKeys(_bound.names.prefix)
-    stored = _bound.r.get(keys.result(job.id))
+    stored = stored_result(_bound.r, keys, job.id)
     if stored is not None:
-        return json.loads(stored)
+        return stored
     try:
         req = GenerationRequest.model_validate(payload)
     except ValidationError as e:
         no_retry(job, f"invalid request: {e.errors()[0]['msg']}")
         raise InvalidRequest(job.meta["error"]) from None
-    progress = Progress(job, _bound.r, keys, _bound.runtime.tokenizer)  # type: ignore[attr-defined]
+    ttl = job_ttl(job)
+    progress = Progress(job, _bound.r, keys, _bound.runtime.tokenizer, ttl)  # type: ignore[attr-defined]
     job.meta.pop("error", None)
     resume = load_checkpoint(_bound.r, keys, job.id)
     if resume:
@@ -206,6 +223,6 @@ def run_generation(payload: dict) -> dict:
         job.meta["error"] = f"{type(e).__name__}: {e}"
         job.save_meta()
         raise
-    stored = store_result_once(_bound.r, keys, job.id, result)  # first: a retry finds it, not the checkpoint
+    stored = store_result_once(_bound.r, keys, job.id, result, ttl)  # first: a retry finds it, not the checkpoint
     progress.flush(result.token_ids, final=True)  # then drop the checkpoint and end the token stream
     return stored

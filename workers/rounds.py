@@ -11,7 +11,16 @@ import torch
 
 from relay_broker.streams import ReplyReader, StreamNames, close_session
 from schemas.errors import PacketError, RemoteError, ReplyTimeout, ShardFlowError
-from schemas.packets import ClosePacket, ErrorReply, Verdict, decode_tail_message, encode_message, encode_round
+from schemas.packets import (
+    ClosePacket,
+    DeadLetterRecord,
+    ErrorReply,
+    Verdict,
+    decode_tail_message,
+    encode_message,
+    encode_round,
+    raw_header,
+)
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.settings import DEFAULTS
 from workers.adaptive import DraftLength
@@ -57,7 +66,8 @@ class RoundLoop:
         self.stream = names.shared_requests
         self.pinned = False
         self.tail_closed = False  # a final verdict came: the tail dropped the session, its reply stream expires
-        self.reader = ReplyReader(r, names.reply(session_id))
+        self.reader = ReplyReader(r, names.reply(session_id), dead_stream=names.dead_letters)
+        self.vocab_size = runtime.shard.config.vocab_size
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
@@ -136,39 +146,80 @@ class RoundLoop:
         )
         _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
         try:
-            verdict = self._await(rid, fields)
-        except ReplyTimeout as e:
-            self._replay(rid, e)
+            verdict = self._await(rid, fields, draft.tokens, remaining)
+        except (ReplyTimeout, RemoteError) as e:
+            self._replay(e)
             return None
         self.replay_next = False
         self._account(draft, verdict, (work.draft_s, work.head_s, time.perf_counter() - t0))
-        return self._commit(draft, verdict, start)
+        return self._commit(verdict, start)
 
-    def _replay(self, rid: int, why: ReplyTimeout) -> None:
-        """The tail holding this session is gone (or cut off): rebuild the session on any live tail by
-        replaying every committed token from position 0 in the next round."""
+    def _replay(self, why: ReplyTimeout | RemoteError) -> None:
+        """The tail holding this session is gone, cut off, or answered with an error (which anyone able to
+        write the reply stream could forge, so it costs a replay, not the generation): rebuild the session
+        on any live tail by replaying every committed token from position 0 in the next round. Only
+        `resume_attempts` replays in a row fail the generation, with the last reason."""
         if self.replays >= DEFAULTS.resume_attempts:
-            raise ReplyTimeout(f"{why} (after {self.replays} replays onto other tails)")
+            raise type(why)(f"{why} (after {self.replays} replays onto other tails)")
         self.replays += 1
         log.warning("session %s: %s; replaying %d tokens onto a live tail", self.sid, why, len(self.committed))
         self.cache.crop(0)
         self.pending, self.replay_next = list(self.committed), bool(self.generated)  # prompt only: a new round 0
         self.stream, self.pinned = self.names.shared_requests, False
 
-    def _await(self, rid: int, fields: dict) -> Verdict:
-        """Publish the round and wait for its verdict (skipping stale replies of earlier rounds)."""
+    def _await(self, rid: int, fields: dict, drafts: list[int], remaining: int) -> Verdict:
+        """Publish the round and wait for its verdict until the reply timeout. Replies of earlier rounds
+        are stale and dropped; entries that are not a reply to this round at all are dead-lettered and
+        skipped, so one bad entry in the reply stream never fails the generation."""
         timeout = self.reply_timeout_s if self.reply_timeout_s is not None else DEFAULTS.reply_timeout_s
+        deadline = time.monotonic() + timeout
         reply = self.reader.publish_then_next(self.stream, fields, timeout)
         while True:
-            msg = decode_tail_message(reply)
-            if isinstance(msg, ErrorReply) and msg.round_id in (None, rid):
-                if msg.retryable:  # the tail lost this session (restarted under the same name, say): replay
+            msg = self._reply_to(rid, reply, drafts, remaining)
+            if isinstance(msg, ErrorReply):
+                if msg.retryable:  # the tail lost this session (restarted under the same name, say)
                     raise ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}")
                 raise RemoteError(f"tail {msg.tail_id or '?'} failed round {rid}: {msg.error}")
-            if isinstance(msg, Verdict) and msg.round_id == rid:
+            if msg is not None:
                 return msg
+            reply = self.reader.next(max(deadline - time.monotonic(), 0.0))
+
+    def _reply_to(
+        self, rid: int, fields: dict, drafts: list[int], remaining: int
+    ) -> Verdict | ErrorReply | None:
+        """The entry as this round's reply, or None (stale, or refused into the dead-letter stream)."""
+        try:
+            msg = decode_tail_message(fields)
+        except PacketError as e:
+            return self._refuse(str(e), fields, None)
+        if msg.session_id != self.sid:
+            return self._refuse(f"a reply naming session {msg.session_id}", fields, msg)
+        if msg.round_id is not None and msg.round_id < rid:
             log.debug("session %s: dropping a stale reply for round %s", self.sid, msg.round_id)
-            reply = self.reader.next(timeout)
+            return None
+        if msg.round_id is not None and msg.round_id > rid:
+            return self._refuse(f"a reply to round {msg.round_id}, which was not sent", fields, msg)
+        problem = verdict_problem(msg, drafts, remaining, self.vocab_size) if isinstance(msg, Verdict) else None
+        return self._refuse(problem, fields, msg) if problem else msg
+
+    def _refuse(self, reason: str, fields: dict, msg: Verdict | ErrorReply | None) -> None:
+        """Dead-letter a reply-stream entry with the reason (the first few of a generation; all are counted)."""
+        self.reader.refuse(
+            DeadLetterRecord(
+                stream=self.reader.stream,
+                entry_id=self.reader.entry_id.decode(),
+                reason=f"head refused a reply: {reason}"[:2000],
+                session_id=self.sid,
+                round_id=msg.round_id if msg is not None else None,
+                tail_id=msg.tail_id if msg is not None else "",
+                refused_by="head",
+                header=raw_header(fields)[:1000],
+                at=time.time(),
+            ).fields()
+        )
+        if self.reader.refused in (1, DEFAULTS.reply_dead_letters_max):
+            log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.reader.refused, reason)
+        return None
 
     def _account(self, draft: Draft, v: Verdict, spans: tuple[float, float, float]) -> None:
         draft_s, head_s, wait_s = spans
@@ -185,12 +236,7 @@ class RoundLoop:
             timed = self.req.sampling.greedy  # greedy output does not depend on K; seeded sampling does
             self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed)
 
-    def _commit(self, draft: Draft, v: Verdict, start: int) -> FinishReason | None:
-        if max(v.tokens + [v.next_token or 0]) >= self.rt.shard.config.vocab_size:
-            raise PacketError(f"verdict for round {v.round_id} holds token ids beyond the vocabulary")
-        kept = min(v.accepted, len(v.tokens))
-        if v.accepted > len(draft.tokens) or v.tokens[:kept] != draft.tokens[:kept]:
-            raise PacketError(f"verdict for round {v.round_id} does not match the drafts sent")
+    def _commit(self, v: Verdict, start: int) -> FinishReason | None:
         if not self.pinned:
             self.stream, self.pinned = self.names.tail_requests(v.tail_id), True
         finish = v.finish_reason
@@ -204,8 +250,7 @@ class RoundLoop:
                 break
         self.generated += new
         if finish is None:
-            if v.next_token is None:
-                raise PacketError(f"verdict for round {v.round_id} has neither a next token nor a finish")
+            assert v.next_token is not None  # verdict_problem checked it
             self.cache.crop(start + len(self.pending) + v.accepted)
             self.pending = [v.next_token]
         if self.on_tokens is not None and new:
@@ -219,10 +264,26 @@ class RoundLoop:
         close = getattr(self.drafter, "close", None)
         if close is not None:
             close()
-        if self.tail_closed:
-            return
         try:
+            self.reader.flush()  # dead letters of the last round
+            if self.tail_closed:
+                return
             bye = encode_message(ClosePacket(session_id=self.sid))
             close_session(self.r, self.stream, bye, self.names.reply(self.sid))
         except ShardFlowError as e:
             log.warning("session %s: could not close cleanly: %s", self.sid, e)
+
+
+def verdict_problem(v: Verdict, drafts: list[int], remaining: int, vocab_size: int) -> str | None:
+    """Why a verdict cannot be this round's answer (None if it can): the tail accepts a prefix of the drafts
+    and commits it plus one token of its own, cut at a stop, never past `remaining` tokens."""
+    if max(v.tokens + [v.next_token or 0]) >= vocab_size:
+        return f"verdict for round {v.round_id} holds token ids beyond the vocabulary"
+    kept = min(v.accepted, len(v.tokens))
+    if v.accepted > len(drafts) or v.tokens[:kept] != drafts[:kept] or len(v.tokens) > min(v.accepted + 1, remaining):
+        return f"verdict for round {v.round_id} does not match the drafts sent"
+    if v.finish_reason is None and v.next_token is None:
+        return f"verdict for round {v.round_id} has neither a next token nor a finish"
+    if v.finish_reason is None and v.tokens != drafts[: v.accepted] + [v.next_token]:
+        return f"verdict for round {v.round_id} does not commit its accepted drafts and next token"
+    return None
