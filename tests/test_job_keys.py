@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from schemas.packets import HEADER, DeadLetterRecord
 from tests.test_jobs import Env
 
 TTL = 60
@@ -100,3 +101,25 @@ def test_junk_in_keys_others_can_write_is_skipped(env):
     assert jobs[0]["status"] == "unknown" and "unreadable job record" in jobs[0]["error"]
     assert jobs[1]["result"] is None and jobs[1]["error"] == "unreadable result record"
     assert env.cli("results", batch).exit_code == 0
+
+
+def test_a_forged_job_record_in_the_queue_does_not_stop_the_head(env):
+    """Anyone who can write RQ's keys can queue a job id whose record does not restore (bad dates), or does
+    but cannot run (bad data), name a rate limit (RQ would run Lua for it) or sit in a registry: the head
+    dead-letters or fails each, its loop never ends on one, and it serves the next job."""
+    for jid, record in (
+        ("forged-meta", {"meta": b"\x00\xff not json", "data": b"[]", "status": b"queued"}),
+        ("forged-data", {"data": b"\xff\xfe", "status": b"queued", "created_at": b"not a date"}),
+    ):
+        env.r.hset(f"rq:job:{jid}", mapping=record)
+        env.r.rpush(f"rq:queue:{env.queue}", jid)
+    env.r.hset("rq:job:forged-limit", mapping={"rate_limit_key": "x", "rate_limit_concurrency": "1"})
+    env.r.zadd(f"rq:wip:{env.queue}", {"forged-limit:exec": 1})  # an abandoned "job" for maintenance to meet
+    res = env.cli("enqueue", "Tokyo", "--no-chat-template", "--max-new-tokens", "4", "--wait", "--timeout", "60")
+    assert res.exit_code == 0, res.output
+    assert env.procs["head"].poll() is None
+    assert "unhandled exception" not in (env.tmp / "head.log").read_text()
+    dead = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in env.r.xrange(f"{env.prefix}:dead-letters")]
+    assert "forged-data" in {d.entry_id for d in dead if d.refused_by == "head"}  # no restore: dead-lettered
+    assert not env.r.exists("rq:job:forged-data")
+    assert env.r.hget("rq:job:forged-meta", "status") == b"failed"  # restores, cannot run: RQ fails it

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 from rq import Queue
+from rq.job import Job
+from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -36,14 +39,19 @@ from relay_broker.connection import connect
 from relay_broker.streams import StreamNames
 from schemas.errors import TransportError
 from tests.secure_redis import (  # its fixtures `pki` and `secured` are registered in tests/conftest.py
+    ADMIN_COMMANDS,
     CALLBACK_MARKER,
     N_LAYERS,
     PREFIX,
     QUEUE,
+    ROLE_DENIALS,
+    ROLE_NEEDS,
     ROLES,
     ROOT,
+    SCRIPTING,
     SPLIT,
     Secured,
+    _dryrun,
     _refused,
     render_acl,
 )
@@ -78,7 +86,9 @@ def test_compose_loads_the_rendered_acl_file_and_the_tls_overlay_agrees():
     assert "render_acl.py" in " ".join(base["acl"]["command"])
     assert base["redis"]["depends_on"]["acl"]["condition"] == "service_completed_successfully"
     tls_cmd = tls["redis"]["command"]
-    assert tls_cmd[: len(redis_cmd)] == redis_cmd  # the overlay only adds TLS
+    plain_port = redis_cmd.index("--port")
+    assert redis_cmd[plain_port:] == ["--port", "${REDIS_PORT:-6379}"]
+    assert tls_cmd[:plain_port] == redis_cmd[:plain_port]  # the overlay only swaps the plain port for TLS
     assert tls_cmd[tls_cmd.index("--port") + 1] == "0" and tls_cmd[tls_cmd.index("--tls-auth-clients") + 1] == "yes"
     for role in ("tail", "head", "producer"):
         pw = f"${{REDIS_{role.upper()}_PASSWORD:-}}"
@@ -115,62 +125,6 @@ def test_tls_with_the_ca_and_a_client_certificate_only(secured):
 
 
 # --- what each role must not do ---------------------------------------------------------------------
-ADMIN_COMMANDS = [
-    ("FLUSHALL",),
-    ("FLUSHDB",),
-    ("CONFIG", "GET", "*"),
-    ("CONFIG", "SET", "appendonly", "no"),
-    ("DEBUG", "SLEEP", "0"),
-    ("ACL", "LIST"),
-    ("ACL", "SETUSER", "evil", "on", ">evil-password", "~*", "+@all"),
-    ("KEYS", "*"),
-    ("SCAN", "0"),
-    ("MONITOR",),
-    ("CLIENT", "LIST"),
-    ("CLIENT", "KILL", "TYPE", "normal"),
-    ("CLIENT", "TRACKING", "on", "BCAST"),
-    ("SHUTDOWN", "NOSAVE"),
-    ("SCRIPT", "FLUSH"),
-    ("FUNCTION", "FLUSH"),
-    ("PUBLISH", "rq:pubsub:any-worker", '{"command": "shutdown"}'),
-]
-ROLE_DENIALS = {
-    "producer": [
-        ("XADD", f"{PREFIX}:tail:requests", "*", "h", "forged"),
-        ("XADD", f"{PREFIX}:tail:some-tail:requests", "*", "h", "forged"),
-        ("XRANGE", f"{PREFIX}:tail:requests", "-", "+"),
-        ("XREAD", "STREAMS", f"{PREFIX}:reply:some-session", "0"),
-        ("DEL", f"{PREFIX}:reply:some-session"),
-        ("SET", f"{PREFIX}:result:some-job", "{}"),
-        ("SET", f"{PREFIX}:ckpt:some-job", "{}"),
-        ("SET", f"{PREFIX}:model:{QUEUE}", "{}"),
-        ("GET", f"{PREFIX}:cancel:some-job"),
-        ("SUBSCRIBE", "rq:pubsub:any-worker"),
-        ("EVAL", "return 1", "0"),
-        ("SET", "elsewhere", "1"),
-    ],
-    "tail": [
-        ("XREAD", "STREAMS", f"{PREFIX}:reply:some-session", "0"),
-        ("HGETALL", "rq:job:some-job"),
-        ("RPUSH", f"rq:queue:{QUEUE}", "job"),
-        ("GET", f"{PREFIX}:result:some-job"),
-        ("SET", f"{PREFIX}:result:some-job", "{}"),
-        ("XADD", f"{PREFIX}:tokens:some-job", "*", "text", "x"),
-        ("SET", f"{PREFIX}:ckpt:some-job", "{}"),
-        ("SUBSCRIBE", "rq:pubsub:any-worker"),
-    ],
-    "head": [
-        ("XRANGE", f"{PREFIX}:tail:requests", "-", "+"),
-        ("XREADGROUP", "GROUP", f"{PREFIX}:tails", "h", "STREAMS", f"{PREFIX}:tail:requests", ">"),
-        ("SET", f"{PREFIX}:cancel:some-job", "1"),
-        ("HGETALL", f"{PREFIX}:batch:some-batch"),
-        ("XREAD", "STREAMS", f"{PREFIX}:tokens:some-job", "0"),
-        ("GET", f"{PREFIX}:model:{QUEUE}"),
-        ("SET", "elsewhere", "1"),
-    ],
-}
-
-
 @pytest.mark.parametrize("role", ["producer", "head", "tail"])
 def test_no_role_runs_admin_commands(secured, role):
     r = secured.client(role)
@@ -180,10 +134,31 @@ def test_no_role_runs_admin_commands(secured, role):
 
 
 @pytest.mark.parametrize("role", ["producer", "head", "tail"])
+def test_no_role_runs_lua(secured, role):
+    """EVAL "while true do end" 0 and every other way to run a script: refused to each role. Asked of
+    ACL DRYRUN first, so that a wrong ACL fails this test instead of freezing the test Redis."""
+    r = secured.client(role)
+    for cmd in SCRIPTING:
+        assert _dryrun(secured, role, *cmd) != "OK", cmd
+        assert "no permissions" in _refused(r, *cmd), cmd
+    assert secured.client("admin").ping()  # not BUSY
+
+
+@pytest.mark.parametrize("role", ["producer", "head", "tail"])
 def test_each_role_is_kept_out_of_other_roles_keys(secured, role):
     r = secured.client(role)
     for cmd in ROLE_DENIALS[role]:
+        assert _dryrun(secured, role, *cmd) != "OK", cmd
         assert "no permissions" in _refused(r, *cmd), cmd
+
+
+@pytest.mark.parametrize("role", ["producer", "head", "tail"])
+def test_each_role_may_run_what_it_needs(secured, role):
+    """The other side of the denials: the commands each role's code sends, on the keys it sends them to,
+    pass ACL DRYRUN for its user (the real run, test_every_role_does_its_whole_job_under_its_own_user,
+    shows nothing else is needed)."""
+    for cmd in ROLE_NEEDS[role]:
+        assert _dryrun(secured, role, *cmd) == "OK", cmd
 
 
 # --- everything each role needs, for real ------------------------------------------------------------
@@ -207,8 +182,12 @@ class Workers:
         )
         args = ["head", "--target", str(model), "--layers", f"0:{SPLIT}", "--queue", QUEUE, "--prefix", PREFIX]
         args += ["--redis-url", s.url("head"), "--threads", "1", "--name", "sec-h1"]
+        self.callback_marker = logdir / "head-ran-a-callback"  # what forged_failure_callback would touch
+        env = {**os.environ, CALLBACK_MARKER: str(self.callback_marker), "SHARDFLOW_MAINTENANCE_S": "1"}
         with (logdir / "head.log").open("ab") as log:
-            self.procs["head"] = subprocess.Popen([sys.executable, "-m", "producer", *args], stdout=log, stderr=log)
+            self.procs["head"] = subprocess.Popen(
+                [sys.executable, "-m", "producer", *args], stdout=log, stderr=log, env=env
+            )
         admin = s.client("admin")
         wait_for_tails(admin, StreamNames(PREFIX), proc=self.procs["tail"])
         deadline = time.monotonic() + 90
@@ -285,6 +264,24 @@ def test_every_role_does_its_whole_job_under_its_own_user(secured, workers, tiny
     assert s.client("admin").exists(f"rq:scheduler-lock:{QUEUE}")
 
 
+def test_a_scheduled_job_is_enqueued_by_the_head_scheduler_thread_without_lua(secured, workers, tiny):
+    """Retries with a backoff wait in RQ's ScheduledJobRegistry; the head's scheduler (a thread of the head
+    process, its lock kept without Lua) enqueues them when due, under the head user, with no ACL denial."""
+    s, admin = secured, secured.client("admin")
+    lock = admin.get(f"rq:scheduler-lock:{QUEUE}")
+    assert lock is not None and int(admin.hget(f"rq:scheduler:{lock.decode()}", "pid")) == workers.procs["head"].pid
+    q = Queue(QUEUE, connection=s.client("producer"), serializer=JSONSerializer)
+    request = {"prompt": "Hello world!", "max_new_tokens": 4, "chat_template": False}
+    job = q.enqueue_in(timedelta(seconds=1), "workers.jobs.run_generation", request, job_id="sec-scheduled-1")
+    assert job.get_status() == "scheduled"
+    deadline = time.monotonic() + 60
+    while job.get_status() not in ("finished", "failed") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job.get_status() == "finished", job.latest_result()
+    assert job.return_value()["token_ids"] == _reference(tiny, "Hello world!", 4)
+    assert _denials(s) == []
+
+
 def _cancel_and_retry(s: Secured) -> None:
     """Cancel a running and a queued job (cancel flag, canceled registry), retry both, cancel again."""
     res = _producer_cli(
@@ -331,19 +328,33 @@ def forged_failure_callback(*args: object) -> None:
     Path(os.environ[CALLBACK_MARKER]).touch()
 
 
-def test_forged_abandoned_job_never_makes_a_producer_import_code(secured, workers, tmp_path, monkeypatch):
-    """RQ's registry cleanup (run by `shardflow info` when counting jobs) calls the failure callback a job
-    record names; one producer could plant such a record to run code in another's process."""
+def test_forged_abandoned_job_never_makes_a_producer_or_a_head_import_code(secured, workers, tmp_path, monkeypatch):
+    """RQ's registry cleanup fails abandoned jobs and calls the failure callback a job record names; one
+    producer could plant such a record to run code in whichever process runs the cleanup. A producer never
+    runs it (`shardflow info` counts registries with ZCARD); the head's maintenance does, and imports
+    nothing the record names."""
     marker = tmp_path / "called"
     monkeypatch.setenv(CALLBACK_MARKER, str(marker))
     p = secured.client("producer")
-    q = Queue(f"{QUEUE}-idle", connection=p, serializer=JSONSerializer)  # a queue no worker serves
-    job = q.enqueue_call("workers.jobs.run_generation", args=({"prompt": "x"},), job_id="sec-forged-2")
-    q.remove(job)  # forge it as started and abandoned: not in the queue, in the wip registry, long expired
+    job = Job.create(
+        "workers.jobs.run_generation",
+        args=({"prompt": "x"},),
+        id="sec-forged-2",
+        connection=p,
+        serializer=JSONSerializer,
+        origin=QUEUE,
+    )
+    job.save()  # forge it as started and abandoned: not in the queue, in the wip registry, long expired
     callback = f"{__name__}.forged_failure_callback"
     p.hset(job.key, mapping={"status": "started", "failure_callback_name": callback, "retries_left": 0})
-    p.zadd(f"rq:wip:{q.name}", {f"{job.id}:forged-exec": 1})
+    p.zadd(f"rq:wip:{QUEUE}", {f"{job.id}:forged-exec": 1})
     res = _producer_cli(secured, "info", "--json")
     assert res.exit_code == 0, (res.output, repr(res.exception), secured.client("admin").acl_log())
     assert not marker.exists(), "a producer imported and ran a job record's failure callback"
-    assert p.hget(job.key, "status") == b"failed"  # the cleanup itself ran
+    deadline = time.monotonic() + 30
+    while p.hget(job.key, "status") != b"failed" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert p.hget(job.key, "status") == b"failed"  # the head's cleanup ran: abandoned, failed
+    assert job.id in FailedJobRegistry(QUEUE, connection=p, serializer=JSONSerializer).get_job_ids(cleanup=False)
+    assert not workers.callback_marker.exists(), "a head imported and ran a job record's failure callback"
+    assert not marker.exists()

@@ -6,8 +6,11 @@ RQ's default worker forks per job, which would lose loaded models and CUDA state
 `SimpleWorker` that (1) runs only allow-listed job functions (RQ would import any name a job record
 holds, so anyone able to write to Redis could run code), (2) uses the JSON serializer (no pickle),
 (3) heartbeats every few seconds while a job runs and looks for abandoned jobs often, so a killed
-worker's job is retried within seconds rather than minutes, and (4) announces its model so producers
-can check prompts against the context length before enqueueing. `--concurrency N` runs N such
+worker's job is retried within seconds rather than minutes, (4) announces its model so producers
+can check prompts against the context length before enqueueing, and (5) runs RQ's scheduler (which
+enqueues retries when their backoff is due) as a thread of its own process, not a forked child, with
+its locks kept without Lua (`workers/scheduler.py`): a SIGKILL or an out-of-memory kill of the head
+leaves no process behind, and the head's Redis user needs no scripting. `--concurrency N` runs N such
 workers as threads of one process sharing the loaded models, so one generation drafts and runs the
 lower shard while others wait for their verdicts (each is an ordinary RQ worker with its own jobs).
 """
@@ -21,6 +24,7 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
+from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -28,8 +32,10 @@ from rq.timeouts import TimerDeathPenalty
 
 from relay_broker.streams import StreamNames
 from schemas.jobs import JobKeys, ModelInfo
+from schemas.packets import DeadLetterRecord
 from schemas.settings import DEFAULTS
 from workers import jobs
+from workers.scheduler import ThreadScheduler
 
 log = logging.getLogger("shardflow.head_worker")
 
@@ -73,6 +79,14 @@ class AllowListJob(Job):
     def stopped_callback(self) -> Any:
         self._refuse_callback("stopped")
         return super().stopped_callback
+
+    def restore(self, raw: dict) -> None:
+        """RQ's restore, minus a rate limit (ShardFlow sets none; RQ would run Lua for it, which no role but
+        admin may: a forged one would end the worker's loop)."""
+        super().restore(raw)
+        if self.rate_limit_key or self.rate_limit_concurrency:
+            log.warning("job %s: ignoring the rate limit its record names", self.id)
+            self.rate_limit_key, self.rate_limit_concurrency = None, None
 
 
 class HeadWorker(SimpleWorker):
@@ -147,6 +161,82 @@ class HeadWorker(SimpleWorker):
             self.register_death()
         except redis.RedisError as e:
             log.debug("worker %s: could not end its old record yet: %s", self.name, e)
+
+    def dequeue_job_and_maintain_ttl(self, *args: Any, **kwargs: Any) -> Any:
+        """RQ's dequeue; a queued job whose record does not restore (anyone who can write RQ's keys can queue
+        one) is dead-lettered and dropped instead of ending the worker's loop."""
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(*args, **kwargs)
+            except (redis.ConnectionError, redis.TimeoutError, StopRequested):
+                raise
+            except Exception as e:
+                job_id, queue = getattr(e, "job_id", None), getattr(e, "queue", None)
+                if job_id is None or queue is None:
+                    raise
+                self._drop_unreadable(str(job_id), queue, f"{type(e).__name__}: {e}")
+
+    def _drop_unreadable(self, job_id: str, queue: Queue, reason: str) -> None:
+        """Dead-letter a job record RQ cannot restore, then delete it and its place in the queue."""
+        log.error("refused job %s: its record does not restore (%s)", job_id, reason)
+        key = Job.key_for(job_id)
+        record = DeadLetterRecord(
+            stream=queue.key,
+            entry_id=job_id,
+            reason=f"head refused a job record: {reason}"[:2000],
+            refused_by="head",
+            header=repr(self.connection.hgetall(key))[:1000],
+            at=time.time(),
+        )
+        pipe = self.connection.pipeline(transaction=False)
+        pipe.xadd(self.names.dead_letters, record.fields(), maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
+        pipe.lrem(queue.intermediate_queue_key, 0, job_id)
+        pipe.delete(key)
+        pipe.execute(raise_on_error=False)
+
+    def run_maintenance_tasks(self) -> None:
+        """RQ's maintenance; a record it meets that does not restore is logged, not the end of the loop."""
+        try:
+            super().run_maintenance_tasks()
+        except (redis.ConnectionError, redis.TimeoutError, StopRequested):
+            raise
+        except Exception as e:
+            log.error("worker %s: maintenance stopped at a record it cannot read: %r", self.name, e)
+
+    def _start_scheduler(
+        self,
+        burst: bool = False,
+        logging_level: str | None = "INFO",
+        date_format: str = DEFAULT_LOGGING_DATE_FORMAT,
+        log_format: str = DEFAULT_LOGGING_FORMAT,
+    ) -> None:
+        """RQ's `_start_scheduler` with `ThreadScheduler`: the scheduler is a thread of this process (RQ
+        forks a child that a SIGKILL of the head would leave running), and keeps its locks without Lua."""
+        self.scheduler = ThreadScheduler(
+            self.queues,
+            connection=self.connection,
+            logging_level=logging_level if logging_level is not None else self.log.level,
+            date_format=date_format,
+            log_format=log_format,
+            serializer=self.serializer,
+        )
+        self.scheduler.acquire_locks()
+        if not self.scheduler.acquired_locks:
+            return  # another head schedules this queue; maintenance takes over if its lock expires
+        if burst:
+            try:
+                self.scheduler.register_birth()
+                self.scheduler.enqueue_scheduled_jobs()
+            finally:
+                self.scheduler.release_locks()
+                self.scheduler.register_death()
+        else:
+            self.scheduler.start()
+
+    def stop_scheduler(self) -> None:
+        """Stop the scheduler thread (it releases its locks) and wait for it briefly."""
+        if isinstance(self.scheduler, ThreadScheduler):
+            self.scheduler.join(5.0)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is threading.main_thread():  # workers in extra threads get none
