@@ -6,8 +6,12 @@ Operators: shardflow dead-letters                 (producer/cli_admin.py)
 One-shot:  shardflow generate | local | demo
 
 Every option has --help; defaults come from schemas/settings.py (environment: SHARDFLOW_*).
-Exit codes: 0 ok; 1 a job failed or was cancelled; 2 bad usage or invalid input (nothing enqueued);
-3 unknown batch or job; 4 Redis unreachable; 5 timed out waiting.
+Exit codes: 0 ok; 1 a job failed or was cancelled; 2 bad usage or invalid input (nothing enqueued; a
+model that cannot be loaded too); 3 unknown batch or job; 4 Redis unreachable or refusing (bad URL, wrong
+credentials, no permission for a command under its ACL, DB index out of range, port taken by
+`shardflow redis`); 5 timed out waiting.
+Every failure is one line on stderr (`error: ...`), never a traceback; -v also logs the traceback of a
+Redis error.
 """
 
 from __future__ import annotations
@@ -19,32 +23,52 @@ from typing import Any
 
 import click
 
-from schemas.errors import InvalidRequest, ShardFlowError, TransportError
+from schemas.errors import InvalidRequest, ModelLoadError, ShardFlowError, TransportError
 from schemas.settings import DEFAULTS
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
 
 
+log = logging.getLogger("shardflow.cli")
+
+
 def fail(message: str, code: int) -> None:
-    """Print a one-line error and exit with `code`."""
-    click.echo(f"error: {message}", err=True)
+    """Print a one-line error (a multi-line message is joined with ' | ') and exit with `code`."""
+    line = " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    click.echo(f"error: {line}", err=True)
     sys.exit(code)
 
 
 def run_guarded(fn: Callable[[], Any]) -> Any:
-    """Map ShardFlow errors to one-line messages and exit codes."""
+    """Map ShardFlow errors, and any Redis error, to one-line messages and exit codes."""
+    import redis
+
     from producer.client import NotFound
 
     try:
         return fn()
     except NotFound as e:
         fail(str(e), EXIT_NOT_FOUND)
-    except InvalidRequest as e:
+    except (InvalidRequest, ModelLoadError) as e:
         fail(str(e), EXIT_BAD_INPUT)
     except TransportError as e:
         fail(str(e), EXIT_UNREACHABLE)
     except ShardFlowError as e:
         fail(str(e), EXIT_JOB_FAILED)
+    except redis.exceptions.NoPermissionError as e:
+        log.info("Redis refused a command", exc_info=True)
+        fail(f"Redis refused: {e} (check the URL's user and its ACL)", EXIT_UNREACHABLE)
+    except redis.exceptions.RedisError as e:
+        log.info("Redis error", exc_info=True)
+        fail(f"Redis: {type(e).__name__}: {e}", EXIT_UNREACHABLE)
+
+
+class GuardedGroup(click.Group):
+    """The `shardflow` group: every command runs under `run_guarded`, so no ShardFlow or Redis error
+    escapes as a traceback (click's own usage errors and exits pass through untouched)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        return run_guarded(lambda: super(GuardedGroup, self).invoke(ctx))
 
 
 def parse_layers(value: str) -> tuple[int, int]:
@@ -57,8 +81,15 @@ def parse_layers(value: str) -> tuple[int, int]:
     return a, b
 
 
-def layers_option(help_text: str) -> Callable:
-    return click.option("--layers", required=True, callback=lambda c, p, v: parse_layers(v), help=help_text)
+def layers_option(help_text: str, envvar: str | None = None) -> Callable:
+    return click.option(
+        "--layers",
+        required=True,
+        envvar=envvar,
+        show_envvar=envvar is not None,
+        callback=lambda c, p, v: parse_layers(v),
+        help=help_text,
+    )
 
 
 redis_opt = click.option(
@@ -83,6 +114,56 @@ def connection_options(fn: Callable) -> Callable:
     return queue_opt(redis_opt(prefix_opt(fn)))
 
 
+timeout_opt = click.option(
+    "--timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Give up waiting after this many seconds (exit 5).",
+)
+
+
+def _batch_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--batch-id: what schemas.jobs.BATCH_ID_PATTERN allows (job ids BATCH-00000 are then valid RQ ids)."""
+    import re
+
+    from schemas.jobs import BATCH_ID_PATTERN
+
+    if value is not None and not re.fullmatch(BATCH_ID_PATTERN, value):
+        raise click.BadParameter(f"{value!r}: use 1-64 letters, digits, '_' or '-'")
+    return value
+
+
+def _result_ttl(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if value < 1:
+        raise click.BadParameter(f"{value}: results must be kept at least 1 second")
+    return value
+
+
+def batch_options(fn: Callable) -> Callable:
+    """--batch-id, --result-ttl and --retries of `shardflow enqueue`, checked at parse time."""
+    fn = click.option(
+        "--retries",
+        type=click.IntRange(0),
+        default=DEFAULTS.job_retries,
+        show_default=True,
+        help="Automatic retries after a transient failure.",
+    )(fn)
+    fn = click.option(
+        "--result-ttl",
+        type=int,
+        callback=_result_ttl,
+        default=DEFAULTS.result_ttl_s,
+        show_default=True,
+        help="Seconds results are kept (at least 1).",
+    )(fn)
+    return click.option(
+        "--batch-id",
+        default=None,
+        callback=_batch_id,
+        help="Batch id: 1-64 letters, digits, '_' or '-' (default: time + random); job ids are BATCH-00000, ...",
+    )(fn)
+
+
 device_opt = click.option("--device", default="cpu", show_default=True, help="Torch device, e.g. cpu, cuda:0.")
 dtype_opt = click.option(
     "--dtype",
@@ -91,7 +172,9 @@ dtype_opt = click.option(
     show_default=True,
     help="Weight dtype; auto = the checkpoint's.",
 )
-threads_opt = click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's).")
+threads_opt = click.option(
+    "--threads", type=click.IntRange(1), default=None, help="CPU threads for torch (default: torch's)."
+)
 
 
 def engine_options(fn: Callable) -> Callable:
@@ -131,15 +214,27 @@ def generation_options(fn: Callable) -> Callable:
         [
             click.option(
                 "--max-new-tokens",
-                type=int,
+                type=click.IntRange(1, 1 << 20),
                 default=DEFAULTS.max_new_tokens,
                 show_default=True,
                 help="Tokens to generate at most.",
             ),
-            click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-            click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass kept, in (0, 1]."),
-            click.option("--top-k", type=int, default=0, show_default=True, help="Top tokens kept; 0 = off."),
-            click.option("--seed", type=int, default=None, help="Seed for reproducible sampling."),
+            click.option(
+                "--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True, help="0 = greedy."
+            ),
+            click.option(
+                "--top-p",
+                type=click.FloatRange(0, 1, min_open=True),
+                default=1.0,
+                show_default=True,
+                help="Nucleus mass kept, in (0, 1].",
+            ),
+            click.option(
+                "--top-k", type=click.IntRange(0), default=0, show_default=True, help="Top tokens kept; 0 = off."
+            ),
+            click.option(
+                "--seed", type=click.IntRange(0, (1 << 63) - 1), default=None, help="Seed for reproducible sampling."
+            ),
             click.option("--stop", multiple=True, help="Stop string (repeatable)."),
             click.option(
                 "--drafter",
@@ -153,7 +248,7 @@ def generation_options(fn: Callable) -> Callable:
                 "-k",
                 "--draft-k",
                 "k",
-                type=int,
+                type=click.IntRange(0, 64),
                 default=DEFAULTS.draft_k,
                 show_default=True,
                 help="Draft tokens per round.",
@@ -191,7 +286,7 @@ def request_defaults(
     return out
 
 
-@click.group()
+@click.group(cls=GuardedGroup)
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 def main(verbose: int) -> None:
     """ShardFlow: split-model LLM inference over Redis with lossless speculative decoding."""

@@ -11,7 +11,6 @@ import time
 import click
 
 from producer.cli import connection_options, main, run_guarded
-from schemas.packets import HEADER, DeadLetterRecord
 
 
 @main.command("dead-letters")
@@ -23,6 +22,7 @@ def dead_letters(count: int, as_json: bool, clear: bool, queue: str, redis_url: 
     """List packets tails refused (malformed, oversized, wrong version, duplicate, failed), newest first."""
     from relay_broker.connection import connect
     from relay_broker.streams import StreamNames
+    from schemas.packets import HEADER, DeadLetterRecord  # imports torch: only when the command runs
 
     r = run_guarded(lambda: connect(redis_url, attempts=3))
     stream = StreamNames(prefix).dead_letters
@@ -39,7 +39,8 @@ def dead_letters(count: int, as_json: bool, clear: bool, queue: str, redis_url: 
             continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.at))
         where = f"session {rec.session_id} round {rec.round_id}" if rec.session_id else "no session"
-        click.echo(f"{when}  tail {rec.tail_id or '?'}  {where}: {rec.reason}")
+        who = f"tail {rec.tail_id or '?'}" if rec.refused_by == "tail" else "head"
+        click.echo(f"{when}  {who}  {where}: {rec.reason}")
     if not as_json:
         shown = f", newest {len(entries)} shown" if total else ""
         click.echo(f"{total} dead letter(s) in {stream}{shown}", err=True)

@@ -16,12 +16,14 @@ from producer.cli import (
     EXIT_JOB_FAILED,
     EXIT_OK,
     EXIT_TIMEOUT,
+    batch_options,
     connection_options,
     fail,
     generation_options,
     main,
     request_defaults,
     run_guarded,
+    timeout_opt,
 )
 from producer.client import Client, JobView, token_chunk
 from schemas.errors import TransportError
@@ -31,7 +33,6 @@ T = TypeVar("T")
 
 FINAL = {"finished", "failed", "canceled", "stopped", "expired"}
 json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
-timeout_opt = click.option("--timeout", type=float, default=None, help="Give up waiting after this many seconds.")
 
 
 def _client(redis_url: str, prefix: str, queue: str) -> Client:
@@ -193,17 +194,7 @@ def _print_views(views: list[JobView], as_jsonl: bool, out=None) -> None:
     "line: prompt or messages, plus any generation field); - reads stdin.",
 )
 @generation_options
-@click.option("--batch-id", default=None, help="Batch id (default: time + random); job ids are BATCH-00000, ...")
-@click.option(
-    "--result-ttl", type=int, default=DEFAULTS.result_ttl_s, show_default=True, help="Seconds results are kept."
-)
-@click.option(
-    "--retries",
-    type=int,
-    default=DEFAULTS.job_retries,
-    show_default=True,
-    help="Automatic retries after a transient failure.",
-)
+@batch_options
 @click.option("--wait", is_flag=True, help="Block until every job is done, with a progress bar; print results.")
 @timeout_opt
 @json_opt
@@ -330,8 +321,11 @@ def results(
     else:
         views = client.views(ids)
     if output:
-        with Path(output).open("w", encoding="utf-8") as f:
-            _print_views(views, jsonl or output.endswith(".jsonl"), out=f)
+        try:
+            with Path(output).open("w", encoding="utf-8") as f:
+                _print_views(views, jsonl or output.endswith(".jsonl"), out=f)
+        except OSError as e:
+            fail(f"cannot write {output}: {e.strerror or e}", EXIT_BAD_INPUT)
     elif not follow or jsonl:
         _print_views(views, jsonl)
     sys.exit(_exit_for(views))

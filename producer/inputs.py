@@ -22,7 +22,8 @@ class Parsed:
     errors: list[str]
 
 
-def _pydantic_reason(e: ValidationError) -> str:
+def pydantic_reason(e: ValidationError) -> str:
+    """The first few problems of a pydantic error, as one line."""
     parts = []
     for err in e.errors()[:3]:
         loc = ".".join(str(p) for p in err["loc"])
@@ -48,6 +49,28 @@ def _looks_jsonl(path: str, lines: list[str]) -> bool:
     return bool(filled) and all(ln.lstrip().startswith("{") for ln in filled)
 
 
+def _read_text(file: str) -> str:
+    """The text of a prompts file, or of stdin for `-`: UTF-8 (a byte-order mark is dropped), whatever the
+    locale; anything else (a binary or Latin-1 file) is an InvalidRequest naming the first bad byte."""
+    name = "stdin" if file == "-" else file
+    try:
+        if file != "-":
+            data = Path(file).read_bytes()
+        elif hasattr(sys.stdin, "buffer"):
+            data = sys.stdin.buffer.read()
+        else:  # a text-only stand-in for stdin (tests): already decoded
+            return sys.stdin.read()
+    except OSError as e:
+        raise InvalidRequest(f"cannot read {name}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InvalidRequest(
+            f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); save it as UTF-8"
+        ) from None
+
+
 def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
     """Build requests from prompt arguments and/or a file; collect every error with its place."""
     items: list[tuple[str, dict | str | None, str | None]] = []  # (where, data, parse error) in input order
@@ -57,11 +80,7 @@ def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
         else:
             items.append((f"argument {i}", a, None))
     if file is not None:
-        try:
-            text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise InvalidRequest(f"cannot read {file}: {e.strerror or e}") from None
-        lines = text.splitlines()
+        lines = _read_text(file).splitlines()
         jsonl = _looks_jsonl(file, lines)
         for n, line in enumerate(lines, 1):
             if not line.strip():
@@ -87,7 +106,7 @@ def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
             requests.append(GenerationRequest.model_validate(data))
             sources.append(where)
         except ValidationError as e:
-            errors.append(f"{where}: {_pydantic_reason(e)}")
+            errors.append(f"{where}: {pydantic_reason(e)}")
     if not items and not errors:
         errors.append("no prompts given (arguments, --file PATH, or - for stdin)")
     return Parsed(requests, sources, errors)

@@ -5,11 +5,14 @@ Used by `shardflow local`, the tests and the CPU bench.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -18,7 +21,7 @@ from transformers import AutoConfig
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from relay_broker.streams import StreamNames
-from schemas.errors import TransportError
+from schemas.errors import InvalidRequest, ModelLoadError, TransportError
 from schemas.requests import GenerationRequest, GenerationResult
 
 
@@ -31,8 +34,10 @@ def spawn_tail(
     name: str | None = None,
     extra: list[str] | None = None,
     log_path: Path | None = None,
+    die_with_parent: bool = False,
 ) -> subprocess.Popen:
-    """Start `shardflow tail` as a child process."""
+    """Start `shardflow tail` as a child process (on Linux, with die_with_parent, it gets SIGTERM when the
+    calling thread ends, even by SIGKILL: see relay_broker.embedded.child_setup)."""
     args = [
         sys.executable,
         "-m",
@@ -50,7 +55,10 @@ def spawn_tail(
         *(extra or []),
     ]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT if log_path else None)
+    from relay_broker.embedded import child_setup
+
+    setup = child_setup(True) if die_with_parent else None
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT if log_path else None, preexec_fn=setup)
 
 
 def wait_for_tails(
@@ -78,20 +86,63 @@ def wait_for_tails(
     raise TransportError(f"{count} tail(s) not ready within {timeout_s}s")
 
 
+@contextmanager
+def interrupt_on_termination() -> Iterator[None]:
+    """While entered (in the main thread), SIGTERM and SIGHUP raise KeyboardInterrupt like Ctrl-C, so they
+    stop what Ctrl-C stops (the embedded Redis, worker processes) instead of killing this process around
+    them; a repeated signal does not interrupt that cleanup."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        if not fired:
+            fired.append(signum)
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def layer_count(target: str | Path) -> int:
+    """The model's number of layers, from its config; ModelLoadError if there is no readable config."""
+    try:
+        return int(AutoConfig.from_pretrained(target).num_hidden_layers)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the model config of {target}: {e}") from None
+
+
 def run_local(
     target: str | Path | None, split: int | None, draft: str | None, requests: list[GenerationRequest]
 ) -> Iterator[GenerationResult]:
-    """Yield the result of each request, served by a local tail process over an embedded Redis."""
-    from workers.head import HeadRuntime, generate
-
-    with tempfile.TemporaryDirectory(prefix="shardflow-local-") as tmp, EmbeddedRedis() as server:
+    """Yield the result of each request, served by a local tail process over an embedded Redis (stopped on
+    Ctrl-C, SIGTERM or SIGHUP too)."""
+    with interrupt_on_termination(), tempfile.TemporaryDirectory(prefix="shardflow-local-") as tmp:
         if target is None:
             from workers.tiny_models import save_tiny_model
 
             target = save_tiny_model(Path(tmp) / "tiny", "qwen2")
-        n_layers = AutoConfig.from_pretrained(target).num_hidden_layers
+        n_layers = layer_count(target)
         split = split if split is not None else n_layers // 2
-        tail = spawn_tail(target, (split, n_layers), server.url)
+        if not 0 < split < n_layers:
+            raise InvalidRequest(f"--split {split}: the model has {n_layers} layers, so give 1 to {n_layers - 1}")
+        yield from _serve_local(target, (split, n_layers), draft, requests)
+
+
+def _serve_local(
+    target: str | Path, layers: tuple[int, int], draft: str | None, requests: list[GenerationRequest]
+) -> Iterator[GenerationResult]:
+    """run_local once the model is known: embedded Redis, a tail process for `layers`, the head here."""
+    from workers.head import HeadRuntime, generate
+
+    split = layers[0]
+    with EmbeddedRedis() as server:
+        tail = spawn_tail(target, layers, server.url, die_with_parent=True)
         try:
             r = connect(server.url)
             runtime = HeadRuntime.load(target, (0, split), draft=draft)

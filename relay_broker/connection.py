@@ -1,8 +1,9 @@
 """Connect to Redis from a URL and retry transport errors (only those) with tenacity.
 
 URLs: redis://[user:password@]host:port/db, rediss:// (TLS), unix:///path/to/socket?db=0. Job-level
-failures are never retried here, and neither are refused credentials or a server certificate that
-fails verification.
+failures are never retried here, and neither are refused credentials, a server certificate that
+fails verification, or an error reply to the first PING (a DB index out of range, no permission):
+those become one TransportError.
 
 TLS options are redis-py's, as URL query options (every process, and RQ's scheduler connection,
 inherits them from the one URL) or keyword arguments:
@@ -102,5 +103,10 @@ def connect(
     except ValueError as e:
         raise TransportError(f"bad Redis URL {url!r}: {e}") from None
     if check:
-        transport_retry(attempts)(client.ping)()
+        try:
+            transport_retry(attempts)(client.ping)()
+        except redis.ResponseError as e:  # NOPERM for PING, a DB index out of range, ...: not worth retrying
+            db = client.connection_pool.connection_kwargs.get("db", 0)
+            hint = f" (database {db} in the URL)" if "DB index" in str(e) else ""
+            raise TransportError(f"Redis refused the connection: {e}{hint}") from e
     return client

