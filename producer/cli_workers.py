@@ -88,14 +88,18 @@ def redis(port: int, appendonly: bool, data_dir: str | None) -> None:
         server.stop()
 
 
-@main.command()
-@click.option(
+# the model of a long-running worker, also from the environment (compose passes it so, see compose.yaml)
+worker_target_opt = click.option(
     "--target",
     required=True,
     envvar="SHARDFLOW_TARGET",
     show_envvar=True,
     help="Target model: local directory or hub id.",
 )
+
+
+@main.command()
+@worker_target_opt
 @layers_option("Layers A:B this tail runs (B = the model's last).", envvar="SHARDFLOW_TAIL_LAYERS")
 @click.option("--name", default=None, help="Tail id (default: host-pid-random).")
 @click.option(
@@ -182,13 +186,7 @@ def tail(
 
 
 @main.command()
-@click.option(
-    "--target",
-    required=True,
-    envvar="SHARDFLOW_TARGET",
-    show_envvar=True,
-    help="Target model: local directory or hub id.",
-)
+@worker_target_opt
 @layers_option("Layers A:B this head runs (A = 0).", envvar="SHARDFLOW_HEAD_LAYERS")
 @click.option(
     "--draft",
