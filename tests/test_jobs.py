@@ -198,10 +198,10 @@ def test_follow_streams_text_and_info(env):
     ("args", "fragment", "code"),
     [
         (["enqueue", ""], "argument 1: prompt is empty", 2),
-        (["enqueue", "hi", "--max-new-tokens", "0"], "max_new_tokens: Input should be greater than or equal to 1", 2),
-        (["enqueue", "hi", "--temperature", "-1"], "sampling.temperature", 2),
-        (["enqueue", "hi", "--top-p", "0"], "sampling.top_p", 2),
-        (["enqueue", "hi", "--top-p", "1.5"], "sampling.top_p", 2),
+        (["enqueue", "hi", "--max-new-tokens", "0"], "'--max-new-tokens': 0 is not in the range", 2),  # click's
+        (["enqueue", "hi", "--temperature", "-1"], "'--temperature': -1.0 is not in the range", 2),
+        (["enqueue", "hi", "--top-p", "0"], "'--top-p': 0.0 is not in the range", 2),
+        (["enqueue", "hi", "--top-p", "1.5"], "'--top-p': 1.5 is not in the range", 2),
         (["enqueue", "--file", "/nonexistent/prompts.txt"], "cannot read /nonexistent/prompts.txt", 2),
         (["enqueue", "word " * 2100], "exceeds the model's context of 2048 tokens", 2),
         (["status", "no-such-batch"], "no batch or job 'no-such-batch'", 3),
@@ -212,7 +212,7 @@ def test_bad_input_is_one_clear_line_and_enqueues_nothing(env, args, fragment, c
     before = sorted(env.r.keys(f"{env.prefix}:batch:*")), Queue(env.queue, connection=env.r).count
     res = env.cli(*args)
     assert res.exit_code == code, res.output
-    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    errors = [ln for ln in res.output.splitlines() if ln.startswith(("error:", "Error:"))]  # ours, click's
     assert len(errors) == 1 and fragment in errors[0], res.output
     assert (sorted(env.r.keys(f"{env.prefix}:batch:*")), Queue(env.queue, connection=env.r).count) == before
 

@@ -141,7 +141,7 @@ def test_replay_before_any_token_is_a_fresh_first_round(models, hf_models, token
         on_tokens=None,
         reply_timeout_s=None,
     )
-    loop._replay(0, ReplyTimeout("tail lost (test)"))
+    loop._replay(ReplyTimeout("tail lost (test)"))
     assert not loop.replay_next and loop.pending == loop.committed == runtime.prompt_ids(req)
     result = loop.run()
     assert result.token_ids == parity_reference("qwen2", hf_models["qwen2"], tokenizers["qwen2"])[0]
