@@ -61,6 +61,11 @@ def run_guarded(fn: Callable[[], Any]) -> Any:
     except redis.exceptions.RedisError as e:
         log.info("Redis error", exc_info=True)
         fail(f"Redis: {type(e).__name__}: {e}", EXIT_UNREACHABLE)
+    except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        raise  # click's own usage errors and exits
+    except Exception as e:  # a bug, or data nobody checked: still one line (-v logs the traceback)
+        log.info("unexpected error", exc_info=True)
+        fail(f"unexpected {type(e).__name__}: {e}", EXIT_JOB_FAILED)
 
 
 class GuardedGroup(click.Group):

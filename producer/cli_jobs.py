@@ -130,6 +130,7 @@ def follow_text(client: Client, ids: list[str], timeout: float | None) -> list[J
     deadline = time.monotonic() + timeout if timeout else None
     last_id = dict.fromkeys(ids, "0-0")
     index = {jid: i for i, jid in enumerate(ids)}
+    job_of = {client.keys.tokens(j).encode(): j for j in ids}
     ended: set[str] = set()
     finished: set[str] = set()  # seen finished before this pass's read
     current = None
@@ -138,8 +139,8 @@ def follow_text(client: Client, ids: list[str], timeout: float | None) -> list[J
         resp = _polled(lambda s=streams: client.r.xread(s, count=64, block=300), deadline) if streams else []
         fed: set[str] = set()
         for stream, entries in resp or []:
-            jid = stream.decode(errors="replace").rsplit(":", 1)[-1]
-            if jid not in index:
+            jid = job_of.get(stream)
+            if jid is None:
                 continue
             fed.add(jid)
             for entry_id, fields in entries:

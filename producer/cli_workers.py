@@ -73,7 +73,7 @@ def redis(port: int, appendonly: bool, data_dir: str | None) -> None:
     # Blocked before the server starts: a stop signal arriving meanwhile waits for sigwait below instead of
     # killing this process with the server left behind (the server itself starts with nothing blocked).
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    server = EmbeddedRedis(port=port or None, appendonly=appendonly, data_dir=data_dir).start()
+    server = EmbeddedRedis(port=port or None, appendonly=appendonly, data_dir=data_dir, die_with_parent=True).start()
     try:
         click.echo(server.url)
         while True:

@@ -11,7 +11,6 @@ write-once, under `{prefix}:result:{job_id}`.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
@@ -26,7 +25,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from schemas.errors import InvalidRequest, ShardFlowError
-from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, JobKeys, ModelInfo, job_id_for, job_ttl
+from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, JobKeys, ModelInfo, job_id_for, job_ttl, read_result
 from schemas.requests import GenerationRequest
 from schemas.settings import DEFAULTS
 from workers.head_worker import AllowListJob
@@ -78,15 +77,8 @@ def token_chunk(fields: dict) -> tuple[str, bool] | None:
     return text.decode("utf-8", errors="replace"), final == b"1"
 
 
-def stored_result(raw: bytes | None) -> dict | str | None:
-    """A stored result as data, None if there is none, or a line saying it is unreadable."""
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        data = None
-    return data if isinstance(data, dict) and isinstance(data.get("text"), str) else "unreadable result record"
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def new_batch_id() -> str:
@@ -133,6 +125,8 @@ class Client:
         jobs exists, through RQ's group of the same name)."""
         if not requests:
             raise InvalidRequest("nothing to enqueue")
+        if len(requests) > DEFAULTS.max_batch_jobs:
+            raise InvalidRequest(f"{len(requests)} jobs in one batch; at most {DEFAULTS.max_batch_jobs}")
         if result_ttl < 1:
             raise InvalidRequest("result_ttl must be at least 1 second")
         batch_id = batch_id or new_batch_id()
@@ -171,7 +165,7 @@ class Client:
         """Job ids of a batch in enqueue order: from its record, or once that expired (a queue that waited
         longer than the result TTL) from RQ's group of the same name, which lasts while any job does."""
         count = self.r.hget(self.keys.batch(batch_id), "count")
-        if count is not None and count.isdigit():
+        if count is not None and count.isdigit() and int(count) <= DEFAULTS.max_batch_jobs:
             return [job_id_for(batch_id, i) for i in range(int(count))]
         members = sorted(m.decode(errors="replace") for m in self.r.smembers(Group.get_key(batch_id)))
         if not members:
@@ -198,9 +192,9 @@ class Client:
             job = AllowListJob(jid, connection=self.r, serializer=JSONSerializer) if raw else None
             try:
                 if job is not None:
-                    job.restore(raw)
-                    job.get_status(refresh=False)
-            except Exception as e:
+                    job.restore(raw)  # AllowListJob's: a bad field leaves `_unreadable` set, not an error
+                    job = f"unreadable job record ({job._unreadable})" if job._unreadable else job
+            except Exception as e:  # no data field at all
                 job = f"unreadable job record ({type(e).__name__})"
             out.append(job)
         return out
@@ -208,15 +202,15 @@ class Client:
     def views(self, job_ids: list[str]) -> list[JobView]:
         stored = self.r.mget([self.keys.result(j) for j in job_ids]) if job_ids else []
         return [
-            self._view(i, jid, job, stored_result(raw))
+            self._view(i, jid, job, raw)
             for i, (jid, job, raw) in enumerate(zip(job_ids, self.jobs(job_ids), stored, strict=True))
         ]
 
     @staticmethod
-    def _view(i: int, jid: str, job: Job | str | None, result: dict | str | None) -> JobView:
-        """One job as users see it; fields others could have forged are checked for type."""
-        bad = result if isinstance(result, str) else None
-        result = None if bad else result
+    def _view(i: int, jid: str, job: Job | str | None, raw: bytes | None) -> JobView:
+        """One job as users see it; what others could have forged is checked (types, the stored result)."""
+        result = read_result(raw)
+        bad = "unreadable result record" if raw is not None and result is None else None
         if job is None or isinstance(job, str):
             status, error = ("expired", bad) if job is None else ("unknown", job)
             return JobView(jid, i, status, error=error, result=result)
@@ -230,14 +224,14 @@ class Client:
                 exc = latest.exc_string if latest is not None else None
             except Exception:  # RQ's result stream holds an entry it cannot read
                 exc = None
-            error = exc.strip().splitlines()[-1] if exc and exc.strip() else "failed"
+            error = exc.strip().splitlines()[-1] if isinstance(exc, str) and exc.strip() else "failed"
         index, progress, prompt = meta.get("index", i), meta.get("progress"), meta.get("prompt")
         return JobView(
             jid,
             index if isinstance(index, int) else i,
             status,
             prompt if isinstance(prompt, str) else "",
-            progress if isinstance(progress, dict) else {},
+            {k: v for k, v in progress.items() if _number(v)} if isinstance(progress, dict) else {},
             str(error) if error is not None else bad,
             result,
         )

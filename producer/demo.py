@@ -90,7 +90,7 @@ def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> 
     with (
         interrupt_on_termination(),  # SIGTERM / SIGHUP stop everything as Ctrl-C does
         tempfile.TemporaryDirectory(prefix="shardflow-demo-") as tmp,
-        EmbeddedRedis() as server,
+        EmbeddedRedis(die_with_parent=True) as server,
     ):
         logs = Path(tmp)
         try:

@@ -141,7 +141,7 @@ def _serve_local(
     from workers.head import HeadRuntime, generate
 
     split = layers[0]
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis(die_with_parent=True) as server:
         tail = spawn_tail(target, layers, server.url, die_with_parent=True)
         try:
             r = connect(server.url)

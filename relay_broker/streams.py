@@ -4,7 +4,7 @@ Layout (all under one prefix):
   {prefix}:tail:requests            new sessions; every tail replica reads it through one group
   {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
   {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
-  {prefix}:dead-letters             packets tails refused, with the reason (capped)
+  {prefix}:dead-letters             packets tails refused and reply entries heads refused, with the reason (capped)
 """
 
 from __future__ import annotations
@@ -224,6 +224,7 @@ class ReplyReader:
             pipe = self.r.pipeline(transaction=False)
             self._queue_dead(pipe)
             pipe.execute(raise_on_error=False)
+            self._dead.clear()
 
     def _take(self, resp: list | None) -> None:
         for _, entries in resp or []:
@@ -237,10 +238,9 @@ class ReplyReader:
 
     def _queue_dead(self, pipe: redis.client.Pipeline) -> int:
         """Queue the dead letters on `pipe` (a refused write, under an old ACL file say, fails nothing else)."""
-        n, dead, self._dead = len(self._dead), self._dead, []
-        for record in dead:
+        for record in self._dead:
             pipe.xadd(self.dead_stream, record, maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
-        return n
+        return len(self._dead)
 
     @transport_retry()
     def _publish_and_read(self, stream: str, fields: dict, block_ms: int) -> list:
@@ -257,9 +257,10 @@ class ReplyReader:
         pipe.xread({self.stream: self.last_id}, count=self.count, block=block_ms)
         return self._result(pipe.execute(raise_on_error=False), n)
 
-    @staticmethod
-    def _result(replies: list, dead: int) -> list:
-        """The XREAD's answer; an error of the commands after the `dead` dead-letter writes raises."""
+    def _result(self, replies: list, dead: int) -> list:
+        """The XREAD's answer; an error of the commands after the `dead` dead-letter writes raises (sent
+        dead letters are dropped only now: a transport retry sends them again)."""
+        self._dead.clear()
         for reply in replies[dead:]:
             if isinstance(reply, Exception):
                 raise reply

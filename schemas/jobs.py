@@ -46,6 +46,21 @@ def job_ttl(job: object) -> int:
     return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else DEFAULTS.result_ttl_s
 
 
+def read_result(raw: bytes | None) -> dict | None:
+    """A stored result (`{prefix}:result:JOB`) as JSON-ready data; None if absent or unreadable (the key can
+    be written by other clients: what is not a GenerationResult is not a result)."""
+    from pydantic import ValidationError
+
+    from schemas.requests import GenerationResult
+
+    if raw is None:
+        return None
+    try:
+        return GenerationResult.model_validate_json(raw).model_dump(mode="json")
+    except ValidationError:
+        return None
+
+
 def job_id_for(batch_id: str, index: int) -> str:
     """Deterministic job id of the index-th prompt of a batch."""
     return f"{batch_id}-{index:05d}"

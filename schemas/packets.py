@@ -149,6 +149,8 @@ def _check_version(head: bytes) -> None:
         raw = json.loads(head)
     except ValueError as e:
         raise PacketError(f"header is not JSON: {e}") from None
+    except RecursionError:
+        raise PacketError("header is not JSON: nested too deeply") from None
     if not isinstance(raw, dict):
         raise PacketError("header is not a JSON object")
     if raw.get("v") != SCHEMA_VERSION:

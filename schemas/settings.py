@@ -27,8 +27,10 @@ class Settings(BaseSettings):
     block_ms: int = Field(1000, description="Redis BLOCK time of stream reads.")
     # --- jobs (RQ) ---
     queue: str = Field("shardflow", description="RQ queue that head workers serve and producers fill.")
-    result_ttl_s: int = Field(7 * 24 * 3600, description="How long finished results are kept.")
-    failure_ttl_s: int = Field(7 * 24 * 3600, description="How long failed jobs are kept.")
+    result_ttl_s: int = Field(
+        7 * 24 * 3600, description="How long everything a job writes is kept (results, failed jobs, text streams)."
+    )
+    max_batch_jobs: int = Field(100_000, description="Most jobs one batch may hold (job ids end in 5 digits).")
     job_timeout_s: int = Field(3600, description="Longest one generation job may run.")
     job_retries: int = Field(3, description="Automatic retries of a job after a transient failure.")
     retry_intervals_s: list[int] = Field([2, 10, 30], description="Backoff between automatic retries.")

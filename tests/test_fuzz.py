@@ -165,6 +165,7 @@ def junk_replies(sid: str, vocab: int) -> list[dict]:
         {HEADER: b'{"v": 2, "kind": "verdict"}'},
         {HEADER: b'{"v": 1, "kind": "verdict", "session_id": "' + sid.encode() + b'"}'},
         {HEADER: b"[]", b"t.x": b"\x00" * 64},
+        {HEADER: b"[" * 100_000},  # deeper than the JSON parser's recursion limit
         *(encode_message(v) for v in forged),
     ]
 
@@ -210,5 +211,5 @@ def test_junk_in_live_reply_streams_never_fails_a_generation(models, hf_models, 
     assert set(refused) == {"poisoned0", "poisoned1", "poisoned2"}
     assert max(refused.values()) <= DEFAULTS.reply_dead_letters_max  # a flood is counted, not all stored
     reasons = " ".join(r.reason for r in records if r.refused_by == "head")
-    for why in ("no header", "not JSON", "version", "naming session someone-else", "not sent"):
+    for why in ("no header", "not JSON", "nested too deeply", "version", "naming session someone-else", "not sent"):
         assert why in reasons, why

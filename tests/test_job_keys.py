@@ -8,8 +8,10 @@ import json
 import time
 
 import pytest
+from rq import Queue
+from rq.serializers import JSONSerializer
 
-from schemas.packets import HEADER, DeadLetterRecord
+from schemas.settings import DEFAULTS
 from tests.test_jobs import Env
 
 TTL = 60
@@ -103,23 +105,33 @@ def test_junk_in_keys_others_can_write_is_skipped(env):
     assert env.cli("results", batch).exit_code == 0
 
 
-def test_a_forged_job_record_in_the_queue_does_not_stop_the_head(env):
-    """Anyone who can write RQ's keys can queue a job id whose record does not restore (bad dates), or does
-    but cannot run (bad data), name a rate limit (RQ would run Lua for it) or sit in a registry: the head
-    dead-letters or fails each, its loop never ends on one, and it serves the next job."""
+def test_forged_job_records_never_stop_the_head(env):
+    """Anyone who can write RQ's keys can queue a job id whose record does not restore (a bad date), or does
+    but cannot run (bad data), name a rate limit (RQ would run Lua for it), sit abandoned in a registry, or
+    not be a hash at all: the head fails or skips each the usual way, its loop never ends on one, and it
+    serves the next job."""
     for jid, record in (
         ("forged-meta", {"meta": b"\x00\xff not json", "data": b"[]", "status": b"queued"}),
         ("forged-data", {"data": b"\xff\xfe", "status": b"queued", "created_at": b"not a date"}),
     ):
         env.r.hset(f"rq:job:{jid}", mapping=record)
         env.r.rpush(f"rq:queue:{env.queue}", jid)
-    env.r.hset("rq:job:forged-limit", mapping={"rate_limit_key": "x", "rate_limit_concurrency": "1"})
-    env.r.zadd(f"rq:wip:{env.queue}", {"forged-limit:exec": 1})  # an abandoned "job" for maintenance to meet
+    env.r.set("rq:job:forged-string", "not a hash")
+    env.r.rpush(f"rq:queue:{env.queue}", "forged-string")
+    limited = Queue(f"{env.queue}-idle", connection=env.r, serializer=JSONSerializer).enqueue_call(
+        "workers.jobs.run_generation", args=({"prompt": "x"},), job_id="forged-limit"
+    )
+    env.r.hset(limited.key, mapping={"status": "started", "rate_limit_key": "x", "rate_limit_concurrency": "1"})
+    env.r.hset(limited.key, "origin", env.queue)
+    env.r.zadd(f"rq:wip:{env.queue}", {"forged-limit:exec": 1})  # abandoned long ago: maintenance fails it
     res = env.cli("enqueue", "Tokyo", "--no-chat-template", "--max-new-tokens", "4", "--wait", "--timeout", "60")
     assert res.exit_code == 0, res.output
-    assert env.procs["head"].poll() is None
-    assert "unhandled exception" not in (env.tmp / "head.log").read_text()
-    dead = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in env.r.xrange(f"{env.prefix}:dead-letters")]
-    assert "forged-data" in {d.entry_id for d in dead if d.refused_by == "head"}  # no restore: dead-lettered
-    assert not env.r.exists("rq:job:forged-data")
-    assert env.r.hget("rq:job:forged-meta", "status") == b"failed"  # restores, cannot run: RQ fails it
+    deadline = time.monotonic() + 30
+    while env.r.hget("rq:job:forged-limit", "status") != b"failed" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = (env.tmp / "head.log").read_text()
+    assert env.procs["head"].poll() is None and "unhandled exception" not in log and "restarting" not in log
+    for jid in ("forged-meta", "forged-data", "forged-limit"):
+        assert env.r.hget(f"rq:job:{jid}", "status") == b"failed", jid
+        assert 0 < env.r.ttl(f"rq:job:{jid}") <= DEFAULTS.result_ttl_s, jid  # kept like any failed job
+    assert "ignoring the rate limit" in log and "NOPERM" not in log

@@ -74,11 +74,13 @@ def test_sigkilled_head_leaves_no_process_and_its_scheduler_lock_expires(models,
     try:
         lock = RQScheduler.get_locking_key(queue)
         deadline = time.monotonic() + 90
-        while not (r.scard(f"rq:workers:{queue}") and r.exists(lock)):
+        owner = None
+        while not (r.scard(f"rq:workers:{queue}") and owner and r.hexists(f"rq:scheduler:{owner}", "pid")):
             assert head.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "head worker did not start its scheduler"
             time.sleep(0.2)
-        scheduler = r.hgetall(f"rq:scheduler:{r.get(lock).decode()}")
+            owner = (r.get(lock) or b"").decode()  # the lock is taken just before the thread records itself
+        scheduler = r.hgetall(f"rq:scheduler:{owner}")
         assert int(scheduler[b"pid"]) == head.pid  # the scheduler runs inside the head process
         time.sleep(1.5)  # a few scheduler and maintenance cycles: anything it would fork exists by now
         family = _descendants(head.pid)

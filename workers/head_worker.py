@@ -25,14 +25,14 @@ from typing import Any
 import redis
 from rq import Queue, SimpleWorker
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
-from rq.exceptions import StopRequested
+from rq.exceptions import NoSuchJobError, StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
+from rq.utils import now
 
 from relay_broker.streams import StreamNames
-from schemas.jobs import JobKeys, ModelInfo
-from schemas.packets import DeadLetterRecord
+from schemas.jobs import JobKeys, ModelInfo, job_ttl
 from schemas.settings import DEFAULTS
 from workers import jobs
 from workers.scheduler import ThreadScheduler
@@ -53,6 +53,8 @@ class AllowListJob(Job):
 
     @property
     def func(self) -> Any:
+        if self._unreadable is not None:
+            raise ForbiddenJobFunction(f"job record unreadable ({self._unreadable}); refused")
         if self.instance is not None or not _allowed(self.func_name) or self.func_name is None:
             log.error("refused job %s: function %r is not allow-listed", self.id, self.func_name)
             raise ForbiddenJobFunction(f"job function {self.func_name!r} is not allow-listed; refused")
@@ -80,10 +82,36 @@ class AllowListJob(Job):
         self._refuse_callback("stopped")
         return super().stopped_callback
 
+    _unreadable: str | None = None  # why the record did not restore
+
+    def refresh(self) -> None:
+        """RQ's refresh; a key of another type than a job hash is no job at all (RQ then skips it)."""
+        try:
+            super().refresh()
+        except redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            raise NoSuchJobError(f"{self.key} is not a job record") from None
+
     def restore(self, raw: dict) -> None:
-        """RQ's restore, minus a rate limit (ShardFlow sets none; RQ would run Lua for it, which no role but
-        admin may: a forged one would end the worker's loop)."""
-        super().restore(raw)
+        """RQ's restore, never failing on a bad field: a record anyone able to write RQ's keys could have
+        forged (bad dates, numbers, statuses) restores as a bare job whose function is refused, so RQ fails
+        it the usual way (failed registry, expiring) instead of the error ending a worker's loop, its
+        maintenance or its scheduler. A rate limit is dropped: ShardFlow sets none, and RQ would run Lua
+        for it, which no role but admin may."""
+        try:
+            super().restore(raw)
+        except NoSuchJobError:
+            raise  # no data at all: not a job (RQ skips it)
+        except Exception as e:
+            self._unreadable = f"{type(e).__name__}: {e}"[:500]
+            log.error("job %s: its record does not restore (%s); failing it", self.id, self._unreadable)
+            data = {k: v for k, v in raw.items() if k in (b"data", "data")}
+            super().restore(data)  # only the data field: every other one takes RQ's default
+        # one lifetime for all a job leaves (RQ would keep a record without TTLs a year, or forever)
+        self.result_ttl = job_ttl(self)
+        if not (isinstance(self.failure_ttl, int) and self.failure_ttl > 0):
+            self.failure_ttl = self.result_ttl
         if self.rate_limit_key or self.rate_limit_concurrency:
             log.warning("job %s: ignoring the rate limit its record names", self.id)
             self.rate_limit_key, self.rate_limit_concurrency = None, None
@@ -162,46 +190,21 @@ class HeadWorker(SimpleWorker):
         except redis.RedisError as e:
             log.debug("worker %s: could not end its old record yet: %s", self.name, e)
 
-    def dequeue_job_and_maintain_ttl(self, *args: Any, **kwargs: Any) -> Any:
-        """RQ's dequeue; a queued job whose record does not restore (anyone who can write RQ's keys can queue
-        one) is dead-lettered and dropped instead of ending the worker's loop."""
-        while True:
-            try:
-                return super().dequeue_job_and_maintain_ttl(*args, **kwargs)
-            except (redis.ConnectionError, redis.TimeoutError, StopRequested):
-                raise
-            except Exception as e:
-                job_id, queue = getattr(e, "job_id", None), getattr(e, "queue", None)
-                if job_id is None or queue is None:
-                    raise
-                self._drop_unreadable(str(job_id), queue, f"{type(e).__name__}: {e}")
-
-    def _drop_unreadable(self, job_id: str, queue: Queue, reason: str) -> None:
-        """Dead-letter a job record RQ cannot restore, then delete it and its place in the queue."""
-        log.error("refused job %s: its record does not restore (%s)", job_id, reason)
-        key = Job.key_for(job_id)
-        record = DeadLetterRecord(
-            stream=queue.key,
-            entry_id=job_id,
-            reason=f"head refused a job record: {reason}"[:2000],
-            refused_by="head",
-            header=repr(self.connection.hgetall(key))[:1000],
-            at=time.time(),
-        )
-        pipe = self.connection.pipeline(transaction=False)
-        pipe.xadd(self.names.dead_letters, record.fields(), maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
-        pipe.lrem(queue.intermediate_queue_key, 0, job_id)
-        pipe.delete(key)
-        pipe.execute(raise_on_error=False)
-
     def run_maintenance_tasks(self) -> None:
-        """RQ's maintenance; a record it meets that does not restore is logged, not the end of the loop."""
+        """RQ's maintenance; an error there (a registry key of the wrong type, say) is logged, not the end of
+        the loop, and the queues' maintenance locks are released so the next round tries again."""
         try:
             super().run_maintenance_tasks()
         except (redis.ConnectionError, redis.TimeoutError, StopRequested):
             raise
         except Exception as e:
-            log.error("worker %s: maintenance stopped at a record it cannot read: %r", self.name, e)
+            log.error("worker %s: maintenance failed: %r", self.name, e)
+            self.last_cleaned_at = now()
+            for queue in self.queues:
+                try:
+                    queue.release_maintenance_lock()
+                except redis.RedisError:
+                    pass
 
     def _start_scheduler(
         self,

@@ -25,7 +25,7 @@ from rq.job import Job
 
 from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest, JobError, ShardFlowError
-from schemas.jobs import RUN_GENERATION, Checkpoint, JobKeys, job_ttl
+from schemas.jobs import RUN_GENERATION, Checkpoint, JobKeys, job_ttl, read_result
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
 
@@ -161,13 +161,10 @@ def load_checkpoint(r: redis.Redis, keys: JobKeys, job_id: str) -> list[int]:
 def stored_result(r: redis.Redis, keys: JobKeys, job_id: str) -> dict | None:
     """The result stored for this job, if one is there and reads as a result (others may write the key)."""
     raw = r.get(keys.result(job_id))
-    if raw is None:
-        return None
-    try:
-        return GenerationResult.model_validate_json(raw).model_dump(mode="json")
-    except ValidationError:
+    data = read_result(raw)
+    if raw is not None and data is None:
         log.warning("job %s: ignoring an unreadable stored result", job_id)
-        return None
+    return data
 
 
 def store_result_once(r: redis.Redis, keys: JobKeys, job_id: str, result: GenerationResult, ttl: int) -> dict:

@@ -157,8 +157,8 @@ class RoundLoop:
     def _replay(self, why: ReplyTimeout | RemoteError) -> None:
         """The tail holding this session is gone, cut off, or answered with an error (which anyone able to
         write the reply stream could forge, so it costs a replay, not the generation): rebuild the session
-        on any live tail by replaying every committed token from position 0 in the next round. Only
-        `resume_attempts` replays in a row fail the generation, with the last reason."""
+        on any live tail by replaying every committed token from position 0 in the next round. The
+        generation fails (with the last reason) once it has used `resume_attempts` replays."""
         if self.replays >= DEFAULTS.resume_attempts:
             raise type(why)(f"{why} (after {self.replays} replays onto other tails)")
         self.replays += 1
@@ -217,7 +217,7 @@ class RoundLoop:
                 at=time.time(),
             ).fields()
         )
-        if self.reader.refused in (1, DEFAULTS.reply_dead_letters_max):
+        if self.reader.refused in (1, self.reader.max_dead_letters):
             log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.reader.refused, reason)
         return None
 

@@ -163,6 +163,8 @@ class ThreadScheduler(RQScheduler):
                 self.enqueue_scheduled_jobs()
             except (redis.ConnectionError, redis.TimeoutError) as e:  # Redis away: keep trying each interval
                 log.warning("scheduler: Redis lost (%s)", e)
+            except Exception as e:  # a scheduled entry it cannot handle: the other queues' jobs go on next time
+                log.error("scheduler: %r", e)
             self._wake.wait(self.interval)
         try:
             self.stop()
