@@ -1,8 +1,8 @@
 """Check batched forwards (KV pools, padding, graph buckets, one-slot spare pools) against one sequence
 at a time with growing caches, on any device: the diagnostic for `Engine.forward_many`.
 
-    python bench/batch_check.py --device cuda:0          # graphs + eager static vs dynamic reference
-    python bench/batch_check.py --device cpu              # eager static only
+    python -m bench.batch_check --device cuda:0          # graphs + eager static vs dynamic reference
+    python -m bench.batch_check --device cpu              # eager static only
 
 Builds a tiny random Qwen2-shaped model in float32, runs N sequences for several rounds of random
 lengths with rollbacks, and prints the largest difference per (mode, role, N) from the same weights
@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import random
 import sys
-from pathlib import Path
 
 import click
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workers.graphs import Engine
-from workers.kvcache import KVCache
-from workers.shard import load_shard
+from workers.engine.kvcache import KVCache
+from workers.engine.runner import Engine
+from workers.engine.shard import load_shard
 
 
 def rollback(rnd: random.Random, caches: list, refs: list[KVCache], starts: list[int]) -> None:
@@ -101,7 +98,7 @@ def check_drafts(engine: Engine, ref_shard, n: int, rounds: int, seed: int) -> i
 
 @torch.inference_mode()
 def compare_fused(device: str) -> float:
-    """The lean fused forward (workers/fused.py) against the Hugging Face layers, same weights."""
+    """The lean fused forward (workers/engine/fused.py) against the Hugging Face layers, same weights."""
     a = load_shard("random:tiny", None, embed=True, head=True, device=device, dtype=torch.float32, fused=True)
     b = load_shard("random:tiny", None, embed=True, head=True, device=device, dtype=torch.float32, fused=False)
     assert a.fused is not None and b.fused is None

@@ -1,6 +1,6 @@
 """CPU benchmark of one split speculative generation path with tiny (or given) models.
 
-    python bench/cpu_round.py [--target DIR --split N --draft DIR] [--new 64] [--prompts 6] [--delay-ms 43]
+    python -m bench.cpu_round [--target DIR --split N --draft DIR] [--new 64] [--prompts 6] [--delay-ms 43]
         [--json OUT]
 
 Starts an embedded Redis and a tail process, runs the head here, and prints per drafter
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -24,11 +23,7 @@ from pathlib import Path
 import click
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from delay_proxy import spawn_proxy
-
+from bench.delay_proxy import spawn_proxy
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
@@ -98,7 +93,7 @@ def run_ladder(
 ) -> dict:
     from transformers import AutoConfig
 
-    from workers.head import HeadRuntime, generate
+    from workers.head.runtime import HeadRuntime, generate
 
     n_layers = AutoConfig.from_pretrained(target).num_hidden_layers
     with EmbeddedRedis() as server, ExitStack() as stack:

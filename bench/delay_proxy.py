@@ -1,7 +1,7 @@
 """A userspace WAN-delay TCP proxy (the kernel here has no netem): every byte is forwarded after a fixed
 delay in each direction, order preserved.
 
-    python bench/delay_proxy.py --upstream 127.0.0.1:6379 --delay-ms 43 --port 6380
+    python -m bench.delay_proxy --upstream 127.0.0.1:6379 --delay-ms 43 --port 6380
     with DelayProxy("127.0.0.1", 6379, 0.043) as proxy: connect(f"redis://127.0.0.1:{proxy.port}/0")
     with spawn_proxy(6379, 0.043) as port: ...   # in a process of its own (benchmarks: no shared GIL)
 """

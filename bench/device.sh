@@ -20,22 +20,22 @@ for part in "${@:-ladder}"; do
 LIMIT=${part#*:}; [ "$LIMIT" = "$part" ] && LIMIT=590
 case "${part%%:*}" in
   ladder)
-    timeout "$LIMIT" python3 bench/ladder.py --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \
+    timeout "$LIMIT" python3 -m bench.ladder --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \
       --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43 --alpha 0.78 \
       --new 128 --prompts 2 --max-len 2048 \
       --rows "${ROWS:-spec-compiled,nospec-graphs,spec-graphs,spec-compiled-x16,spec-eager,nospec-eager}" \
       --out "$OUT/ladder" 2>&1 | quiet | tee "$OUT/ladder.log" | grep -v "^ " | tail -40
     ;;
   profile)
-    timeout "$LIMIT" python3 bench/profile_round.py --device cuda:0 --tail-device cuda:1 --compile-draft \
+    timeout "$LIMIT" python3 -m bench.profile_round --device cuda:0 --tail-device cuda:1 --compile-draft \
       --no-hf --out "$OUT" 2>&1 | quiet > "$OUT/profile.log"; tail -45 "$OUT/profile.log"
     ;;
   checks)
-    python3 bench/profile_round.py --device cuda:0 --tail-device cuda:1 --compile-draft --out "$OUT" 2>&1 \
+    python3 -m bench.profile_round --device cuda:0 --tail-device cuda:1 --compile-draft --out "$OUT" 2>&1 \
       | quiet > "$OUT/profile.log"; tail -45 "$OUT/profile.log"
-    python3 bench/gpu_parity.py --head-device cuda:0 --tail-device cuda:1 2>&1 | quiet > "$OUT/parity.log"
+    python3 -m bench.gpu_parity --head-device cuda:0 --tail-device cuda:1 2>&1 | quiet > "$OUT/parity.log"
     tail -8 "$OUT/parity.log"
-    python3 bench/batch_check.py --device cuda:0 2>&1 | quiet > "$OUT/batch_check.log"; tail -8 "$OUT/batch_check.log"
+    python3 -m bench.batch_check --device cuda:0 2>&1 | quiet > "$OUT/batch_check.log"; tail -8 "$OUT/batch_check.log"
     ;;
 esac
 done

@@ -1,6 +1,6 @@
 """Time the draft model's K-token proposal (graphs, optionally torch.compile'd), alone and batched.
 
-    python bench/draft_speed.py --device cuda:0 --k 8 --batch 1,16 [--compile]
+    python -m bench.draft_speed --device cuda:0 --k 8 --batch 1,16 [--compile]
 
 Random Qwen2.5-0.5B-shaped weights in bf16; prints the median ms per proposal of k tokens.
 """
@@ -8,18 +8,14 @@ Random Qwen2.5-0.5B-shaped weights in bf16; prints the median ms per proposal of
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import click
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workers.drafters import ModelDrafter, propose_greedy_many
-from workers.graphs import Engine
-from workers.shard import load_shard
+from workers.engine.runner import Engine
+from workers.engine.shard import load_shard
+from workers.spec.drafters import ModelDrafter, propose_greedy_many
 
 
 @click.command()

@@ -1,6 +1,6 @@
 """Greedy parity on a GPU with static caches + CUDA graphs: the split speculative path equals HF `generate`.
 
-    python bench/gpu_parity.py --head-device cuda:0 --tail-device cuda:1
+    python -m bench.gpu_parity --head-device cuda:0 --tail-device cuda:1
 
 Builds the tiny test models (Qwen2-shaped untied, Llama-shaped tied) on disk, runs a tail process and
 the head with graphs on, for 20 prompts x K in {1, 4, 8} x {draft model, n-gram}, and prints mismatches.
@@ -18,16 +18,13 @@ from pathlib import Path
 import click
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from relay_broker.streams import StreamNames
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
-from tests.conftest import PROMPTS
-from workers.head import HeadRuntime, generate
-from workers.tiny_models import build_tokenizer, save_noisy_copy, save_tiny_model
+from workers.head.runtime import HeadRuntime, generate
+from workers.tiny_models import PROMPTS, build_tokenizer, save_noisy_copy, save_tiny_model
 
 
 @click.command()

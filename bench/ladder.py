@@ -2,11 +2,11 @@
 through the real head -> Redis -> tail -> verify path with a WAN delay between the head and Redis.
 
     # H200 x2 (head on cuda:0, tail on cuda:1), Qwen2.5-7B-shaped target, 0.5B-shaped drafter, 43 ms each way:
-    python bench/ladder.py --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \\
+    python -m bench.ladder --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \\
         --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43 --alpha 0.78 --out OUT
     # rows: {nospec,spec}-{eager,graphs,compiled}[-xN] (N jobs in flight; "compiled": torch.compile'd drafter)
     # CPU smoke run:
-    python bench/ladder.py --target random:tiny --draft random:tiny --split 2 --delay-ms 0 --new 32
+    python -m bench.ladder --target random:tiny --draft random:tiny --split 2 --delay-ms 0 --new 32
 
 Random weights make drafts meaningless, so speculative rows use the synthetic drafter: it runs the real
 draft model (paying its cost) and then proposes the target's own reference continuation with each
@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -30,18 +29,14 @@ from pathlib import Path
 import click
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from delay_proxy import spawn_proxy
-
+from bench.delay_proxy import spawn_proxy
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from relay_broker.streams import StreamNames
 from schemas.requests import DraftSettings, GenerationRequest
-from workers.head import HeadRuntime, generate
-from workers.shard import RANDOM_PRESETS
+from workers.engine.shard import RANDOM_PRESETS
+from workers.head.runtime import HeadRuntime, generate
 
 FIELDS = ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms", "verify_ms")
 
@@ -225,7 +220,11 @@ def main(
             modes = {"eager": dict(static=False, graphs=False), "graphs": dict(static=True, graphs=cuda)}
             modes["compiled"] = dict(modes["graphs"], compile_draft=True)  # torch.compile'd drafter, graphs
             used = {w.split("-")[1] for w in wanted}
-            runtimes = {m: HeadRuntime.load(target, (0, split), **load, **modes[m]) for m in modes if m in used}
+            runtimes = {
+                m: HeadRuntime.load(target, (0, split), **load, **modes[m], synthetic_drafts=True)
+                for m in modes
+                if m in used
+            }
             # Each mode's synthetic drafter proposes that mode's own greedy continuation.
             plain = [
                 GenerationRequest(prompt_ids=p, max_new_tokens=new, draft=DraftSettings(kind="none")) for p in prompts

@@ -1,7 +1,7 @@
 """Memory of a shard load: parameters held and peak RSS, for layers [a, b) of a checkpoint.
 
-    python bench/memory.py --model DIR --layers 0:4 [--embed] [--head] [--json]
-    python bench/memory.py --build /tmp/memmodel        # build an 8-layer multi-file checkpoint first
+    python -m bench.memory --model DIR --layers 0:4 [--embed] [--head] [--json]
+    python -m bench.memory --build /tmp/memmodel        # build an 8-layer multi-file checkpoint first
 
 Prints parameter bytes held, the checkpoint's total bytes, and the RSS growth of this process (peak
 RSS while loading and running one forward, minus RSS before), so a half-layer worker can be seen to
@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 import resource
-import sys
 from pathlib import Path
 
 import click
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _status(key: str) -> int:
@@ -43,7 +40,7 @@ def measure(model: str, layers: tuple[int, int], embed: bool, head: bool) -> dic
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from workers.shard import load_shard, weight_files
+    from workers.engine.shard import load_shard, weight_files
 
     # Import the model's code and warm up the CPU kernels before the baseline, so the growth below is
     # the shard's own memory, not one-time library state.
@@ -53,7 +50,7 @@ def measure(model: str, layers: tuple[int, int], embed: bool, head: bool) -> dic
         torch.nn.Linear(64, 64)(torch.randn(4, 64))
     files = weight_files(Path(model))
     ckpt_bytes = sum(p.stat().st_size for p in set(files.values()))
-    from workers.kvcache import KVCache
+    from workers.engine.kvcache import KVCache
 
     reset_peak()
     before = _status("VmRSS:")

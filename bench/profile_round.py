@@ -1,11 +1,11 @@
 """Profile one speculative round's compute stages on a GPU: drafter K steps, head shard, tail shard.
 
-    python bench/profile_round.py --device cuda:0 [--tail-device cuda:1] [--compile-draft] [--out DIR]
+    python -m bench.profile_round --device cuda:0 [--tail-device cuda:1] [--compile-draft] [--out DIR]
 
 For each stage (the real `Engine` path: static caches + CUDA graphs) it prints the median wall time
 back to back and after an idle gap like a WAN round trip (`--gap-ms`, default 87), the CUDA kernels
 one call launches and their summed device time (torch.profiler), and the top kernels by time. The
-head shard also runs through the stock HF layers (`--hf`) to compare with workers/fused.py.
+head shard also runs through the stock HF layers (`--hf`) to compare with workers/engine/fused.py.
 Random Qwen2.5-7B / 0.5B-shaped bf16 weights (`random:` presets). Writes profile.json under --out.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,12 +21,10 @@ import click
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workers.drafters import ModelDrafter, propose_greedy_many
-from workers.graphs import Engine
-from workers.shard import RANDOM_PRESETS, load_shard
-from workers.verify import verify_greedy
+from workers.engine.runner import Engine
+from workers.engine.shard import RANDOM_PRESETS, load_shard
+from workers.spec.drafters import ModelDrafter, propose_greedy_many
+from workers.spec.verify import verify_greedy
 
 
 def sync(dev: torch.device) -> None:

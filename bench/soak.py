@@ -1,7 +1,7 @@
 """Soak: many tiny jobs through the real path (RQ head worker -> Redis streams -> tail), checking that
 none is lost and that Redis memory comes back to where it started once results expire.
 
-    python bench/soak.py --jobs 10000 --chunk 1000 --ttl 60
+    python -m bench.soak --jobs 10000 --chunk 1000 --ttl 60
 
 Runs an embedded Redis, a tail and a head worker process (`--concurrency 4`) on a tiny random model,
 enqueues the jobs in chunks, checks every job of each chunk finished with a result, then waits for the
@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 
 import click
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @click.command()

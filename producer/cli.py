@@ -12,283 +12,21 @@ credentials, no permission for a command under its ACL, DB index out of range, p
 `shardflow redis`); 5 timed out waiting.
 Every failure is one line on stderr (`error: ...`), never a traceback; -v also logs the traceback of a
 Redis error.
+
+This module only builds the `main` group and registers the commands. The command modules define plain
+`click.command`s and import what they share (exit codes, `fail`, `run_guarded`, option decorators) from
+producer/options.py, never from here, so no module of `producer` imports one that imports it
+(`lint-imports` checks).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Callable
-from typing import Any
 
 import click
 
-from schemas.errors import InvalidRequest, ModelLoadError, ShardFlowError, TransportError
-from schemas.settings import DEFAULTS
-
-EXIT_OK, EXIT_JOB_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
-
-
-log = logging.getLogger("shardflow.cli")
-
-
-def fail(message: str, code: int) -> None:
-    """Print a one-line error (a multi-line message is joined with ' | ') and exit with `code`."""
-    line = " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
-    click.echo(f"error: {line}", err=True)
-    sys.exit(code)
-
-
-def run_guarded(fn: Callable[[], Any]) -> Any:
-    """Map ShardFlow errors, and any Redis error, to one-line messages and exit codes."""
-    import redis
-
-    from producer.client import NotFound
-
-    try:
-        return fn()
-    except NotFound as e:
-        fail(str(e), EXIT_NOT_FOUND)
-    except (InvalidRequest, ModelLoadError) as e:
-        fail(str(e), EXIT_BAD_INPUT)
-    except TransportError as e:
-        fail(str(e), EXIT_UNREACHABLE)
-    except ShardFlowError as e:
-        fail(str(e), EXIT_JOB_FAILED)
-    except redis.exceptions.NoPermissionError as e:
-        log.info("Redis refused a command", exc_info=True)
-        fail(f"Redis refused: {e} (check the URL's user and its ACL)", EXIT_UNREACHABLE)
-    except redis.exceptions.RedisError as e:
-        log.info("Redis error", exc_info=True)
-        fail(f"Redis: {type(e).__name__}: {e}", EXIT_UNREACHABLE)
-    except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-        raise  # click's own usage errors and exits
-    except Exception as e:  # a bug, or data nobody checked: still one line (-v logs the traceback)
-        log.info("unexpected error", exc_info=True)
-        fail(f"unexpected {type(e).__name__}: {e}", EXIT_JOB_FAILED)
-
-
-class GuardedGroup(click.Group):
-    """The `shardflow` group: every command runs under `run_guarded`, so no ShardFlow or Redis error
-    escapes as a traceback (click's own usage errors and exits pass through untouched)."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        return run_guarded(lambda: super(GuardedGroup, self).invoke(ctx))
-
-
-def parse_layers(value: str) -> tuple[int, int]:
-    try:
-        a, b = (int(x) for x in value.split(":"))
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not A:B (e.g. 0:14)") from None
-    if not 0 <= a < b:
-        raise click.BadParameter(f"{value!r}: need 0 <= A < B")
-    return a, b
-
-
-def layers_option(help_text: str, envvar: str | None = None) -> Callable:
-    return click.option(
-        "--layers",
-        required=True,
-        envvar=envvar,
-        show_envvar=envvar is not None,
-        callback=lambda c, p, v: parse_layers(v),
-        help=help_text,
-    )
-
-
-redis_opt = click.option(
-    "--redis-url",
-    default=DEFAULTS.redis_url,
-    show_default=True,
-    help="Redis to use: redis://, rediss:// (TLS) or unix://; user:password@ for ACL users [env SHARDFLOW_REDIS_URL].",
-)
-prefix_opt = click.option(
-    "--prefix",
-    default=DEFAULTS.prefix,
-    show_default=True,
-    help="Namespace of ShardFlow's own Redis keys [env SHARDFLOW_PREFIX].",
-)
-queue_opt = click.option(
-    "--queue", default=DEFAULTS.queue, show_default=True, help="RQ queue of generation jobs [env SHARDFLOW_QUEUE]."
-)
-
-
-def connection_options(fn: Callable) -> Callable:
-    """--queue, --redis-url and --prefix, shared by every command that talks to the job system."""
-    return queue_opt(redis_opt(prefix_opt(fn)))
-
-
-timeout_opt = click.option(
-    "--timeout",
-    type=click.FloatRange(0, min_open=True),
-    default=None,
-    help="Give up waiting after this many seconds (exit 5).",
-)
-
-
-def _batch_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--batch-id: what schemas.jobs.BATCH_ID_PATTERN allows (job ids BATCH-00000 are then valid RQ ids)."""
-    import re
-
-    from schemas.jobs import BATCH_ID_PATTERN
-
-    if value is not None and not re.fullmatch(BATCH_ID_PATTERN, value):
-        raise click.BadParameter(f"{value!r}: use 1-64 letters, digits, '_' or '-'")
-    return value
-
-
-def _result_ttl(ctx: click.Context, param: click.Parameter, value: int) -> int:
-    if value < 1:
-        raise click.BadParameter(f"{value}: results must be kept at least 1 second")
-    return value
-
-
-def batch_options(fn: Callable) -> Callable:
-    """--batch-id, --result-ttl and --retries of `shardflow enqueue`, checked at parse time."""
-    fn = click.option(
-        "--retries",
-        type=click.IntRange(0),
-        default=DEFAULTS.job_retries,
-        show_default=True,
-        help="Automatic retries after a transient failure.",
-    )(fn)
-    fn = click.option(
-        "--result-ttl",
-        type=int,
-        callback=_result_ttl,
-        default=DEFAULTS.result_ttl_s,
-        show_default=True,
-        help="Seconds results are kept (at least 1).",
-    )(fn)
-    return click.option(
-        "--batch-id",
-        default=None,
-        callback=_batch_id,
-        help="Batch id: 1-64 letters, digits, '_' or '-' (default: time + random); job ids are BATCH-00000, ...",
-    )(fn)
-
-
-device_opt = click.option("--device", default="cpu", show_default=True, help="Torch device, e.g. cpu, cuda:0.")
-dtype_opt = click.option(
-    "--dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default="auto",
-    show_default=True,
-    help="Weight dtype; auto = the checkpoint's.",
-)
-threads_opt = click.option(
-    "--threads", type=click.IntRange(1), default=None, help="CPU threads for torch (default: torch's)."
-)
-
-
-def engine_options(fn: Callable) -> Callable:
-    """--static-cache / --graphs / --slots: how shards run (default: static + graphs on CUDA, off on CPU)."""
-    fn = click.option(
-        "--slots",
-        type=click.IntRange(1),
-        default=DEFAULTS.batch_slots,
-        show_default=True,
-        help="Sequences run as one batched forward (static caches are preallocated for this many).",
-    )(fn)
-    fn = click.option(
-        "--graphs/--no-graphs",
-        default=None,
-        help="Replay each round's forward as a CUDA graph (needs a static cache; CUDA only).",
-    )(fn)
-    return click.option(
-        "--static-cache/--dynamic-cache",
-        "static",
-        default=None,
-        help="Preallocated KV caches rolled back in place, instead of growing ones.",
-    )(fn)
-
-
-def torch_setup(threads: int | None, dtype: str | None) -> Any:
-    """Apply --threads and turn --dtype into a torch dtype (None = the checkpoint's)."""
-    import torch
-
-    if threads:
-        torch.set_num_threads(threads)
-    return None if dtype in (None, "auto") else getattr(torch, dtype)
-
-
-def generation_options(fn: Callable) -> Callable:
-    """Options shared by every command that builds GenerationRequests."""
-    for opt in reversed(
-        [
-            click.option(
-                "--max-new-tokens",
-                type=click.IntRange(1, 1 << 20),
-                default=DEFAULTS.max_new_tokens,
-                show_default=True,
-                help="Tokens to generate at most.",
-            ),
-            click.option(
-                "--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True, help="0 = greedy."
-            ),
-            click.option(
-                "--top-p",
-                type=click.FloatRange(0, 1, min_open=True),
-                default=1.0,
-                show_default=True,
-                help="Nucleus mass kept, in (0, 1].",
-            ),
-            click.option(
-                "--top-k", type=click.IntRange(0), default=0, show_default=True, help="Top tokens kept; 0 = off."
-            ),
-            click.option(
-                "--seed", type=click.IntRange(0, (1 << 63) - 1), default=None, help="Seed for reproducible sampling."
-            ),
-            click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-            click.option(
-                "--drafter",
-                "draft_kind",
-                type=click.Choice(["model", "ngram", "none"]),
-                default="model",
-                show_default=True,
-                help="Drafter: the head's draft model (n-gram if it has none), n-gram, none.",
-            ),
-            click.option(
-                "-k",
-                "--draft-k",
-                "k",
-                type=click.IntRange(0, 64),
-                default=DEFAULTS.draft_k,
-                show_default=True,
-                help="Draft tokens per round.",
-            ),
-            click.option(
-                "--chat-template/--no-chat-template",
-                default=None,
-                help="Wrap prompts in the tokenizer's chat template (default: if it has one).",
-            ),
-        ]
-    ):
-        fn = opt(fn)
-    return fn
-
-
-def request_defaults(
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-    stop: tuple[str, ...],
-    draft_kind: str,
-    k: int,
-    chat_template: bool | None,
-) -> dict:
-    """GenerationRequest fields from the generation options (before per-prompt fields)."""
-    out: dict = {
-        "max_new_tokens": max_new_tokens,
-        "stop": list(stop),
-        "chat_template": chat_template,
-        "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
-        "draft": {"kind": draft_kind, "k": k},
-    }
-    return out
+from producer import cli_admin, cli_jobs, cli_workers
+from producer.options import GuardedGroup
 
 
 @click.group(cls=GuardedGroup)
@@ -299,4 +37,20 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-from producer import cli_admin, cli_jobs, cli_workers  # noqa: E402,F401  (registers the commands)
+COMMANDS: tuple[click.Command, ...] = (
+    cli_admin.dead_letters,  # "dead-letters"
+    cli_jobs.enqueue,
+    cli_jobs.status,
+    cli_jobs.results,
+    cli_jobs.retry,
+    cli_jobs.cancel,
+    cli_jobs.info,
+    cli_workers.redis,
+    cli_workers.tail,
+    cli_workers.head,
+    cli_workers.generate,
+    cli_workers.local,
+    cli_workers.demo,
+)
+for _command in COMMANDS:
+    main.add_command(_command)

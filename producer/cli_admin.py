@@ -10,15 +10,16 @@ import time
 
 import click
 
-from producer.cli import connection_options, main, run_guarded
+from producer.options import prefix_opt, redis_opt, run_guarded
 
 
-@main.command("dead-letters")
+@click.command("dead-letters")
 @click.option("--count", type=click.IntRange(1), default=50, show_default=True, help="Newest entries to show.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON record per line.")
 @click.option("--clear", is_flag=True, help="Delete the dead-letter stream after listing it.")
-@connection_options
-def dead_letters(count: int, as_json: bool, clear: bool, queue: str, redis_url: str, prefix: str) -> None:
+@redis_opt
+@prefix_opt
+def dead_letters(count: int, as_json: bool, clear: bool, redis_url: str, prefix: str) -> None:
     """List packets tails refused (malformed, oversized, wrong version, duplicate, failed), newest first."""
     from relay_broker.connection import connect
     from relay_broker.streams import StreamNames

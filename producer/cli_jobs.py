@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import click
 
-from producer.cli import (
+from producer.client import Client, JobView, token_chunk
+from producer.options import (
     EXIT_BAD_INPUT,
     EXIT_JOB_FAILED,
     EXIT_OK,
@@ -20,12 +21,10 @@ from producer.cli import (
     connection_options,
     fail,
     generation_options,
-    main,
     request_defaults,
     run_guarded,
     timeout_opt,
 )
-from producer.client import Client, JobView, token_chunk
 from schemas.errors import TransportError
 from schemas.settings import DEFAULTS
 
@@ -49,7 +48,7 @@ def _context_errors(client: Client, parsed) -> list[str]:
     try:
         from transformers import AutoTokenizer
 
-        from workers.prompts import encode_prompt
+        from workers.head.prompts import encode_prompt
 
         tok = AutoTokenizer.from_pretrained(info.target)
     except Exception as e:  # tokenizer not reachable from here: the head worker checks instead
@@ -184,7 +183,7 @@ def _print_views(views: list[JobView], as_jsonl: bool, out=None) -> None:
             click.echo(f"[{v.index}] {v.prompt}\n({v.status}{': ' + v.error if v.error else ''})\n", file=out)
 
 
-@main.command()
+@click.command()
 @click.argument("prompts", nargs=-1)
 @click.option(
     "-f",
@@ -248,7 +247,7 @@ def enqueue(
     sys.exit(_exit_for(views))
 
 
-@main.command()
+@click.command()
 @click.argument("target", required=False)
 @json_opt
 @connection_options
@@ -287,7 +286,7 @@ def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix
         click.echo(f"  [{v.index}] {v.job_id} {v.status}{speed}{': ' + v.error if v.error else ''}  {v.prompt}")
 
 
-@main.command()
+@click.command()
 @click.argument("batch")
 @click.option("--wait", is_flag=True, help="Wait for every job (progress bar), then print.")
 @click.option("--follow", is_flag=True, help="Stream the text of running jobs as it commits.")
@@ -332,7 +331,7 @@ def results(
     sys.exit(_exit_for(views))
 
 
-@main.command()
+@click.command()
 @click.argument("target", required=False)
 @click.option("--failed", "all_failed", is_flag=True, help="Every failed job of the queue.")
 @click.option("--wait", is_flag=True, help="Wait for the retried jobs to finish.")
@@ -354,7 +353,7 @@ def retry(
         sys.exit(_exit_for(wait_for(client, done, timeout, show=True)))
 
 
-@main.command()
+@click.command()
 @click.argument("target")
 @connection_options
 def cancel(target: str, queue: str, redis_url: str, prefix: str) -> None:
@@ -364,7 +363,7 @@ def cancel(target: str, queue: str, redis_url: str, prefix: str) -> None:
     click.echo(f"cancelled {len(done)} job(s)")
 
 
-@main.command()
+@click.command()
 @json_opt
 @connection_options
 def info(as_json: bool, queue: str, redis_url: str, prefix: str) -> None:

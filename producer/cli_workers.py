@@ -8,14 +8,13 @@ import threading
 
 import click
 
-from producer.cli import (
+from producer.options import (
     connection_options,
     device_opt,
     dtype_opt,
     engine_options,
     generation_options,
     layers_option,
-    main,
     prefix_opt,
     redis_opt,
     request_defaults,
@@ -54,7 +53,7 @@ def _request(prompt: str, **gen: object):
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-@main.command()
+@click.command()
 @click.option(
     "--port",
     type=click.IntRange(0, 65535),
@@ -98,7 +97,7 @@ worker_target_opt = click.option(
 )
 
 
-@main.command()
+@click.command()
 @worker_target_opt
 @layers_option("Layers A:B this tail runs (B = the model's last).", envvar="SHARDFLOW_TAIL_LAYERS")
 @click.option("--name", default=None, help="Tail id (default: host-pid-random).")
@@ -151,9 +150,9 @@ def tail(
     """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
     from relay_broker.connection import connect
     from relay_broker.streams import StreamNames
-    from workers.graphs import Engine
-    from workers.shard import load_shard
-    from workers.tail import TailWorker
+    from workers.engine.runner import Engine
+    from workers.engine.shard import load_shard
+    from workers.tail.server import TailWorker
 
     shard = load_shard(target, layers, embed=False, head=True, device=device, dtype=torch_setup(threads, dtype))
     if layers[1] != shard.config.num_hidden_layers:
@@ -185,7 +184,7 @@ def tail(
         pass
 
 
-@main.command()
+@click.command()
 @worker_target_opt
 @layers_option("Layers A:B this head runs (A = 0).", envvar="SHARDFLOW_HEAD_LAYERS")
 @click.option(
@@ -201,6 +200,12 @@ def tail(
     is_flag=True,
     help="Run the draft model through torch.compile (CUDA: about half the drafting time; each batch size "
     "compiles once, tens of seconds, at its first use).",
+)
+@click.option(
+    "--synthetic-drafts",
+    is_flag=True,
+    help="Benchmarks only: accept requests for the synthetic drafter (drafts from reference ids with a set "
+    "acceptance); a head without it refuses them.",
 )
 @click.option(
     "--concurrency",
@@ -232,13 +237,14 @@ def head(
     graphs: bool | None,
     slots: int,
     compile_draft: bool,
+    synthetic_drafts: bool,
 ) -> None:
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
     from relay_broker.connection import connect
     from relay_broker.streams import StreamNames
     from schemas.jobs import ModelInfo
-    from workers.head import HeadRuntime
-    from workers.head_worker import HeadWorker
+    from workers.head.rq_worker import HeadWorker
+    from workers.head.runtime import HeadRuntime
 
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
@@ -252,6 +258,7 @@ def head(
         graphs=graphs,
         slots=slots,
         compile_draft=compile_draft,
+        synthetic_drafts=synthetic_drafts,
     )
     info = ModelInfo(
         target=str(target),
@@ -283,7 +290,7 @@ def head(
     workers[0].work(burst=burst, with_scheduler=True, logging_level=level)
 
 
-@main.command()
+@click.command()
 @click.argument("prompt")
 @click.option("--target", required=True, help="Target model: local directory or hub id.")
 @layers_option("Layers A:B the head runs (A = 0).")
@@ -311,8 +318,8 @@ def generate(
     """Run one split generation in this process as the head, against tails serving this Redis."""
     from relay_broker.connection import connect
     from relay_broker.streams import StreamNames
-    from workers.head import HeadRuntime
-    from workers.head import generate as run_generation
+    from workers.head.runtime import HeadRuntime
+    from workers.head.runtime import generate as run_generation
 
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
@@ -322,7 +329,7 @@ def generate(
     _print_result(run_guarded(lambda: run_generation(req, runtime, r, names=StreamNames(prefix))), as_json)
 
 
-@main.command()
+@click.command()
 @click.argument("prompts", nargs=-1)
 @click.option("--target", default=None, help="Target model dir or hub id (default: build a tiny random model).")
 @click.option("--split", type=click.IntRange(1), default=None, help="First layer of the tail (default: half).")
@@ -339,7 +346,7 @@ def local(
     run_guarded(lambda: [_print_result(res, as_json) for res in run_local(target, split, draft, requests)])
 
 
-@main.command()
+@click.command()
 @click.argument("prompts", nargs=-1)
 @click.option(
     "--max-new-tokens",

@@ -24,11 +24,11 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from relay_broker.rq_jobs import SafeJob
 from schemas.errors import InvalidRequest, ShardFlowError
 from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, JobKeys, ModelInfo, job_id_for, job_ttl, read_result
 from schemas.requests import GenerationRequest
 from schemas.settings import DEFAULTS
-from workers.head_worker import AllowListJob
 
 DONE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 RETRYABLE = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
@@ -96,9 +96,9 @@ class Client:
 
     def __init__(self, r: redis.Redis, *, prefix: str = DEFAULTS.prefix, queue: str = DEFAULTS.queue) -> None:
         self.r, self.keys, self.queue_name = r, JobKeys(prefix), queue
-        # AllowListJob: counting a registry runs RQ's cleanup, which calls the failure callback a job
+        # SafeJob: RQ's cleanup (the worker's, or an operator's) calls the failure callback a job
         # record names; a forged record must not make a producer import code (see README, Security).
-        self.queue = Queue(queue, connection=r, serializer=JSONSerializer, job_class=AllowListJob)
+        self.queue = Queue(queue, connection=r, serializer=JSONSerializer, job_class=SafeJob)
 
     # --- enqueue -------------------------------------------------------------------------------
     def model_info(self) -> ModelInfo | None:
@@ -189,10 +189,10 @@ class Client:
             raws = pipe.execute()
         out: list[Job | str | None] = []
         for jid, raw in zip(job_ids, raws, strict=True):
-            job = AllowListJob(jid, connection=self.r, serializer=JSONSerializer) if raw else None
+            job = SafeJob(jid, connection=self.r, serializer=JSONSerializer) if raw else None
             try:
                 if job is not None:
-                    job.restore(raw)  # AllowListJob's: a bad field leaves `_unreadable` set, not an error
+                    job.restore(raw)  # SafeJob's: a bad field leaves `_unreadable` set, not an error
                     job = f"unreadable job record ({job._unreadable})" if job._unreadable else job
             except Exception as e:  # no data field at all
                 job = f"unreadable job record ({type(e).__name__})"
@@ -291,7 +291,7 @@ class Client:
                 "queues": names.decode().split(",") if names else [],
             }
         queues = []
-        for q in Queue.all(connection=self.r, serializer=JSONSerializer, job_class=AllowListJob):
+        for q in Queue.all(connection=self.r, serializer=JSONSerializer, job_class=SafeJob):
             registries = {
                 "started": q.started_job_registry,
                 "finished": q.finished_job_registry,

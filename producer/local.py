@@ -138,7 +138,7 @@ def _serve_local(
     target: str | Path, layers: tuple[int, int], draft: str | None, requests: list[GenerationRequest]
 ) -> Iterator[GenerationResult]:
     """run_local once the model is known: embedded Redis, a tail process for `layers`, the head here."""
-    from workers.head import HeadRuntime, generate
+    from workers.head.runtime import HeadRuntime, generate
 
     split = layers[0]
     with EmbeddedRedis(die_with_parent=True) as server:

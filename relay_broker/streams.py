@@ -63,18 +63,10 @@ class Reply(NamedTuple):
     ttl_s: int = DEFAULTS.reply_ttl_s
 
 
-def _add_reply(pipe: redis.client.Pipeline, stream: str, fields: dict, ttl_s: int = DEFAULTS.reply_ttl_s) -> None:
+def add_reply(pipe: redis.client.Pipeline, stream: str, fields: dict, ttl_s: int = DEFAULTS.reply_ttl_s) -> None:
     """Queue a reply on a session's stream, kept short and expiring when abandoned."""
     pipe.xadd(stream, fields, maxlen=DEFAULTS.reply_stream_maxlen, approximate=True)
     pipe.expire(stream, ttl_s)
-
-
-@transport_retry()
-def send_reply(r: redis.Redis, stream: str, fields: dict) -> None:
-    """Append a reply to a session's stream."""
-    pipe = r.pipeline(transaction=False)
-    _add_reply(pipe, stream, fields)
-    pipe.execute()
 
 
 @transport_retry()
@@ -166,7 +158,7 @@ class GroupReader:
             pipe.xadd(self.dead_stream, record, maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
         for stream, entry_id, reply in done:
             if reply is not None:
-                _add_reply(pipe, *reply)
+                add_reply(pipe, *reply)
             pipe.xack(stream, self.group, entry_id)
             pipe.xdel(stream, entry_id)
         pipe.execute()

@@ -11,7 +11,16 @@ import json
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from schemas.errors import PacketError
 from schemas.requests import SCHEMA_VERSION, FinishReason, SamplingParams, SessionId, TokenId
@@ -210,6 +219,12 @@ class DeadLetterRecord(BaseModel):
     refused_by: Literal["tail", "head"] = "tail"
     header: str = Field("", description="The start of the packet's JSON header, as received.")
     at: float = Field(description="Unix time it was refused.")
+
+    @field_validator("reason", "header", mode="before")
+    @classmethod
+    def _truncate(cls, v: object, info: ValidationInfo) -> object:
+        """Records are capped: a reason keeps 2,000 characters, a header 1,000 (whatever the packet held)."""
+        return v[: 2000 if info.field_name == "reason" else 1000] if isinstance(v, str) else v
 
     def fields(self) -> dict[bytes, bytes]:
         return {HEADER: self.model_dump_json().encode()}

@@ -45,8 +45,11 @@ class Settings(BaseSettings):
     batch_slots: int = Field(
         16, description="Sequences a worker runs as one batched forward (static caches preallocate this many)."
     )
+    static_cache_len: int = Field(
+        8192, description="Positions a static KV cache holds unless --max-len says (capped by the model's limit)."
+    )
     fused_layers: bool = Field(
-        True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/fused.py)."
+        True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/engine/fused.py)."
     )
     max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
     reply_timeout_s: float = Field(
@@ -75,6 +78,9 @@ class Settings(BaseSettings):
     )
     tail_stream_ttl_s: int = Field(
         3600, description="A tail's own request stream (and its idle group consumer) outlives the tail this long."
+    )
+    tail_keepalive_s: float = Field(
+        60.0, description="How often a tail renews its stream's expiry and drops long-idle consumers of dead tails."
     )
     max_sessions: int = Field(256, description="Sessions a tail keeps KV caches for (least recent go).")
     session_ttl_s: float = Field(600.0, description="Idle time after which a tail drops a session.")

@@ -19,4 +19,5 @@ fi
 . .venv/bin/activate
 export SHARDFLOW_STRICT_TESTS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 python -m ruff check .
+lint-imports  # the layering contract in pyproject.toml
 python -m pytest -q -m "slow or not slow" "$@"  # every test, the slow ones too

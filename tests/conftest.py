@@ -17,33 +17,11 @@ from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from relay_broker.streams import StreamNames
 from tests.secure_redis import pki, secured  # noqa: F401  (fixtures of the TLS + ACL Redis)
-from workers.tiny_models import build_tokenizer, save_noisy_copy, save_tiny_model
+from workers.tiny_models import PROMPTS, build_tokenizer, save_noisy_copy, save_tiny_model  # noqa: F401
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
-PROMPTS = [
-    "Hello world! How are you today?",
-    "The quick brown fox",
-    "Once upon a time there was",
-    "Numbers like 1, 2, 3, 42 and",
-    "def main():\n    print(",
-    "The capital of France is",
-    "Water boils at",
-    "Redis streams carry activations",
-    "A head worker runs the lower layers;",
-    "Speculative decoding drafts tokens cheaply and",
-    "I am fine, thank you very much. I am fine, thank you",
-    "the the the the the",
-    "1, 2, 3, 1, 2, 3, 1, 2,",
-    "Tokyo",
-    "x",
-    "Hello Hello Hello world world",
-    "The lazy dog near the river bank jumps over the quick brown fox near the",
-    "return 0\n",
-    "Paris, and the capital of Japan",
-    "one hundred degrees Celsius at sea level.",
-]
 
 
 @dataclass

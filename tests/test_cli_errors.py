@@ -133,10 +133,12 @@ def test_job_verbs_bad_input(verb, urls):
 
 def test_info_dead_letters_retry_failed_bad_input(urls):
     invoke(["retry", *jobs(urls["ok"])], 2)  # neither a target nor --failed
-    invoke(["dead-letters", "--count", "0", *jobs(urls["ok"])], 2, usage=True)
-    for verb in (["info"], ["status"], ["dead-letters"], ["retry", "--failed"]):
-        for url in ("closed", "scheme", "db", "wrongpw", "noperm"):
+    relay = ["--prefix", PREFIX]  # dead-letters reads no queue
+    invoke(["dead-letters", "--count", "0", "--redis-url", urls["ok"], *relay], 2, usage=True)
+    for url in ("closed", "scheme", "db", "wrongpw", "noperm"):
+        for verb in (["info"], ["status"], ["retry", "--failed"]):
             invoke([*verb, *jobs(urls[url])], 4)
+        invoke(["dead-letters", "--redis-url", urls[url], *relay], 4)
 
 
 def test_redis_bad_input(redis_server):

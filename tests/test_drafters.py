@@ -8,13 +8,14 @@ import time
 import pytest
 import torch
 
+from schemas.errors import InvalidRequest
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from tests.conftest import PROMPTS
-from workers.drafters import ModelDrafter, NgramDrafter
-from workers.head import HeadRuntime, generate
-from workers.kvcache import KVCache
-from workers.sessions import SessionStore
-from workers.shard import load_shard
+from workers.engine.kvcache import KVCache
+from workers.engine.shard import load_shard
+from workers.head.runtime import HeadRuntime, generate
+from workers.spec.drafters import ModelDrafter, NgramDrafter
+from workers.tail.sessions import SessionStore
 
 GREEDY = SamplingParams()
 
@@ -71,10 +72,13 @@ def test_session_store_bounds_count_and_idle_time():
 def test_synthetic_drafter_sets_acceptance_and_stays_lossless(models, tails, redis_client, tokenizers):
     ms = models["qwen2"]
     names = tails.get(ms.target, 2, ms.n_layers)
-    runtime = HeadRuntime.load(ms.target, (0, 2))
+    runtime = HeadRuntime.load(ms.target, (0, 2), synthetic_drafts=True)  # a benchmark switch
     prompt = tokenizers["qwen2"].encode(PROMPTS[3])
     base = GenerationRequest(prompt_ids=prompt, max_new_tokens=40, draft=DraftSettings(kind="none"))
     ref = generate(base, runtime, redis_client, names=names).token_ids
+    synthetic = base.model_copy(update={"draft": DraftSettings(kind="synthetic", k=6, alpha=1.0, reference_ids=ref)})
+    with pytest.raises(InvalidRequest, match="synthetic drafter is for benchmarks"):  # a production head refuses
+        generate(synthetic, HeadRuntime.load(ms.target, (0, 2)), redis_client, names=names)
     for alpha, check in (
         (1.0, lambda r: r.accepted_tokens == r.drafted_tokens),
         (0.0, lambda r: r.accepted_tokens == 0),
@@ -133,7 +137,7 @@ def test_generations_in_flight_share_a_runtime(models, tails, redis_client, hf_m
 
 
 def test_best_k_follows_acceptance_and_costs():
-    from workers.adaptive import DraftLength, best_k, expected_tokens
+    from workers.spec.adaptive import DraftLength, best_k, expected_tokens
 
     assert expected_tokens(0.78, 8) == pytest.approx(4.06, abs=0.01)  # the reference system's 4.07
     assert best_k(0.95, fixed_ms=90, per_draft_ms=3, k_max=16) == 16  # cheap drafts, long round trip

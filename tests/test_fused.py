@@ -1,4 +1,4 @@
-"""The lean fused layer forward (workers/fused.py) and whole-draft runs (Engine.draft_many) compute what
+"""The lean fused layer forward (workers/engine/fused.py) and whole-draft runs (Engine.draft_many) compute what
 the Hugging Face layers and token-by-token drafting compute."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from torch.utils._pytree import tree_flatten
 from transformers import MistralConfig, Qwen2Config
 
 from schemas.errors import ModelLoadError
-from workers import shard as shard_mod
-from workers.drafters import ModelDrafter, propose_greedy_many
-from workers.fused import FusedLayers, fuse_layer, fused_stack, rotate_elementwise, rotate_half_signs, rotation
-from workers.graphs import BatchGraph, Engine, greedy_steps
-from workers.kvcache import BatchView, KVCache, KVPool
-from workers.shard import load_shard, sliding_window
+from workers.engine import shard as shard_mod
+from workers.engine.fused import FusedLayers, fuse_layer, fused_stack, rotate_elementwise, rotate_half_signs, rotation
+from workers.engine.kvcache import BatchView, KVCache, KVPool
+from workers.engine.runner import BatchGraph, Engine, greedy_steps
+from workers.engine.shard import load_shard, sliding_window
+from workers.spec.drafters import ModelDrafter, propose_greedy_many
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -202,7 +202,7 @@ def test_batched_rounds_of_a_7b_shard_stay_fused():
     and sends a long prompt's prefill to the HF layers."""
     from types import SimpleNamespace
 
-    from workers.shard import Shard
+    from workers.engine.shard import Shard
 
     shard = SimpleNamespace(fused=SimpleNamespace(heads=28))
     fits = Shard._fused_fits

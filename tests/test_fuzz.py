@@ -21,7 +21,7 @@ from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import DEFAULTS
 from tests.conftest import PROMPTS
 from tests.test_parity import NEW, head_for, reference
-from workers.head import generate
+from workers.head.runtime import generate
 
 FAMILY, SPLIT = "qwen2", 2
 

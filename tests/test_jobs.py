@@ -365,3 +365,16 @@ def test_head_worker_with_generations_in_flight(models, redis_server, redis_clie
         assert next(q for q in info["queues"] if q["queue"] == e.queue)["workers"] == 3
     finally:
         e.close()
+
+
+def test_a_default_head_refuses_synthetic_drafts(env, tmp_path):
+    """The synthetic drafter (benchmarks: drafts from reference ids) runs only on a head started with
+    --synthetic-drafts; any producer can ask for it, and a production head fails the job with the reason."""
+    line = {"prompt": "Tokyo", "chat_template": False, "max_new_tokens": 4}
+    line["draft"] = {"kind": "synthetic", "reference_ids": [5, 6, 7], "alpha": 1.0}
+    path = tmp_path / "synthetic.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    res = env.cli("enqueue", "--file", str(path), "--wait", "--json", "--timeout", "60")
+    assert res.exit_code == 1, res.output
+    job = json.loads(res.output.splitlines()[-1])["jobs"][0]
+    assert job["status"] == "failed" and "synthetic drafter is for benchmarks" in job["error"], job

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from workers.shard import load_shard, weight_files
+from workers.engine.shard import load_shard, weight_files
 from workers.tiny_models import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +56,8 @@ def measure(model: Path, layers: str, *flags: str) -> dict:
     out = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "memory.py"),
+            "-m",
+            "bench.memory",
             "--model",
             str(model),
             "--layers",
@@ -82,16 +82,3 @@ def test_half_shard_peak_rss_near_half(big_checkpoint):
     assert abs(half["param_bytes"] - ckpt / 2) < 0.05 * ckpt
     assert half["rss_growth_bytes"] < 0.6 * ckpt + (16 << 20)
     assert full["rss_growth_bytes"] - half["rss_growth_bytes"] > 0.4 * ckpt
-
-
-def test_ladder_reads_worker_memory(monkeypatch):
-    """bench/ladder.py's memory per worker: peak RSS on CPU; on GPUs what nvidia-smi lists for the pid."""
-    from types import SimpleNamespace
-
-    from bench import ladder
-
-    assert ladder.process_memory_gb(os.getpid(), False) > 0.01
-    listing = "4242, 15360\n777, 1024\n4242, 1024\n"
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=listing))
-    assert abs(ladder.process_memory_gb(4242, True) - 16384 * 2**20 / 1e9) < 1e-9
-    assert ladder.process_memory_gb(1, True) == 0.0

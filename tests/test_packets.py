@@ -12,7 +12,7 @@ from relay_broker.streams import ReplyReader, publish
 from schemas.packets import HEADER, decode_tail_message, encode_round
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from tests.conftest import PROMPTS
-from workers.head import HeadRuntime, generate
+from workers.head.runtime import HeadRuntime, generate
 
 CAP = 200_000
 

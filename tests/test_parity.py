@@ -9,7 +9,7 @@ import torch
 
 from schemas.requests import DraftSettings, GenerationRequest
 from tests.conftest import PROMPTS
-from workers.head import HeadRuntime, generate
+from workers.head.runtime import HeadRuntime, generate
 
 NEW = 20
 _refs: dict[str, list[list[int]]] = {}

@@ -1,4 +1,4 @@
-"""Job progress (workers/jobs.py `Progress`): the token stream, checkpoints and cancel checks a running
+"""Job progress (workers/head/job_function.py `Progress`): the token stream, checkpoints and cancel checks a running
 job writes, off its round loop."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from rq.serializers import JSONSerializer
 
 from schemas.jobs import JobKeys
-from workers.jobs import JobCancelled, Progress
+from workers.head.job_function import JobCancelled, Progress
 
 
 class Chars:

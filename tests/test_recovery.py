@@ -21,7 +21,7 @@ from tests.conftest import PROMPTS
 from tests.test_jobs import SPLIT, Env, reference
 from tests.test_parity import NEW, head_for
 from tests.test_parity import reference as parity_reference
-from workers.rounds import RoundLoop
+from workers.head.rounds import RoundLoop
 
 N_NEW = 150
 pytestmark = pytest.mark.slow  # kills and restarts real processes (about a minute); CI runs them
@@ -151,8 +151,8 @@ def test_replay_before_any_token_is_a_fresh_first_round(models, hf_models, token
 def test_worker_restart_ends_its_own_stale_record(redis_client, monkeypatch):
     """A head worker whose loop lost Redis could not record its end; a Redis restored from disk still
     lists it as alive. Restarting must end that record instead of failing on RQ's 'name taken' check."""
-    from workers import jobs
-    from workers.head_worker import HeadWorker
+    from workers.head import job_function as jobs
+    from workers.head.rq_worker import HeadWorker
 
     monkeypatch.setattr(jobs, "bind", lambda *a: None)
     worker = HeadWorker(["stale-q"], None, redis_client, name="stale-worker")

@@ -7,7 +7,7 @@ import redis
 
 from relay_broker.connection import connect, transport_retry
 from relay_broker.embedded import EmbeddedRedis, free_port
-from relay_broker.streams import GroupReader, ReplyReader, StreamNames, publish, send_reply
+from relay_broker.streams import GroupReader, ReplyReader, StreamNames, add_reply, publish
 from schemas.errors import ReplyTimeout, TransportError
 
 
@@ -78,8 +78,10 @@ def test_group_reader_pending_first_then_new(redis_client):
 
 def test_reply_reader_order_and_timeout(redis_client):
     stream = StreamNames("relaytest").reply("s1")
-    send_reply(redis_client, stream, {b"h": b"a"})
-    send_reply(redis_client, stream, {b"h": b"b"})
+    pipe = redis_client.pipeline()
+    add_reply(pipe, stream, {b"h": b"a"})
+    add_reply(pipe, stream, {b"h": b"b"})
+    pipe.execute()
     reader = ReplyReader(redis_client, stream)
     assert reader.next(1)[b"h"] == b"a" and reader.next(1)[b"h"] == b"b"
     assert 0 < redis_client.ttl(stream) <= 600

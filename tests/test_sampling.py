@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
-from workers.head import HeadRuntime, generate
-from workers.sampling import warp
+from workers.head.runtime import HeadRuntime, generate
+from workers.spec.sampling import warp
+from workers.spec.verify import verify_sampling
 from workers.tiny_models import save_noisy_copy, save_tiny_model
-from workers.verify import verify_sampling
 
 VOCAB, NEW, DRAWS = 5, 3, 1500
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]

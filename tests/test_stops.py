@@ -8,7 +8,7 @@ import torch
 from schemas.requests import DraftSettings, GenerationRequest
 from schemas.settings import DEFAULTS
 from tests.conftest import PROMPTS
-from workers.head import HeadRuntime, generate
+from workers.head.runtime import HeadRuntime, generate
 
 FAMILY, SPLIT = "qwen2", 2
 

@@ -30,6 +30,30 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Varied prompts for checking tiny split models against HF generate (tests, bench/gpu_parity.py).
+PROMPTS = [
+    "Hello world! How are you today?",
+    "The quick brown fox",
+    "Once upon a time there was",
+    "Numbers like 1, 2, 3, 42 and",
+    "def main():\n    print(",
+    "The capital of France is",
+    "Water boils at",
+    "Redis streams carry activations",
+    "A head worker runs the lower layers;",
+    "Speculative decoding drafts tokens cheaply and",
+    "I am fine, thank you very much. I am fine, thank you",
+    "the the the the the",
+    "1, 2, 3, 1, 2, 3, 1, 2,",
+    "Tokyo",
+    "x",
+    "Hello Hello Hello world world",
+    "The lazy dog near the river bank jumps over the quick brown fox near the",
+    "return 0\n",
+    "Paris, and the capital of Japan",
+    "one hundred degrees Celsius at sea level.",
+]
+
 
 def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on a built-in corpus (takes milliseconds)."""

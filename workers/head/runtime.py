@@ -27,12 +27,12 @@ from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
-from workers.batching import Batcher
-from workers.drafters import DraftSession, ModelDrafter, NgramDrafter, SyntheticDrafter
-from workers.graphs import Engine
-from workers.prompts import encode_prompt
-from workers.rounds import RoundLoop
-from workers.shard import Shard, load_shard, resolve_model_dir
+from workers.engine.runner import Engine
+from workers.engine.shard import Shard, load_shard, resolve_model_dir
+from workers.head.batching import Batcher
+from workers.head.prompts import encode_prompt
+from workers.head.rounds import RoundLoop
+from workers.spec.drafters import DraftSession, ModelDrafter, NgramDrafter, SyntheticDrafter
 
 log = logging.getLogger("shardflow.head")
 TokenCallback = Callable[[list[int], list[int]], None]
@@ -71,6 +71,7 @@ class HeadRuntime:
     eos_token_ids: list[int] = field(default_factory=list)
     engine: Engine | None = None  # how the shard runs (dynamic/static cache, CUDA graphs)
     lock: threading.RLock = field(default_factory=threading.RLock)  # one batch computes at a time
+    synthetic_drafts: bool = False  # benchmarks only: accept `draft.kind == "synthetic"` (reference ids)
     batcher: Batcher = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,11 +94,13 @@ class HeadRuntime:
         max_len: int | None = None,
         slots: int = DEFAULTS.batch_slots,
         compile_draft: bool = False,
+        synthetic_drafts: bool = False,
     ) -> HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
 
         static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices); slots is how
-        many sequences run as one batch; compile_draft runs the draft model through torch.compile."""
+        many sequences run as one batch; compile_draft runs the draft model through torch.compile;
+        synthetic_drafts (benchmarks only) accepts requests for the synthetic drafter."""
         random = str(target).startswith("random:")
         model_dir = None if random else resolve_model_dir(target)
         shard = load_shard(model_dir or target, layers, embed=True, head=False, device=device, dtype=dtype)
@@ -111,9 +114,10 @@ class HeadRuntime:
                 raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
         engine = Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=max_k + 1, slots=slots)
         if model_dir is None:  # random weights for benchmarks: prompts come as token ids
-            return cls(IdTokenizer(), shard, drafter, [], engine)
+            return cls(IdTokenizer(), shard, drafter, [], engine, synthetic_drafts=synthetic_drafts)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        return cls(tok, shard, drafter, eos_ids_of(model_dir, shard.config), engine)
+        eos = eos_ids_of(model_dir, shard.config)
+        return cls(tok, shard, drafter, eos, engine, synthetic_drafts=synthetic_drafts)
 
     @property
     def context_length(self) -> int | None:
@@ -132,6 +136,10 @@ class HeadRuntime:
         if req.draft.kind == "none" or req.draft.k == 0:
             return None
         if req.draft.kind == "synthetic":
+            if not self.synthetic_drafts:
+                raise InvalidRequest(
+                    "the synthetic drafter is for benchmarks: this head was not started with --synthetic-drafts"
+                )
             ref = req.draft.reference_ids or []
             inner = self.draft_model.new_session() if self.draft_model is not None else None
             return SyntheticDrafter(ref, req.draft.alpha, prompt_len, self.shard.config.vocab_size, inner)

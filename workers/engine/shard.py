@@ -20,9 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwe
 
 from schemas.errors import ModelLoadError
 from schemas.settings import DEFAULTS
-from workers import attention
-from workers.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
-from workers.kvcache import BatchView, KVCache, StaticKVCache
+from workers.engine import attention
+from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
+from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 
 Cache = KVCache | StaticKVCache
 # Steps whose float32 attention scores (batch x heads x tokens x cached positions) would take more than
@@ -178,7 +178,7 @@ class Shard(nn.Module):
         super().__init__()
         self.config, self.layer_range = config, layer_range
         self.layers, self.rotary, self.embed, self.norm, self.lm_head = layers, rotary, embed, norm, lm_head
-        self.fused: FusedLayers | None = None  # the lean forward of workers/fused.py, when set (load_shard)
+        self.fused: FusedLayers | None = None  # the lean forward of workers/engine/fused.py, when set (load_shard)
 
     @property
     def device(self) -> torch.device:
@@ -266,7 +266,7 @@ def load_shard(
 
     `model` is a local directory or hub id; `random:<preset>` (see RANDOM_PRESETS) builds random
     weights of a public model's shape on the device, for benchmarks. `fused` (default: the setting
-    `fused_layers`) runs known layer layouts through workers/fused.py instead of the HF modules."""
+    `fused_layers`) runs known layer layouts through workers/engine/fused.py instead of the HF modules."""
     if str(model).startswith("random:"):
         preset = RANDOM_PRESETS.get(str(model).split(":", 1)[1])
         if preset is None:

@@ -16,9 +16,9 @@ import torch
 
 from schemas.requests import SamplingParams
 from schemas.settings import DEFAULTS
-from workers.graphs import Engine
-from workers.sampling import warp
-from workers.shard import Shard
+from workers.engine.runner import Engine
+from workers.engine.shard import Shard
+from workers.spec.sampling import warp
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""One generation's round loop on the head (see workers/head.py for the entry point)."""
+"""One generation's round loop on the head (see workers/head/runtime.py for the entry point)."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from schemas.packets import (
 )
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.settings import DEFAULTS
-from workers.adaptive import DraftLength
-from workers.batching import HeadWork
-from workers.drafters import Draft
-from workers.sampling import encode_q, round_generator
-from workers.stopping import StopStrings
+from workers.head.batching import HeadWork
+from workers.spec.adaptive import DraftLength
+from workers.spec.drafters import Draft
+from workers.spec.sampling import encode_q, round_generator
+from workers.spec.stopping import StopStrings
 
 log = logging.getLogger("shardflow.head")
 
@@ -208,12 +208,12 @@ class RoundLoop:
             DeadLetterRecord(
                 stream=self.reader.stream,
                 entry_id=self.reader.entry_id.decode(),
-                reason=f"head refused a reply: {reason}"[:2000],
+                reason=f"head refused a reply: {reason}",
                 session_id=self.sid,
                 round_id=msg.round_id if msg is not None else None,
                 tail_id=msg.tail_id if msg is not None else "",
                 refused_by="head",
-                header=raw_header(fields)[:1000],
+                header=raw_header(fields),
                 at=time.time(),
             ).fields()
         )

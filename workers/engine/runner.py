@@ -22,8 +22,8 @@ import torch
 import torch._dynamo
 
 from schemas.settings import DEFAULTS
-from workers.kvcache import BatchView, KVCache, KVPool, StaticKVCache
-from workers.shard import Cache, Shard
+from workers.engine.kvcache import BatchView, KVCache, KVPool, StaticKVCache
+from workers.engine.shard import Cache, Shard
 
 Logits = int | Sequence[int]  # rows of logits wanted per sequence (0: hidden states)
 
@@ -153,8 +153,8 @@ class Engine:
         if self.graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         self.static = self.graphs or (cuda if static is None else static)
-        limit = getattr(shard.config, "max_position_embeddings", None) or 8192
-        self.max_len = min(max_len or 8192, limit)  # static caches hold this many positions
+        limit = getattr(shard.config, "max_position_embeddings", None) or DEFAULTS.static_cache_len
+        self.max_len = min(max_len or DEFAULTS.static_cache_len, limit)  # static caches hold this many positions
         self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
         self.max_draft = max_draft  # longest greedy draft run as one graph (`draft_many`)
         self._buckets = buckets(self.slots)

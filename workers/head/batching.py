@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas.requests import SamplingParams
-from workers.drafters import Draft, DraftSession, ModelDraftSession, propose_greedy_many
-from workers.graphs import Engine
-from workers.shard import Cache
+from workers.engine.runner import Engine
+from workers.engine.shard import Cache
+from workers.spec.drafters import Draft, DraftSession, ModelDraftSession, propose_greedy_many
 
 
 @dataclass

@@ -9,7 +9,7 @@ holds, so anyone able to write to Redis could run code), (2) uses the JSON seria
 worker's job is retried within seconds rather than minutes, (4) announces its model so producers
 can check prompts against the context length before enqueueing, and (5) runs RQ's scheduler (which
 enqueues retries when their backoff is due) as a thread of its own process, not a forked child, with
-its locks kept without Lua (`workers/scheduler.py`): a SIGKILL or an out-of-memory kill of the head
+its locks kept without Lua (`workers/head/scheduler.py`): a SIGKILL or an out-of-memory kill of the head
 leaves no process behind, and the head's Redis user needs no scripting. `--concurrency N` runs N such
 workers as threads of one process sharing the loaded models, so one generation drafts and runs the
 lower shard while others wait for their verdicts (each is an ordinary RQ worker with its own jobs).
@@ -20,101 +20,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import redis
 from rq import Queue, SimpleWorker
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
-from rq.exceptions import NoSuchJobError, StopRequested
+from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 
+from relay_broker.rq_jobs import SafeJob
 from relay_broker.streams import StreamNames
-from schemas.jobs import JobKeys, ModelInfo, job_ttl
+from schemas.jobs import RUN_GENERATION, JobKeys, ModelInfo
 from schemas.settings import DEFAULTS
-from workers import jobs
-from workers.scheduler import ThreadScheduler
+from workers.head import job_function as jobs
+from workers.head.scheduler import ThreadScheduler
 
 log = logging.getLogger("shardflow.head_worker")
 
 
-class ForbiddenJobFunction(Exception):
-    """A job record names a function outside the allow-list."""
+class AllowListJob(SafeJob):
+    """The head's job class: the one job function it runs, looked up by its name (never imported by it)."""
 
-
-def _allowed(name: str | None) -> bool:
-    return name is None or name in jobs.ALLOWED_JOB_FUNCTIONS
-
-
-class AllowListJob(Job):
-    """A Job that imports only allow-listed functions: never the job's own choice of code."""
-
-    @property
-    def func(self) -> Any:
-        if self._unreadable is not None:
-            raise ForbiddenJobFunction(f"job record unreadable ({self._unreadable}); refused")
-        if self.instance is not None or not _allowed(self.func_name) or self.func_name is None:
-            log.error("refused job %s: function %r is not allow-listed", self.id, self.func_name)
-            raise ForbiddenJobFunction(f"job function {self.func_name!r} is not allow-listed; refused")
-        return super().func
-
-    def _refuse_callback(self, kind: str) -> None:
-        name = getattr(self, f"_{kind}_callback_name", None)
-        if not _allowed(name):
-            log.error("refused job %s: %s callback %r is not allow-listed", self.id, kind, name)
-            raise ForbiddenJobFunction(f"{kind} callback {name!r} is not allow-listed; refused")
-
-    @property
-    def success_callback(self) -> Any:
-        self._refuse_callback("success")
-        return super().success_callback
-
-    @property
-    def failure_callback(self) -> Any:
-        if not _allowed(getattr(self, "_failure_callback_name", None)):
-            return None  # the job fails anyway; never import the named code
-        return super().failure_callback
-
-    @property
-    def stopped_callback(self) -> Any:
-        self._refuse_callback("stopped")
-        return super().stopped_callback
-
-    _unreadable: str | None = None  # why the record did not restore
-
-    def refresh(self) -> None:
-        """RQ's refresh; a key of another type than a job hash is no job at all (RQ then skips it)."""
-        try:
-            super().refresh()
-        except redis.ResponseError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
-            raise NoSuchJobError(f"{self.key} is not a job record") from None
-
-    def restore(self, raw: dict) -> None:
-        """RQ's restore, never failing on a bad field: a record anyone able to write RQ's keys could have
-        forged (bad dates, numbers, statuses) restores as a bare job whose function is refused, so RQ fails
-        it the usual way (failed registry, expiring) instead of the error ending a worker's loop, its
-        maintenance or its scheduler. A rate limit is dropped: ShardFlow sets none, and RQ would run Lua
-        for it, which no role but admin may."""
-        try:
-            super().restore(raw)
-        except NoSuchJobError:
-            raise  # no data at all: not a job (RQ skips it)
-        except Exception as e:
-            self._unreadable = f"{type(e).__name__}: {e}"[:500]
-            log.error("job %s: its record does not restore (%s); failing it", self.id, self._unreadable)
-            data = {k: v for k, v in raw.items() if k in (b"data", "data")}
-            super().restore(data)  # only the data field: every other one takes RQ's default
-        # one lifetime for all a job leaves (RQ would keep a record without TTLs a year, or forever)
-        self.result_ttl = job_ttl(self)
-        if not (isinstance(self.failure_ttl, int) and self.failure_ttl > 0):
-            self.failure_ttl = self.result_ttl
-        if self.rate_limit_key or self.rate_limit_concurrency:
-            log.warning("job %s: ignoring the rate limit its record names", self.id)
-            self.rate_limit_key, self.rate_limit_concurrency = None, None
+    functions: ClassVar[Mapping[str, Callable[..., Any]]] = {RUN_GENERATION: jobs.run_generation}
 
 
 class HeadWorker(SimpleWorker):

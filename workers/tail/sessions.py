@@ -1,5 +1,5 @@
 """The tail's sessions: one KV cache per generation it serves, dropped when least recently used beyond
-a cap, when idle too long, or when the generation ends (see workers/tail.py)."""
+a cap, when idle too long, or when the generation ends (see workers/tail/server.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas.settings import DEFAULTS
-from workers.shard import Cache
+from workers.engine.shard import Cache
 
 log = logging.getLogger("shardflow.tail")
 

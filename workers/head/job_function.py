@@ -1,7 +1,9 @@
-"""The RQ job function a head worker runs, and its allow-list.
+"""The RQ job function a head worker runs.
 
-Producers enqueue jobs by the *name* `workers.jobs.run_generation` with one JSON argument (a
-GenerationRequest); the head worker (workers/head_worker.py) refuses any other function name. The
+Producers enqueue jobs by the *name* `workers.jobs.run_generation` (schemas.jobs.RUN_GENERATION, a name
+on the wire: the head worker's job class maps it to `run_generation` here and refuses any other name,
+never importing a name a record holds; see relay_broker/rq_jobs.py) with one JSON argument (a
+GenerationRequest). The
 function runs in the worker's own process, with the models it bound at start (`bind`), and:
 - returns an already stored result untouched (a re-run cannot clobber a finished result);
 - publishes progress to the job's meta and committed text to a per-job token stream, throttled and off
@@ -25,12 +27,11 @@ from rq.job import Job
 
 from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest, JobError, ShardFlowError
-from schemas.jobs import RUN_GENERATION, Checkpoint, JobKeys, job_ttl, read_result
+from schemas.jobs import Checkpoint, JobKeys, job_ttl, read_result
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
 
 log = logging.getLogger("shardflow.jobs")
-ALLOWED_JOB_FUNCTIONS = frozenset({RUN_GENERATION})
 
 
 class JobCancelled(JobError):
@@ -39,7 +40,7 @@ class JobCancelled(JobError):
 
 @dataclass
 class _Bound:
-    runtime: object  # workers.head.HeadRuntime
+    runtime: object  # workers.head.runtime.HeadRuntime
     r: redis.Redis
     names: StreamNames
 
@@ -180,7 +181,7 @@ def store_result_once(r: redis.Redis, keys: JobKeys, job_id: str, result: Genera
 
 def run_generation(payload: dict) -> dict:
     """RQ job: one generation. Returns the GenerationResult as JSON-ready data."""
-    from workers.head import generate
+    from workers.head.runtime import generate
 
     job = get_current_job()
     if job is None or _bound is None:

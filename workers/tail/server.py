@@ -35,12 +35,12 @@ from schemas.packets import (
     raw_header,
 )
 from schemas.settings import DEFAULTS
-from workers.graphs import Engine
-from workers.sampling import decode_q, round_generator, warp
-from workers.sessions import SessionStore, TailSession
-from workers.shard import Shard
-from workers.stopping import cut_at_stops
-from workers.verify import verify_greedy, verify_sampling
+from workers.engine.runner import Engine
+from workers.engine.shard import Shard
+from workers.spec.sampling import decode_q, round_generator, warp
+from workers.spec.stopping import cut_at_stops
+from workers.spec.verify import verify_greedy, verify_sampling
+from workers.tail.sessions import SessionStore, TailSession
 
 log = logging.getLogger("shardflow.tail")
 TAIL_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -64,11 +64,11 @@ class DeadLetter:
         return DeadLetterRecord(
             stream=stream.decode() if isinstance(stream, bytes) else stream,
             entry_id=entry_id.decode(),
-            reason=self.reason[:2000],
+            reason=self.reason,
             session_id=self.session_id,
             round_id=self.round_id,
             tail_id=tail_id,
-            header=raw_header(self.fields)[:1000],
+            header=raw_header(self.fields),
             at=time.time(),
         ).fields()
 
@@ -146,7 +146,7 @@ class TailWorker:
         """Now and then: keep this tail's own stream from expiring (a dead tail's goes after
         tail_stream_ttl_s) and drop consumers of the shared group that have been idle that long."""
         now = time.monotonic()
-        if now - self._last_keepalive < DEFAULTS.maintenance_s * 20:
+        if now - self._last_keepalive < DEFAULTS.tail_keepalive_s:
             return
         self._last_keepalive = now
         ttl_ms = DEFAULTS.tail_stream_ttl_s * 1000
