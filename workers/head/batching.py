@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas.requests import SamplingParams
+from workers.engine.isolate import run_isolated
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache
 from workers.spec.drafters import Draft, DraftSession, ModelDraftSession, propose_greedy_many
@@ -48,6 +49,16 @@ def _model_session(w: HeadWork) -> ModelDraftSession | None:
         return None
     sess = getattr(w.drafter, "model_session", None)
     return sess if isinstance(sess, ModelDraftSession) else None
+
+
+def _rewind(w: HeadWork) -> None:
+    """Back to the state the work was submitted in (a failed batched forward may have written part of it)."""
+    if w.cache.length > w.start:
+        w.cache.crop(w.start)
+
+
+def _fail(w: HeadWork, e: Exception) -> None:
+    w.error = e
 
 
 class Batcher:
@@ -81,16 +92,10 @@ class Batcher:
         return work
 
     def _compute(self, batch: list[HeadWork]) -> None:
+        """The batch as one forward; if that fails, each item alone (`run_isolated`): only an item that
+        fails alone gets the error."""
         try:
-            self._compute_batch(batch)
-        except Exception as e:
-            if len(batch) == 1:
-                batch[0].error = e
-            else:
-                for w in batch:  # isolate the failure: each alone, from the state it was submitted in
-                    if w.cache.length > w.start:
-                        w.cache.crop(w.start)
-                    self._compute([w])
+            run_isolated(batch, self._compute_batch, _rewind, _fail)
         except BaseException as e:  # interrupts and shutdowns: fail the batch and pass it on
             for w in batch:
                 w.error = w.error or e
@@ -99,7 +104,7 @@ class Batcher:
             for w in batch:
                 w.finished.set()
 
-    def _compute_batch(self, batch: list[HeadWork]) -> None:
+    def _compute_batch(self, batch: list[HeadWork]) -> list[None]:
         t0 = time.perf_counter()
         drafts = self._drafts(batch)
         t1 = time.perf_counter()
@@ -113,6 +118,7 @@ class Batcher:
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         for w, d, h in zip(batch, drafts, hidden, strict=True):
             w.draft, w.hidden, w.draft_s, w.head_s = d, h, t1 - t0, t2 - t1
+        return [None] * len(batch)
 
     @staticmethod
     def _drafts(batch: list[HeadWork]) -> list[Draft]:

@@ -35,6 +35,7 @@ from schemas.packets import (
     raw_header,
 )
 from schemas.settings import DEFAULTS
+from workers.engine.isolate import run_isolated
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.spec.sampling import decode_q, round_generator, warp
@@ -44,6 +45,12 @@ from workers.tail.sessions import SessionStore, TailSession
 
 log = logging.getLogger("shardflow.tail")
 TAIL_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _rewind(p: Prepared) -> None:
+    """Back to where the round started (a failed batched forward may have written part of it)."""
+    if p.sess.cache.length > p.packet.start_pos:
+        p.sess.cache.crop(p.packet.start_pos)
 
 
 def default_tail_id() -> str:
@@ -266,28 +273,23 @@ class TailWorker:
 
     @torch.inference_mode()
     def _rounds(self, batch: list[Prepared]) -> list[Reply | None]:
-        """One batched forward over every prepared round, then each round's verification."""
-        if not batch:
-            return []
+        """One batched forward over every prepared round, then each round's verification; a forward that
+        fails is retried round by round (`run_isolated`), so only the round that fails alone gets an error."""
+        return run_isolated(batch, self._rounds_together, _rewind, self._fail_prepared) if batch else []
+
+    def _fail_prepared(self, p: Prepared, e: Exception) -> Reply | None:
+        return self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields)
+
+    def _rounds_together(self, batch: list[Prepared]) -> list[Reply | None]:
         t0 = time.perf_counter()
-        try:
-            logits = self.engine.forward_many(
-                [p.sess.cache for p in batch],
-                [p.hidden for p in batch],
-                [p.packet.start_pos for p in batch],
-                [len(p.packet.draft_ids) + 1 + p.packet.replay for p in batch],
-            )
-            if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
-                torch.cuda.synchronize(logits[0].device)
-        except Exception as e:
-            if len(batch) == 1:
-                return [self._fail_with(batch[0].packet.session_id, batch[0].packet.round_id, e, batch[0].fields)]
-            alone: list[Reply | None] = []
-            for p in batch:  # isolate the failure: each round alone, from where it started
-                if p.sess.cache.length > p.packet.start_pos:
-                    p.sess.cache.crop(p.packet.start_pos)
-                alone += self._rounds([p])
-            return alone
+        logits = self.engine.forward_many(
+            [p.sess.cache for p in batch],
+            [p.hidden for p in batch],
+            [p.packet.start_pos for p in batch],
+            [len(p.packet.draft_ids) + 1 + p.packet.replay for p in batch],
+        )
+        if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
+            torch.cuda.synchronize(logits[0].device)
         forward_ms = (time.perf_counter() - t0) * 1000
         out: list[Reply | None] = []
         for p, lg in zip(batch, logits, strict=True):
