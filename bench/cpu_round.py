@@ -27,7 +27,8 @@ from bench.delay_proxy import spawn_proxy
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
-from relay_broker.streams import GroupReader, Reply, ReplyReader, StreamNames
+from relay_broker.streams import GroupReader, Reply, ReplyReader
+from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
 
 PROMPTS = [
@@ -103,7 +104,7 @@ def run_ladder(
             port = stack.enter_context(spawn_proxy(server.port, delay_ms / 1000)) if delay_ms > 0 else server.port
             r = connect(f"redis://127.0.0.1:{port}/0")
             runtime = HeadRuntime.load(target, (0, split), draft=draft)
-            wait_for_tails(r, StreamNames(), proc=tail)
+            wait_for_tails(r, Keys(), proc=tail)
             rows = {}
             for kind in ("none", "ngram", "model") if draft else ("none", "ngram"):
                 results = []

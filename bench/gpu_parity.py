@@ -21,7 +21,7 @@ import torch
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
-from relay_broker.streams import StreamNames
+from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from workers.head.runtime import HeadRuntime, generate
 from workers.tiny_models import PROMPTS, build_tokenizer, save_noisy_copy, save_tiny_model
@@ -43,7 +43,7 @@ def main(head_device: str, tail_device: str, new: int) -> None:
             draft = save_noisy_copy(target, Path(tmp) / f"{family}-d", 0.02)
             tok = AutoTokenizer.from_pretrained(target)
             hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(head_device).eval()
-            names = StreamNames(f"gpu-{family}")
+            names = Keys(f"gpu-{family}")
             tail = spawn_tail(target, (2, 4), server.url, prefix=names.prefix, extra=["--device", tail_device])
             try:
                 wait_for_tails(r, names, proc=tail, timeout_s=300)
@@ -72,7 +72,7 @@ def main(head_device: str, tail_device: str, new: int) -> None:
                 # all 20 prompts in flight at once: batched drafter / head / tail forwards over graph buckets
                 for k in (4, 8):
 
-                    def one(p: str, k: int = k, rt: HeadRuntime = rt, names: StreamNames = names) -> list[int]:
+                    def one(p: str, k: int = k, rt: HeadRuntime = rt, names: Keys = names) -> list[int]:
                         draft = DraftSettings(kind="model", k=k, adaptive=False)
                         req = GenerationRequest(prompt=p, max_new_tokens=new, chat_template=False, draft=draft)
                         return generate(req, rt, r, names=names).token_ids

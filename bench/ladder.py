@@ -33,7 +33,7 @@ from bench.delay_proxy import spawn_proxy
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
-from relay_broker.streams import StreamNames
+from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
 from workers.engine.shard import RANDOM_PRESETS
 from workers.head.runtime import HeadRuntime, generate
@@ -210,7 +210,7 @@ def main(
                 prefix=f"ladder-{mode}",
                 extra=["--device", tail_device, "--dtype", dtype, *flags],
             )
-            tails[mode] = (proc, StreamNames(f"ladder-{mode}"))
+            tails[mode] = (proc, Keys(f"ladder-{mode}"))
         try:
             r = connect(head_url)
             for proc, names in tails.values():

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import click
 
+from schemas.keys import Keys
+
 
 @click.command()
 @click.option("--jobs", type=int, default=10_000, show_default=True)
@@ -31,7 +33,6 @@ def main(jobs: int, chunk: int, ttl: int, concurrency: int) -> None:
     from producer.local import spawn_tail, wait_for_tails
     from relay_broker.connection import connect
     from relay_broker.embedded import EmbeddedRedis
-    from relay_broker.streams import StreamNames
     from schemas.requests import DraftSettings, GenerationRequest
     from workers.tiny_models import save_tiny_model
 
@@ -46,7 +47,7 @@ def main(jobs: int, chunk: int, ttl: int, concurrency: int) -> None:
             stderr=open(Path(tmp) / "head.log", "wb"),
         )
         try:
-            wait_for_tails(r, StreamNames("soak"), proc=tail)
+            wait_for_tails(r, Keys("soak"), proc=tail)
             client = Client(r, prefix="soak", queue="soak")
             req = GenerationRequest(prompt_ids=[5, 6, 7], max_new_tokens=2, draft=DraftSettings(kind="none"))
 

@@ -11,6 +11,7 @@ import time
 import click
 
 from producer.options import prefix_opt, redis_opt, run_guarded
+from schemas.keys import Keys
 
 
 @click.command("dead-letters")
@@ -22,11 +23,10 @@ from producer.options import prefix_opt, redis_opt, run_guarded
 def dead_letters(count: int, as_json: bool, clear: bool, redis_url: str, prefix: str) -> None:
     """List packets tails refused (malformed, oversized, wrong version, duplicate, failed), newest first."""
     from relay_broker.connection import connect
-    from relay_broker.streams import StreamNames
     from schemas.packets import HEADER, DeadLetterRecord  # imports torch: only when the command runs
 
     r = run_guarded(lambda: connect(redis_url, attempts=3))
-    stream = StreamNames(prefix).dead_letters
+    stream = Keys(prefix).dead_letters
     total = run_guarded(lambda: r.xlen(stream))
     entries = run_guarded(lambda: r.xrevrange(stream, count=count))
     for entry_id, fields in entries:

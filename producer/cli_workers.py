@@ -22,6 +22,7 @@ from producer.options import (
     threads_opt,
     torch_setup,
 )
+from schemas.keys import Keys
 from schemas.settings import DEFAULTS
 
 
@@ -149,7 +150,6 @@ def tail(
 ) -> None:
     """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
     from relay_broker.connection import connect
-    from relay_broker.streams import StreamNames
     from workers.engine.runner import Engine
     from workers.engine.shard import load_shard
     from workers.tail.server import TailWorker
@@ -161,7 +161,7 @@ def tail(
         lambda: TailWorker(
             shard,
             connect(redis_url),
-            names=StreamNames(prefix),
+            names=Keys(prefix),
             tail_id=name,
             max_sessions=max_sessions,
             session_ttl_s=session_ttl,
@@ -241,7 +241,6 @@ def head(
 ) -> None:
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
     from relay_broker.connection import connect
-    from relay_broker.streams import StreamNames
     from schemas.jobs import ModelInfo
     from workers.head.rq_worker import HeadWorker
     from workers.head.runtime import HeadRuntime
@@ -275,7 +274,7 @@ def head(
             [queue],
             runtime,
             r,
-            names=StreamNames(prefix),
+            names=Keys(prefix),
             model_info=info,
             name=f"{name}-{i}" if name and concurrency > 1 else name,
         )
@@ -317,7 +316,6 @@ def generate(
 ) -> None:
     """Run one split generation in this process as the head, against tails serving this Redis."""
     from relay_broker.connection import connect
-    from relay_broker.streams import StreamNames
     from workers.head.runtime import HeadRuntime
     from workers.head.runtime import generate as run_generation
 
@@ -326,7 +324,7 @@ def generate(
     req = run_guarded(lambda: _request(prompt, **gen))
     runtime = HeadRuntime.load(target, layers, draft=draft, device=device, dtype=torch_setup(threads, dtype))
     r = run_guarded(lambda: connect(redis_url))
-    _print_result(run_guarded(lambda: run_generation(req, runtime, r, names=StreamNames(prefix))), as_json)
+    _print_result(run_guarded(lambda: run_generation(req, runtime, r, names=Keys(prefix))), as_json)
 
 
 @click.command()

@@ -26,7 +26,8 @@ from rq.serializers import JSONSerializer
 
 from relay_broker.rq_jobs import SafeJob
 from schemas.errors import InvalidRequest, ShardFlowError
-from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, JobKeys, ModelInfo, job_id_for, job_ttl, read_result
+from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, ModelInfo, job_id_for, job_ttl, read_result
+from schemas.keys import Keys
 from schemas.requests import GenerationRequest
 from schemas.settings import DEFAULTS
 
@@ -95,7 +96,7 @@ class Client:
     """Producer-side access to ShardFlow's queue, batches and results."""
 
     def __init__(self, r: redis.Redis, *, prefix: str = DEFAULTS.prefix, queue: str = DEFAULTS.queue) -> None:
-        self.r, self.keys, self.queue_name = r, JobKeys(prefix), queue
+        self.r, self.keys, self.queue_name = r, Keys(prefix), queue
         # SafeJob: RQ's cleanup (the worker's, or an operator's) calls the failure callback a job
         # record names; a forged record must not make a producer import code (see README, Security).
         self.queue = Queue(queue, connection=r, serializer=JSONSerializer, job_class=SafeJob)

@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from schemas.errors import ModelLoadError
+from schemas.keys import Keys
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
@@ -80,7 +81,6 @@ def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> 
     from producer.local import interrupt_on_termination, layer_count, wait_for_tails
     from relay_broker.connection import connect
     from relay_broker.embedded import EmbeddedRedis
-    from relay_broker.streams import StreamNames
     from schemas.requests import DraftSettings, GenerationRequest
 
     model = Path(model_dir) if model_dir else smollm2_dir()
@@ -103,7 +103,7 @@ def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> 
                 f"Redis at {server.url}; drafter: n-gram prompt lookup",
                 err=True,
             )
-            wait_for_tails(r, StreamNames(), proc=procs[0], timeout_s=120)
+            wait_for_tails(r, Keys(), proc=procs[0], timeout_s=120)
             client = Client(r)
             reqs = [
                 GenerationRequest(prompt=p, max_new_tokens=max_new_tokens, draft=DraftSettings(kind="ngram"))

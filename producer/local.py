@@ -20,8 +20,8 @@ from transformers import AutoConfig
 
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
-from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest, ModelLoadError, TransportError
+from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 
 
@@ -63,7 +63,7 @@ def spawn_tail(
 
 def wait_for_tails(
     r: redis.Redis,
-    names: StreamNames,
+    names: Keys,
     count: int = 1,
     timeout_s: float = 60.0,
     proc: subprocess.Popen | None = None,
@@ -146,7 +146,7 @@ def _serve_local(
         try:
             r = connect(server.url)
             runtime = HeadRuntime.load(target, (0, split), draft=draft)
-            wait_for_tails(r, StreamNames(), proc=tail)
+            wait_for_tails(r, Keys(), proc=tail)
             for req in requests:
                 yield generate(req, runtime, r)
         finally:

@@ -1,10 +1,6 @@
-"""Stream names and the relay operations: publish, consume through a group, ack, reply, trim.
+"""The relay operations on Redis streams: publish, consume through a group, ack, reply, trim, dead-letter.
 
-Layout (all under one prefix):
-  {prefix}:tail:requests            new sessions; every tail replica reads it through one group
-  {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
-  {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
-  {prefix}:dead-letters             packets tails refused and reply entries heads refused, with the reason (capped)
+Key names are in schemas/keys.py.
 """
 
 from __future__ import annotations
@@ -18,34 +14,10 @@ import redis
 
 from relay_broker.connection import transport_retry
 from schemas.errors import ReplyTimeout
+from schemas.keys import Keys
 from schemas.settings import DEFAULTS
 
 Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)
-
-
-@dataclass(frozen=True)
-class StreamNames:
-    """Every Redis key name the relay uses, derived from one prefix."""
-
-    prefix: str = DEFAULTS.prefix
-
-    @property
-    def shared_requests(self) -> str:
-        return f"{self.prefix}:tail:requests"
-
-    @property
-    def tail_group(self) -> str:
-        return f"{self.prefix}:tails"
-
-    def tail_requests(self, tail_id: str) -> str:
-        return f"{self.prefix}:tail:{tail_id}:requests"
-
-    def reply(self, session_id: str) -> str:
-        return f"{self.prefix}:reply:{session_id}"
-
-    @property
-    def dead_letters(self) -> str:
-        return f"{self.prefix}:dead-letters"
 
 
 @transport_retry()
@@ -88,7 +60,7 @@ class GroupReader:
     streams: list[str]
     claim_streams: list[str] = field(default_factory=list)  # streams whose stale entries this reader takes over
     claim_idle_ms: int = DEFAULTS.claim_idle_ms
-    dead_stream: str = StreamNames().dead_letters
+    dead_stream: str = Keys().dead_letters
     _pending_done: bool = field(default=False, init=False)
     _last_claim: float = field(default=0.0, init=False)
 

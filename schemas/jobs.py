@@ -1,8 +1,8 @@
-"""Key names and shapes of the job system (batches, results, token streams) in Redis."""
+"""Shapes of the job system in Redis (model info, checkpoints, results) and its job-level rules (key names:
+schemas/keys.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,31 +12,6 @@ from schemas.settings import DEFAULTS
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # RQ job ids (BATCH-00000) allow no "."
 # The one job function producers enqueue (by name) and head workers allow.
 RUN_GENERATION = "workers.jobs.run_generation"
-
-
-@dataclass(frozen=True)
-class JobKeys:
-    """Redis keys ShardFlow keeps beside RQ's own, derived from one prefix."""
-
-    prefix: str = DEFAULTS.prefix
-
-    def result(self, job_id: str) -> str:
-        return f"{self.prefix}:result:{job_id}"
-
-    def tokens(self, job_id: str) -> str:
-        return f"{self.prefix}:tokens:{job_id}"
-
-    def cancel(self, job_id: str) -> str:
-        return f"{self.prefix}:cancel:{job_id}"
-
-    def batch(self, batch_id: str) -> str:
-        return f"{self.prefix}:batch:{batch_id}"
-
-    def checkpoint(self, job_id: str) -> str:
-        return f"{self.prefix}:ckpt:{job_id}"
-
-    def model_info(self, queue: str) -> str:
-        return f"{self.prefix}:model:{queue}"
 
 
 def job_ttl(job: object) -> int:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
-from relay_broker.streams import StreamNames
+from schemas.keys import Keys
 from tests.secure_redis import pki, secured  # noqa: F401  (fixtures of the TLS + ACL Redis)
 from workers.tiny_models import PROMPTS, build_tokenizer, save_noisy_copy, save_tiny_model  # noqa: F401
 
@@ -77,12 +77,12 @@ class Tails:
 
     def __init__(self, url: str, logdir: Path) -> None:
         self.url, self.logdir = url, logdir
-        self.procs: dict[tuple, tuple[subprocess.Popen, StreamNames]] = {}
+        self.procs: dict[tuple, tuple[subprocess.Popen, Keys]] = {}
 
-    def get(self, target: Path, split: int, n_layers: int, extra: tuple[str, ...] = ()) -> StreamNames:
+    def get(self, target: Path, split: int, n_layers: int, extra: tuple[str, ...] = ()) -> Keys:
         key = (str(target), split, extra)
         if key not in self.procs or self.procs[key][0].poll() is not None:
-            names = StreamNames(f"t{len(self.procs)}-{os.getpid()}")
+            names = Keys(f"t{len(self.procs)}-{os.getpid()}")
             proc = spawn_tail(
                 target,
                 (split, n_layers),

@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 from producer.cli import main
 from producer.client import Client
 from producer.local import spawn_tail, wait_for_tails
-from relay_broker.streams import StreamNames
+from schemas.keys import Keys
 from tests.conftest import PROMPTS
 
 SPLIT = 2
@@ -105,7 +105,7 @@ class Env:
             extra=["--threads", "1", *(extra or [])],
             log_path=self.tmp / "tail.log",
         )
-        wait_for_tails(self.r, StreamNames(self.prefix), proc=proc)
+        wait_for_tails(self.r, Keys(self.prefix), proc=proc)
         self.procs["tail"] = proc
 
     def cli(self, *args: str, input: str | None = None):

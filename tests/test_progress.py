@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from rq.serializers import JSONSerializer
 
-from schemas.jobs import JobKeys
+from schemas.keys import Keys
 from workers.head.job_function import JobCancelled, Progress
 
 
@@ -23,7 +23,7 @@ class Chars:
 def test_token_stream_resend_is_not_streamed_twice(redis_client):
     """A progress flush sent again (redis-py resends a pipeline after a dropped connection) must not put
     the same text on the job's token stream twice: entry ids are where the text ends."""
-    keys = JobKeys(prefix="resend")
+    keys = Keys(prefix="resend")
     job = SimpleNamespace(id="j1", key="resend:job:j1", meta={}, serializer=JSONSerializer)
     progress = Progress(job, redis_client, keys, Chars())  # type: ignore[arg-type]
     progress.flush([0, 1], final=False)
@@ -39,7 +39,7 @@ def test_token_stream_resend_is_not_streamed_twice(redis_client):
 def test_progress_flushes_off_the_round_loop(redis_client, monkeypatch):
     """Rounds hand progress to a flusher thread: a slow Redis write does not hold the round that triggered
     it, flushes stay in order, and a cancel request found by a flush stops the generation a round later."""
-    keys = JobKeys(prefix="offpath")
+    keys = Keys(prefix="offpath")
     job = SimpleNamespace(id="j2", key="offpath:job:j2", meta={}, serializer=JSONSerializer)
     progress = Progress(job, redis_client, keys, Chars())  # type: ignore[arg-type]
     gate = threading.Event()

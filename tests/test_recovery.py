@@ -13,8 +13,8 @@ import pytest
 from producer.local import spawn_tail
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis, free_port
-from relay_broker.streams import StreamNames
 from schemas.errors import ReplyTimeout
+from schemas.keys import Keys
 from schemas.packets import Verdict, decode_tail_message
 from schemas.requests import GenerationRequest
 from tests.conftest import PROMPTS
@@ -35,7 +35,7 @@ def wait_until(cond, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def consumer_ready(r, names: StreamNames, name: str) -> bool:
+def consumer_ready(r, names: Keys, name: str) -> bool:
     """The tail named `name` reads the shared stream (a busy tail's entry there can look idle, so by name)."""
     try:
         return any(c["name"].decode() == name for c in r.xinfo_consumers(names.shared_requests, names.tail_group))
@@ -43,7 +43,7 @@ def consumer_ready(r, names: StreamNames, name: str) -> bool:
         return False
 
 
-def sessions_by_tail(r, names: StreamNames) -> dict[str, int]:
+def sessions_by_tail(r, names: Keys) -> dict[str, int]:
     """How many live sessions each tail holds, from the latest verdict on each session's reply stream."""
     held: dict[str, int] = {}
     for key in r.scan_iter(match=f"{names.prefix}:reply:*"):
@@ -60,7 +60,7 @@ def test_tail_killed_mid_flight_sessions_replay(
     mode, models, redis_server, redis_client, tmp_path, hf_models, tokenizers
 ):
     e = Env(f"tailkill-{mode}", models, redis_server, redis_client, tmp_path, head_extra=("--concurrency", "5"))
-    names = StreamNames(e.prefix)
+    names = Keys(e.prefix)
     try:
         if mode == "replica":  # a second tail replica is up from the start; nothing is restarted
             e.procs["tail2"] = spawn_tail(

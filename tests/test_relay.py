@@ -7,8 +7,9 @@ import redis
 
 from relay_broker.connection import connect, transport_retry
 from relay_broker.embedded import EmbeddedRedis, free_port
-from relay_broker.streams import GroupReader, ReplyReader, StreamNames, add_reply, publish
+from relay_broker.streams import GroupReader, ReplyReader, add_reply, publish
 from schemas.errors import ReplyTimeout, TransportError
+from schemas.keys import Keys
 
 
 def test_embedded_unix_socket_and_clean_stop():
@@ -64,7 +65,7 @@ def test_unreachable_redis_is_a_transport_error():
 
 
 def test_group_reader_pending_first_then_new(redis_client):
-    names = StreamNames("relaytest")
+    names = Keys("relaytest")
     reader = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])
     publish(redis_client, names.shared_requests, {b"h": b"1"})
     ((stream, entry_id, fields),) = reader.read(block_ms=100)
@@ -77,7 +78,7 @@ def test_group_reader_pending_first_then_new(redis_client):
 
 
 def test_reply_reader_order_and_timeout(redis_client):
-    stream = StreamNames("relaytest").reply("s1")
+    stream = Keys("relaytest").reply("s1")
     pipe = redis_client.pipeline()
     add_reply(pipe, stream, {b"h": b"a"})
     add_reply(pipe, stream, {b"h": b"b"})
@@ -90,7 +91,7 @@ def test_reply_reader_order_and_timeout(redis_client):
 
 
 def test_group_reader_claims_what_a_dead_consumer_left(redis_client):
-    names = StreamNames("claimtest")
+    names = Keys("claimtest")
     dead = GroupReader(redis_client, names.tail_group, "dead", [names.shared_requests])
     publish(redis_client, names.shared_requests, {b"h": b"stranded"})
     assert [e[2] for e in dead.read(block_ms=100)] == [{b"h": b"stranded"}]  # read, never acked: it "died"

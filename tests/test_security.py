@@ -36,8 +36,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from producer.cli import main
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
-from relay_broker.streams import StreamNames
 from schemas.errors import TransportError
+from schemas.keys import Keys
 from tests.secure_redis import (  # its fixtures `pki` and `secured` are registered in tests/conftest.py
     ADMIN_COMMANDS,
     CALLBACK_MARKER,
@@ -189,7 +189,7 @@ class Workers:
                 [sys.executable, "-m", "producer", *args], stdout=log, stderr=log, env=env
             )
         admin = s.client("admin")
-        wait_for_tails(admin, StreamNames(PREFIX), proc=self.procs["tail"])
+        wait_for_tails(admin, Keys(PREFIX), proc=self.procs["tail"])
         deadline = time.monotonic() + 90
         while not admin.exists(f"{PREFIX}:model:{QUEUE}") or not admin.scard(f"rq:workers:{QUEUE}"):
             assert self.procs["head"].poll() is None, (logdir / "head.log").read_text()[-2000:]

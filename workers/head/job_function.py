@@ -25,9 +25,9 @@ from pydantic import ValidationError
 from rq import get_current_job
 from rq.job import Job
 
-from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest, JobError, ShardFlowError
-from schemas.jobs import Checkpoint, JobKeys, job_ttl, read_result
+from schemas.jobs import Checkpoint, job_ttl, read_result
+from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
 
@@ -42,13 +42,13 @@ class JobCancelled(JobError):
 class _Bound:
     runtime: object  # workers.head.runtime.HeadRuntime
     r: redis.Redis
-    names: StreamNames
+    names: Keys
 
 
 _bound: _Bound | None = None
 
 
-def bind(runtime: object, r: redis.Redis, names: StreamNames) -> None:
+def bind(runtime: object, r: redis.Redis, names: Keys) -> None:
     """Give this process's job function its loaded models and relay connection."""
     global _bound
     _bound = _Bound(runtime, r, names)
@@ -72,7 +72,7 @@ class Progress:
 
     job: Job
     r: redis.Redis
-    keys: JobKeys
+    keys: Keys
     tokenizer: object
     ttl: int = DEFAULTS.result_ttl_s  # of the checkpoint and the token stream: the job's result TTL
     started: float = field(default_factory=time.monotonic)
@@ -147,7 +147,7 @@ class Progress:
             raise JobCancelled("cancelled by user")
 
 
-def load_checkpoint(r: redis.Redis, keys: JobKeys, job_id: str) -> list[int]:
+def load_checkpoint(r: redis.Redis, keys: Keys, job_id: str) -> list[int]:
     """Tokens an earlier attempt of this job committed (empty if none, or if the record is unreadable)."""
     raw = r.get(keys.checkpoint(job_id))
     if raw is None:
@@ -159,7 +159,7 @@ def load_checkpoint(r: redis.Redis, keys: JobKeys, job_id: str) -> list[int]:
         return []
 
 
-def stored_result(r: redis.Redis, keys: JobKeys, job_id: str) -> dict | None:
+def stored_result(r: redis.Redis, keys: Keys, job_id: str) -> dict | None:
     """The result stored for this job, if one is there and reads as a result (others may write the key)."""
     raw = r.get(keys.result(job_id))
     data = read_result(raw)
@@ -168,7 +168,7 @@ def stored_result(r: redis.Redis, keys: JobKeys, job_id: str) -> dict | None:
     return data
 
 
-def store_result_once(r: redis.Redis, keys: JobKeys, job_id: str, result: GenerationResult, ttl: int) -> dict:
+def store_result_once(r: redis.Redis, keys: Keys, job_id: str, result: GenerationResult, ttl: int) -> dict:
     """Write the result unless a readable one exists (kept `ttl` seconds); return whichever is stored."""
     data = result.model_dump(mode="json")
     if r.set(keys.result(job_id), json.dumps(data), nx=True, ex=ttl):
@@ -186,7 +186,7 @@ def run_generation(payload: dict) -> dict:
     job = get_current_job()
     if job is None or _bound is None:
         raise RuntimeError("run_generation must run inside a ShardFlow head worker")
-    keys = JobKeys(_bound.names.prefix)
+    keys = Keys(_bound.names.prefix)
     stored = stored_result(_bound.r, keys, job.id)
     if stored is not None:
         return stored

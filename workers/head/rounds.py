@@ -9,8 +9,9 @@ from collections.abc import Callable
 import redis
 import torch
 
-from relay_broker.streams import ReplyReader, StreamNames, close_session
+from relay_broker.streams import ReplyReader, close_session
 from schemas.errors import PacketError, RemoteError, ReplyTimeout, ShardFlowError
+from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
     DeadLetterRecord,
@@ -41,7 +42,7 @@ class RoundLoop:
         req: GenerationRequest,
         runtime,
         r: redis.Redis,
-        names: StreamNames,
+        names: Keys,
         session_id: str,
         prompt: list[int],
         on_tokens: Callable[[list[int], list[int]], None] | None,

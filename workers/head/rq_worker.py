@@ -33,8 +33,8 @@ from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 
 from relay_broker.rq_jobs import SafeJob
-from relay_broker.streams import StreamNames
-from schemas.jobs import RUN_GENERATION, JobKeys, ModelInfo
+from schemas.jobs import RUN_GENERATION, ModelInfo
+from schemas.keys import Keys
 from schemas.settings import DEFAULTS
 from workers.head import job_function as jobs
 from workers.head.scheduler import ThreadScheduler
@@ -60,7 +60,7 @@ class HeadWorker(SimpleWorker):
         runtime: Any,
         r: redis.Redis,
         *,
-        names: StreamNames | None = None,
+        names: Keys | None = None,
         model_info: ModelInfo | None = None,
         **kwargs: Any,
     ) -> None:
@@ -74,11 +74,11 @@ class HeadWorker(SimpleWorker):
             connection=r,
             **kwargs,
         )
-        self.names = names or StreamNames()
+        self.names = names or Keys()
         jobs.bind(runtime, r, self.names)
         if model_info is not None:
             for q in queues:
-                r.set(JobKeys(self.names.prefix).model_info(q), model_info.model_dump_json())
+                r.set(Keys(self.names.prefix).model_info(q), model_info.model_dump_json())
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         """RQ's loop, restarted with backoff when it ends on an error (Redis lost mid-job, say) rather

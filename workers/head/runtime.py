@@ -23,8 +23,8 @@ import redis
 import torch
 from transformers import AutoTokenizer
 
-from relay_broker.streams import StreamNames
 from schemas.errors import InvalidRequest
+from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
 from workers.engine.runner import Engine
@@ -153,7 +153,7 @@ def generate(
     runtime: HeadRuntime,
     r: redis.Redis,
     *,
-    names: StreamNames | None = None,
+    names: Keys | None = None,
     session_id: str | None = None,
     on_tokens: TokenCallback | None = None,
     reply_timeout_s: float | None = None,
@@ -170,7 +170,7 @@ def generate(
         req=req,
         runtime=runtime,
         r=r,
-        names=names or StreamNames(),
+        names=names or Keys(),
         session_id=session_id or secrets.token_hex(12),
         prompt=prompt,
         on_tokens=on_tokens,

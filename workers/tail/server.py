@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import redis
 import torch
 
-from relay_broker.streams import GroupReader, Reply, StreamNames
+from relay_broker.streams import GroupReader, Reply
 from schemas.errors import PacketError, SessionError, ShardFlowError, TransportError
+from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
     DeadLetterRecord,
@@ -99,7 +100,7 @@ class TailWorker:
         shard: Shard,
         r: redis.Redis,
         *,
-        names: StreamNames | None = None,
+        names: Keys | None = None,
         tail_id: str | None = None,
         max_sessions: int = DEFAULTS.max_sessions,
         session_ttl_s: float = DEFAULTS.session_ttl_s,
@@ -110,7 +111,7 @@ class TailWorker:
             raise ValueError("a tail shard needs the final norm and LM head")
         self.shard, self.r, self.max_packet_bytes = shard, r, max_packet_bytes
         self.engine = engine or Engine(shard)
-        self.names = names or StreamNames()
+        self.names = names or Keys()
         self.tail_id = tail_id or default_tail_id()
         if not TAIL_ID.fullmatch(self.tail_id):
             raise ValueError(f"tail name {self.tail_id!r}: use 1-64 letters, digits, '.', '_' or '-'")

@@ -1,0 +1,68 @@
+"""Every Redis key name ShardFlow uses beside RQ's own, derived from one prefix (`Settings.prefix`).
+
+Relay (head <-> tail):
+  {prefix}:tail:requests            new sessions; every tail replica reads it through one group
+  {prefix}:tails                    that consumer group
+  {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
+  {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
+  {prefix}:dead-letters             packets tails refused, reply entries heads refused, with the reason
+Jobs (producer <-> head):
+  {prefix}:batch:{batch_id}         a batch: queue, job count, created at
+  {prefix}:result:{job_id}          a job's result, written once
+  {prefix}:tokens:{job_id}          its committed text as a stream (for --follow)
+  {prefix}:ckpt:{job_id}            its committed tokens, where a retry resumes
+  {prefix}:cancel:{job_id}          a request to cancel it while it runs
+  {prefix}:model:{queue}            what the queue's head workers announce
+The ACL template (deploy/users.acl.template) grants each role its part of these patterns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.settings import DEFAULTS
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix."""
+
+    prefix: str = DEFAULTS.prefix
+
+    # --- relay ---
+    @property
+    def shared_requests(self) -> str:
+        return f"{self.prefix}:tail:requests"
+
+    @property
+    def tail_group(self) -> str:
+        return f"{self.prefix}:tails"
+
+    def tail_requests(self, tail_id: str) -> str:
+        return f"{self.prefix}:tail:{tail_id}:requests"
+
+    def reply(self, session_id: str) -> str:
+        return f"{self.prefix}:reply:{session_id}"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:dead-letters"
+
+    # --- jobs ---
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def result(self, job_id: str) -> str:
+        return f"{self.prefix}:result:{job_id}"
+
+    def tokens(self, job_id: str) -> str:
+        return f"{self.prefix}:tokens:{job_id}"
+
+    def checkpoint(self, job_id: str) -> str:
+        return f"{self.prefix}:ckpt:{job_id}"
+
+    def cancel(self, job_id: str) -> str:
+        return f"{self.prefix}:cancel:{job_id}"
+
+    def model_info(self, queue: str) -> str:
+        return f"{self.prefix}:model:{queue}"
