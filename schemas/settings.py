@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     connect_attempts: int = Field(8, description="Attempts for a Redis operation on transport errors.")
     reconnect_min_s: float = Field(0.5, description="First wait of a worker loop that lost Redis (then doubling).")
     reconnect_max_s: float = Field(10.0, description="Longest wait between a worker loop's reconnect attempts.")
+    worker_restart_max_s: float = Field(30.0, description="Longest wait before a head worker restarts RQ's loop.")
+    worker_restart_reset_s: float = Field(
+        60.0, description="A head worker's RQ loop that ran this long before ending starts the restart backoff over."
+    )
     block_ms: int = Field(1000, description="Redis BLOCK time of stream reads.")
     # --- jobs (RQ) ---
     queue: str = Field("shardflow", description="RQ queue that head workers serve and producers fill.")

@@ -24,7 +24,7 @@ from workers.engine.shard import Cache
 from workers.spec.drafters import Draft, DraftSession, ModelDraftSession, propose_greedy_many
 
 
-@dataclass
+@dataclass(eq=False)  # queued and withdrawn by identity
 class HeadWork:
     """One generation's round, as submitted; the batch fills in draft, hidden and the stage times."""
 
@@ -42,6 +42,11 @@ class HeadWork:
     head_s: float = 0.0
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
+    gen_state: torch.Tensor | None = field(default=None, init=False)  # a sampled draft's generator, as submitted
+
+    def __post_init__(self) -> None:
+        if self.gen is not None and not self.sampling.greedy:  # only sampled drafts draw from it
+            self.gen_state = self.gen.get_state()
 
 
 def _model_session(w: HeadWork) -> ModelDraftSession | None:
@@ -52,9 +57,12 @@ def _model_session(w: HeadWork) -> ModelDraftSession | None:
 
 
 def _rewind(w: HeadWork) -> None:
-    """Back to the state the work was submitted in (a failed batched forward may have written part of it)."""
+    """Back to the state the work was submitted in: the cache (a failed batched forward may have written
+    part of it) and a sampled draft's generator (a retry drafts what the round drafts alone)."""
     if w.cache.length > w.start:
         w.cache.crop(w.start)
+    if w.gen is not None and w.gen_state is not None:
+        w.gen.set_state(w.gen_state)
 
 
 def _fail(w: HeadWork, e: Exception) -> None:

@@ -32,6 +32,7 @@ from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 
+from relay_broker.retry import ride_out
 from relay_broker.rq_jobs import SafeJob
 from schemas.jobs import RUN_GENERATION, ModelInfo
 from schemas.keys import Keys
@@ -40,6 +41,10 @@ from workers.head import job_function as jobs
 from workers.head.scheduler import ThreadScheduler
 
 log = logging.getLogger("shardflow.head_worker")
+
+
+class _LoopEnded(Exception):
+    """RQ's loop ended on an error, not on a stop request: restart it."""
 
 
 class AllowListJob(SafeJob):
@@ -53,6 +58,7 @@ class HeadWorker(SimpleWorker):
 
     death_penalty_class = TimerDeathPenalty  # job timeouts by timer, not SIGALRM: works in worker threads
     _restarted = False  # set once RQ's loop has been restarted after an error (see register_birth)
+    _quick_ends = 0  # RQ's loop ended this many times in a row, each soon after it started
 
     def __init__(
         self,
@@ -81,29 +87,36 @@ class HeadWorker(SimpleWorker):
                 r.set(Keys(self.names.prefix).model_info(q), model_info.model_dump_json())
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        """RQ's loop, restarted with backoff when it ends on an error (Redis lost mid-job, say) rather
-        than on a stop request: RQ retries a lost connection only while it waits for jobs."""
-        delay = 1.0
-        while True:
-            started = time.monotonic()
-            try:
-                worked = super().work(*args, **kwargs)
-            except (redis.ConnectionError, redis.TimeoutError) as e:  # raised from RQ's own teardown
-                log.warning("worker %s: Redis lost (%s)", self.name, e)
-                worked = False
-            except StopRequested:
-                return False
-            if kwargs.get("burst") or self._stop_requested or self._shutdown_requested_date is not None:
-                return worked  # finished, or stopped on request (an idle worker's stop sets only the date)
-            if time.monotonic() - started > 60:
-                delay = 1.0  # it ran fine for a while: start the backoff over
-            log.warning("worker %s: its loop ended on an error; restarting in %.0fs", self.name, delay)
-            try:
-                time.sleep(delay)
-            except StopRequested:  # a stop signal while waiting
-                return worked
-            delay = min(delay * 2, 30.0)
-            self._restarted = True
+        """RQ's loop, restarted with backoff (relay_broker.retry) when it ends on an error (Redis lost
+        mid-job, say) rather than on a stop request: RQ retries a lost connection only while it waits for
+        jobs. The wait doubles from 1 s up to worker_restart_max_s, and starts over after a loop that ran
+        well for worker_restart_reset_s."""
+        try:
+            return ride_out(
+                lambda: self._work_once(*args, **kwargs),
+                errors=(_LoopEnded,),
+                wait=lambda _: min(2.0 ** max(self._quick_ends - 1, 0), DEFAULTS.worker_restart_max_s),
+                on_retry=lambda e, s: log.warning("worker %s: %s; restarting in %.0fs", self.name, e, s),
+            )
+        except StopRequested:  # a stop signal while waiting
+            return False
+
+    def _work_once(self, *args: Any, **kwargs: Any) -> bool:
+        """One run of RQ's loop: its result if it finished or was stopped, else _LoopEnded."""
+        started = time.monotonic()
+        try:
+            worked = super().work(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as e:  # raised from RQ's own teardown
+            log.warning("worker %s: Redis lost (%s)", self.name, e)
+            worked = False
+        except StopRequested:
+            return False
+        if kwargs.get("burst") or self._stop_requested or self._shutdown_requested_date is not None:
+            return worked  # finished, or stopped on request (an idle worker's stop sets only the date)
+        ran_well = time.monotonic() - started > DEFAULTS.worker_restart_reset_s
+        self._quick_ends = 1 if ran_well else self._quick_ends + 1
+        self._restarted = True
+        raise _LoopEnded("its loop ended on an error")
 
     def register_birth(self) -> None:
         """RQ refuses to start a worker whose name a live record holds. After a restart of the loop that

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import redis
 import torch
 
+from relay_broker.retry import ride_out
 from relay_broker.streams import GroupReader, Reply
 from schemas.errors import PacketError, SessionError, ShardFlowError, TransportError
 from schemas.keys import Keys
@@ -121,6 +122,7 @@ class TailWorker:
         self.stop_event = threading.Event()
         self._dead: list[DeadLetter] = []
         self._last_keepalive = 0.0
+        self._regroup = False  # recreate the consumer groups before the next read
         shared = self.names.shared_requests
         self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
             r,
@@ -134,21 +136,23 @@ class TailWorker:
     def serve(self) -> None:
         """Handle packets until `stop_event` is set."""
         log.info("tail %s serving layers %s on %s", self.tail_id, self.shard.layer_range, self.names.shared_requests)
-        delay = DEFAULTS.reconnect_min_s
         while not self.stop_event.is_set():
-            try:
-                self._serve_once()
-                delay = DEFAULTS.reconnect_min_s
-            except (TransportError, redis.RedisError) as e:  # Redis gone, restarted, full, read-only, ...
-                log.warning("tail %s: %s; retrying in %.1fs", self.tail_id, e, delay)
-                self.stop_event.wait(delay)
-                delay = min(delay * 2, DEFAULTS.reconnect_max_s)
-                try:
-                    self.reader.reset()
-                except TransportError:
-                    pass
+            try:  # Redis gone, restarted, full, read-only, ...: ride it out (relay_broker.retry)
+                ride_out(
+                    self._serve_once,
+                    errors=(TransportError, redis.RedisError),
+                    stop=self.stop_event.is_set,
+                    on_retry=self._lost_redis,
+                    sleep=self.stop_event.wait,
+                )
+            except (TransportError, redis.RedisError):
+                break  # stopped while Redis was away
             self.sessions.expire()
             self._keepalive()
+
+    def _lost_redis(self, e: BaseException, wait_s: float) -> None:
+        log.warning("tail %s: %s; retrying in %.1fs", self.tail_id, e, wait_s)
+        self._regroup = True  # a Redis restarted without persistence lost the consumer groups
 
     def _keepalive(self) -> None:
         """Now and then: keep this tail's own stream from expiring (a dead tail's goes after
@@ -168,6 +172,9 @@ class TailWorker:
             log.debug("keepalive skipped: %s", e)
 
     def _serve_once(self) -> None:
+        if self._regroup:
+            self.reader.reset()
+            self._regroup = False
         entries = self.reader.read(count=self.engine.slots)
         if entries:
             replies = self.handle_many([fields for _, _, fields in entries])

@@ -1,0 +1,546 @@
+"""The head's round batching (workers/head/batching.py) on a real tiny model in-process: no Redis, no subprocess.
+
+Rounds submitted from several threads must run as one batch (one lower-shard `forward_many`, greedy model
+drafts advancing together) and each must get exactly what it gets alone; a failure fails only its own round;
+the compute lock, who computes and the batch order are what the module's docstrings say. Each case runs over
+static (pooled, batched) and dynamic (per-sequence) caches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from schemas.requests import SamplingParams
+from workers.engine.kvcache import StaticKVCache
+from workers.engine.runner import Engine
+from workers.engine.shard import Cache, Shard, load_shard
+from workers.head.batching import Batcher, HeadWork
+from workers.spec.drafters import Draft, ModelDrafter, NgramDrafter, SyntheticDrafter
+from workers.tiny_models import build_tokenizer, save_tiny_model
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=1.0, seed=1)
+SPLIT = 2  # the head runs layers [0, 2) of the 4
+K_MAX = 4  # the longest draft of these tests
+MAX_LEN = 64
+SLOTS = 4
+WAIT_S = 20.0  # a generous bound on any one wait (a stuck thread fails the test instead of hanging it)
+
+# Token ids of committed contexts (the tiny tokenizer has a few hundred): repeats give the n-gram drafter matches.
+CTX = [
+    (5, 6, 7, 5, 6, 7, 5, 6),
+    (40, 41, 42, 43, 44, 45),
+    (9, 10, 11, 12, 9, 10, 11, 12, 9, 10),
+    (100, 3, 100, 3, 100),
+    (70, 71, 72, 73, 74, 75, 76),
+]
+STATIC = pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """The head's lower shard and a draft model (the whole target) of one tiny checkpoint."""
+
+    head: Shard
+    draft: Shard
+
+    @property
+    def vocab(self) -> int:
+        return int(self.head.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    torch.set_num_threads(1)
+    path = save_tiny_model(tmp_path_factory.mktemp("batcher") / "qwen2", "qwen2", tokenizer=build_tokenizer())
+    return Tiny(
+        load_shard(path, (0, SPLIT), embed=True, head=False),
+        load_shard(path, None, embed=True, head=True),
+    )
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One generation's round: its committed context, drafter and draft length.
+
+    drafter: "none", "ngram", "model" (greedy draft model), "sampled" (the draft model sampling), "synthetic"
+    (benchmark drafter around an inner model session), or "broken" (a drafter that raises).
+    first: the generation's first round (the shard has seen nothing); otherwise all but the last token are cached.
+    bad: the uncached token is outside the vocabulary (a bad input that fails the lower shard's forward)."""
+
+    context: tuple[int, ...]
+    drafter: str = "model"
+    k: int = 3
+    first: bool = False
+    bad: bool = False
+    seed: int = 0
+
+
+class BrokenDrafter:
+    """A draft session whose proposals fail."""
+
+    device = torch.device("cpu")
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
+        raise RuntimeError("drafter broke")
+
+
+@dataclass
+class Call:
+    """One call of a spied engine method: the thread that made it and the caches it ran."""
+
+    thread: threading.Thread
+    caches: list[Cache]
+
+
+def spy(engine: Engine, name: str, before: Callable[[int], None] | None = None) -> list[Call]:
+    """Record every call of `engine.<name>` (an instance attribute shadows the method); `before(n)` runs first."""
+    calls: list[Call] = []
+    inner = getattr(engine, name)
+
+    def wrapper(caches: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(Call(threading.current_thread(), list(caches)))
+        if before is not None:
+            before(len(calls))
+        return inner(caches, *args, **kwargs)
+
+    setattr(engine, name, wrapper)
+    return calls
+
+
+class Head:
+    """What a head runtime holds for batching: the lower shard's engine, a draft model, a batcher and its lock."""
+
+    def __init__(self, tiny: Tiny, static: bool, slots: int = SLOTS) -> None:
+        self.tiny, self.static = tiny, static
+        self.engine = Engine(tiny.head, static=static, max_len=MAX_LEN, step_tokens=K_MAX + 1, slots=slots)
+        dengine = Engine(
+            tiny.draft, static=static, max_len=MAX_LEN, step_tokens=2, pad=False, max_draft=K_MAX, slots=slots
+        )
+        self.drafter = ModelDrafter(tiny.draft, dengine)
+        self.batcher = Batcher(self.engine, threading.RLock())
+
+    def work(self, spec: Spec) -> HeadWork:
+        """A round as `RoundLoop._round` submits it, the lower cache holding everything but the pending tokens."""
+        ctx = list(spec.context)
+        cache = self.engine.acquire()
+        if spec.first:
+            pending, start = ctx, 0
+        else:
+            with torch.inference_mode():
+                self.engine.forward(cache, torch.tensor(ctx[:-1]), 0)
+            pending, start = ctx[-1:], len(ctx) - 1
+        if spec.bad:
+            pending = [*pending[:-1], self.tiny.vocab + 5]
+        sampling = SAMPLED if spec.drafter == "sampled" else GREEDY
+        gen = torch.Generator().manual_seed(spec.seed) if spec.k > 0 else None
+        return HeadWork(self.session(spec), ctx, spec.k, sampling, gen, cache, pending, start)
+
+    def session(self, spec: Spec) -> Any:
+        kind = spec.drafter
+        if kind == "none":
+            return None
+        if kind == "ngram":
+            return NgramDrafter()
+        if kind == "broken":
+            return BrokenDrafter()
+        if kind == "synthetic":
+            ref = [1, 2, 3, 4, 5, 6, 7, 8]
+            return SyntheticDrafter(ref, 0.5, len(spec.context), self.tiny.vocab, self.drafter.new_session())
+        return self.drafter.new_session()
+
+    def alone(self, spec: Spec) -> HeadWork:
+        """The round computed by itself: a batch of one, from the calling thread."""
+        return self.batcher.run(self.work(spec))
+
+
+class Submitter(threading.Thread):
+    """Runs `batcher.run(work)` on its own thread, keeping what it returned or raised."""
+
+    def __init__(self, batcher: Batcher, work: HeadWork) -> None:
+        super().__init__(daemon=True)
+        self.batcher, self.work = batcher, work
+        self.result: HeadWork | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.batcher.run(self.work)
+        except BaseException as e:  # the test inspects it
+            self.error = e
+
+
+def queued(batcher: Batcher, work: HeadWork) -> bool:
+    return any(w is work for w in batcher._queue)
+
+
+def wait_until(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.001)
+
+
+def submit(batcher: Batcher, work: HeadWork) -> Submitter:
+    """Start a thread submitting `work` and wait until it is queued (its thread then waits for the lock)."""
+    sub = Submitter(batcher, work)
+    sub.start()
+    wait_until(lambda: queued(batcher, work) or work.finished.is_set(), "the work is queued")
+    return sub
+
+
+def join(subs: list[Submitter]) -> None:
+    for s in subs:
+        s.join(WAIT_S)
+        assert not s.is_alive(), "a submitter is stuck"
+
+
+def run_together(batcher: Batcher, works: list[HeadWork], calls: list[Call] | None = None) -> list[Submitter]:
+    """Submit each work from its own thread, in order, while holding the compute lock so that all are queued
+    before any computes; check nothing computed meanwhile; then let go and wait for every thread."""
+    with batcher.lock:
+        subs = [submit(batcher, w) for w in works]
+        assert all(queued(batcher, w) for w in works)
+        assert not any(w.finished.is_set() for w in works), "a round computed while another thread held the lock"
+        assert not calls, "the engine ran while another thread held the lock"
+    join(subs)
+    return subs
+
+
+def assert_same_round(got: HeadWork, want: HeadWork, static: bool) -> None:
+    """`got` (computed in a batch) equals `want` (computed alone): drafts, their q, hidden states, cache length."""
+    assert got.error is None and got.finished.is_set()
+    assert got.draft is not None and want.draft is not None and got.hidden is not None and want.hidden is not None
+    assert got.draft.tokens == want.draft.tokens
+    assert got.draft.point == want.draft.point
+    assert (got.draft.q is None) == (want.draft.q is None)
+    if got.draft.q is not None:
+        assert torch.allclose(got.draft.q, want.draft.q, rtol=1e-5, atol=1e-6)  # type: ignore[arg-type]
+    assert got.hidden.dtype == torch.float32
+    assert got.hidden.shape == (len(got.pending) + len(got.draft.tokens), got.hidden.shape[1])
+    if static:  # a batched (padded) matmul rounds differently: a few float32 ulps of the largest activation
+        scale = float(want.hidden.abs().max())
+        assert torch.allclose(got.hidden, want.hidden, rtol=1e-5, atol=2e-6 * scale)
+    else:  # dynamic caches run each sequence's own forward: bit for bit what it computes alone
+        assert torch.equal(got.hidden, want.hidden)
+    assert got.cache.length == want.cache.length == got.start + got.hidden.shape[0]
+
+
+# --- one batch, exactly as alone ----------------------------------------------------------------------------------
+
+MIXED = [
+    Spec(CTX[0], "model", 3),
+    Spec(CTX[2], "ngram", 4),
+    Spec(CTX[1], "none", 0),
+    Spec(CTX[3], "sampled", 2, seed=7),
+    Spec(CTX[4], "model", 2, first=True),  # a first round: the whole prompt, longer than a step (runs eagerly)
+    Spec(CTX[0], "synthetic", 4, seed=3),
+]
+
+
+@STATIC
+def test_rounds_from_threads_run_as_one_batch(tiny: Tiny, static: bool) -> None:
+    """Six generations' rounds (greedy and sampled model drafts, n-gram, none, a first round, synthetic) submitted
+    from six threads run as one lower-shard forward, computed by one of those threads, over the caches in
+    submission order; each gets the drafts and hidden states it gets alone."""
+    head, ref = Head(tiny, static), Head(tiny, static)
+    works = [head.work(s) for s in MIXED]
+    calls = spy(head.engine, "forward_many")
+    subs = run_together(head.batcher, works, calls)
+    assert [s.error for s in subs] == [None] * len(subs)
+    assert all(s.result is s.work for s in subs)
+    assert len(calls) == 1
+    assert calls[0].thread in subs  # flat combining: a submitter computes, not a background thread
+    assert [id(c) for c in calls[0].caches] == [id(w.cache) for w in works]
+    assert (head.batcher.batches, head.batcher.rounds) == (1, len(MIXED))
+    assert len({(w.draft_s, w.head_s) for w in works}) == 1  # one batch: its stage times are every round's
+    assert works[0].draft_s >= 0 and works[0].head_s > 0
+    for spec, w in zip(MIXED, works, strict=True):
+        assert_same_round(w, ref.alone(spec), static)
+    assert works[1].draft is not None and works[1].draft.point and works[1].draft.tokens == [11, 12, 9, 10]
+    assert works[2].draft == Draft([])
+    assert works[3].draft is not None and works[3].draft.q is not None and works[3].draft.q.shape[0] == 2
+    assert (ref.batcher.batches, ref.batcher.rounds) == (len(MIXED), len(MIXED))
+
+
+@STATIC
+def test_static_batch_runs_one_shard_pass(tiny: Tiny, static: bool) -> None:
+    """With static caches the lower shard runs every step-sized round of a batch as one batched pass (`_batch`
+    once over all of them); dynamic caches run each sequence's forward inside the same `forward_many` call."""
+    head = Head(tiny, static)
+    specs = [Spec(c, "model", k) for c, k in zip(CTX[:4], (3, 1, 4, 2), strict=True)]
+    works = [head.work(s) for s in specs]
+    batches = spy(head.engine, "_batch")
+    forwards = spy(head.engine, "forward_many")
+    run_together(head.batcher, works, forwards)
+    assert len(forwards) == 1
+    if static:
+        assert [len(c.caches) for c in batches] == [4]
+        assert all(isinstance(c, StaticKVCache) for c in batches[0].caches)
+    else:
+        assert batches == []
+
+
+def test_static_batch_beyond_the_pools_slots_stays_exact(tiny: Tiny) -> None:
+    """More rounds than the static pool has slots: the extra sequences get one-slot pools of their own and still
+    run inside the same batch, each exactly as alone."""
+    head, ref = Head(tiny, True, slots=2), Head(tiny, True, slots=2)
+    specs = [Spec(c, "ngram", 3) for c in CTX[:4]]
+    works = [head.work(s) for s in specs]
+    forwards, batches = spy(head.engine, "forward_many"), spy(head.engine, "_batch")
+    run_together(head.batcher, works, forwards)
+    assert len(forwards) == 1
+    assert sorted(len(c.caches) for c in batches) == [1, 1, 2]  # the pool's two slots, then two one-slot pools
+    for spec, w in zip(specs, works, strict=True):
+        assert_same_round(w, ref.alone(spec), True)
+
+
+# --- draft-model drafts -------------------------------------------------------------------------------------------
+
+
+@STATIC
+def test_model_drafts_in_a_batch_equal_drafts_one_at_a_time(tiny: Tiny, static: bool) -> None:
+    """Greedy drafts of one draft model for three generations (k = 1, 4, 2) advance together: one batched draft
+    forward per draft position, rows dropping out when their k is reached (or, on a warm static cache, the whole
+    draft as one `draft_many`); over two rounds (all rejected, all accepted, some accepted) each generation's
+    drafts and hidden states equal those of the same rounds run one at a time, and a fresh session's drafts."""
+    head, ref = Head(tiny, static), Head(tiny, static)
+    ks, accept = (1, 4, 2), (0, 4, 1)
+    specs = [Spec(c, "model", k) for c, k in zip(CTX[:3], ks, strict=True)]
+    works, alone = [head.work(s) for s in specs], [ref.work(s) for s in specs]
+    for rnd in range(2):
+        forwards = spy(head.engine, "forward_many")
+        dforwards = spy(head.drafter.engine, "forward_many")
+        dmany = spy(head.drafter.engine, "draft_many")
+        run_together(head.batcher, works, forwards)
+        for w in alone:
+            ref.batcher.run(w)
+        for w, a in zip(works, alone, strict=True):
+            assert_same_round(w, a, static)
+            fresh = ref.drafter.new_session()
+            try:
+                assert w.draft is not None
+                assert w.draft.tokens == fresh.propose(w.context, w.k, GREEDY, torch.Generator()).tokens
+            finally:
+                fresh.close()
+        assert len(forwards) == 1
+        if static:
+            assert len(dmany) == 1 and len(dmany[0].caches) == 3
+        warm = static and rnd == 1  # synced sessions feed at most 2 tokens each: the whole draft in one call
+        assert [len(c.caches) for c in dforwards] == ([] if warm else [3, 2, 1, 1])
+        # the next round as the round loop builds it: a accepted drafts and a bonus token committed
+        nxt_works, nxt_alone = [], []
+        for i, (w, a, acc) in enumerate(zip(works, alone, accept, strict=True)):
+            for old, out in ((w, nxt_works), (a, nxt_alone)):
+                assert old.draft is not None
+                ctx = [*old.context, *old.draft.tokens[:acc], 20 + i]
+                old.cache.crop(len(old.context) + acc)
+                gen = torch.Generator().manual_seed(rnd + 1)
+                out.append(HeadWork(old.drafter, ctx, old.k, GREEDY, gen, old.cache, ctx[-1:], len(ctx) - 1))
+        works, alone = nxt_works, nxt_alone
+
+
+def test_sampled_drafts_propose_one_by_one_with_their_own_generator(tiny: Tiny) -> None:
+    """Sampled model drafts are not batched: each session proposes alone, from its own generator, so two rounds
+    of one context with one seed draft alike, and the greedy ones of the same batch still advance together."""
+    head = Head(tiny, False)
+    specs = [Spec(CTX[0], "sampled", 3, seed=5), Spec(CTX[0], "sampled", 3, seed=5), Spec(CTX[1], "model", 3)]
+    works = [head.work(s) for s in specs]
+    dforwards = spy(head.drafter.engine, "forward_many")
+    run_together(head.batcher, works)
+    assert works[0].draft is not None and works[1].draft is not None
+    assert works[0].draft.tokens == works[1].draft.tokens and len(works[0].draft.tokens) == 3
+    assert torch.equal(works[0].draft.q, works[1].draft.q)  # type: ignore[arg-type]
+    # the greedy session: 3 batched steps of 1 row; each sampled session: one prefill and k - 1 single steps
+    assert sorted(len(c.caches) for c in dforwards) == [1] * (3 + 2 * 3)
+
+
+# --- failures -----------------------------------------------------------------------------------------------------
+
+
+@STATIC
+def test_a_bad_input_fails_only_its_own_round(tiny: Tiny, static: bool) -> None:
+    """A round whose uncached token is outside the vocabulary fails the batch's forward; every round of that batch
+    is then retried alone from where it started (caches a dynamic forward already advanced are cropped back), so
+    the others complete exactly as alone and only the bad one's thread gets the exception."""
+    head, ref = Head(tiny, static), Head(tiny, static)
+    specs = [Spec(CTX[0], "model", 3), Spec(CTX[1], "ngram", 3, bad=True), Spec(CTX[2], "model", 2)]
+    works = [head.work(s) for s in specs]
+    calls = spy(head.engine, "forward_many")
+    subs = run_together(head.batcher, works, calls)
+    assert isinstance(subs[1].error, IndexError) and works[1].error is subs[1].error
+    assert subs[1].result is None and works[1].hidden is None
+    assert works[1].cache.length == works[1].start and works[1].finished.is_set()
+    assert [len(c.caches) for c in calls] == [3, 1, 1, 1]  # the failed batch, then each round alone, in order
+    assert [c.caches[0] for c in calls[1:]] == [w.cache for w in works]
+    assert len({c.thread for c in calls}) == 1  # the thread that took the batch retried it
+    assert (head.batcher.batches, head.batcher.rounds) == (2, 2)  # counters count completed batches only
+    for i in (0, 2):
+        assert subs[i].error is None
+        assert_same_round(works[i], ref.alone(specs[i]), static)
+    with pytest.raises(IndexError):  # alone, the bad round fails the same way
+        ref.alone(specs[1])
+
+
+@STATIC
+def test_a_failing_drafter_fails_only_its_own_round(tiny: Tiny, static: bool) -> None:
+    """A drafter that raises fails the batch before any forward; the rounds are retried alone, the broken one
+    fails again in drafting (no forward), the others complete exactly as alone."""
+    head, ref = Head(tiny, static), Head(tiny, static)
+    specs = [Spec(CTX[0], "model", 3), Spec(CTX[1], "broken", 3), Spec(CTX[2], "ngram", 2)]
+    works = [head.work(s) for s in specs]
+    calls = spy(head.engine, "forward_many")
+    subs = run_together(head.batcher, works, calls)
+    assert isinstance(subs[1].error, RuntimeError) and "drafter broke" in str(subs[1].error)
+    assert [len(c.caches) for c in calls] == [1, 1]
+    assert [c.caches[0] for c in calls] == [works[0].cache, works[2].cache]
+    for i in (0, 2):
+        assert_same_round(works[i], ref.alone(specs[i]), static)
+
+
+def test_a_lone_failing_round_raises_without_retry(tiny: Tiny) -> None:
+    head = Head(tiny, True)
+    work = head.work(Spec(CTX[0], "ngram", 2, bad=True))
+    calls = spy(head.engine, "forward_many")
+    with pytest.raises(IndexError):
+        head.batcher.run(work)
+    assert len(calls) == 1 and work.finished.is_set() and (head.batcher.batches, head.batcher.rounds) == (0, 0)
+
+
+def test_retry_after_a_neighbours_failure_keeps_sampled_drafts(tiny: Tiny) -> None:
+    """A sampled round batched with a bad one should draft what it drafts alone (same seed): its retry should not
+    depend on the failed attempt."""
+    head, ref = Head(tiny, False), Head(tiny, False)
+    specs = [Spec(CTX[0], "sampled", 3, seed=11), Spec(CTX[1], "ngram", 2, bad=True)]
+    works = [head.work(s) for s in specs]
+    run_together(head.batcher, works)
+    assert works[0].error is None and works[0].draft is not None
+    want = ref.alone(specs[0]).draft
+    assert want is not None and works[0].draft.tokens == want.tokens
+
+
+class Shutdown(BaseException):
+    """An interrupt (a job timeout, a shutdown) raised inside a batch."""
+
+
+@STATIC
+def test_an_interrupt_fails_the_whole_batch_without_retry(tiny: Tiny, static: bool) -> None:
+    """A BaseException inside a batch is not isolated: every round of the batch fails with it, no round is
+    retried, the computing thread raises it on, and every waiting thread is released."""
+    head = Head(tiny, static)
+    works = [head.work(Spec(c, "model", 2)) for c in CTX[:3]]
+    stop = Shutdown("stop")
+
+    def interrupt(n: int) -> None:
+        raise stop
+
+    calls = spy(head.engine, "forward_many", interrupt)
+    subs = run_together(head.batcher, works, calls)
+    assert len(calls) == 1
+    assert all(s.error is stop and s.work.error is stop and s.work.finished.is_set() for s in subs)
+    assert head.batcher._queue == [] and (head.batcher.batches, head.batcher.rounds) == (0, 0)
+
+
+def test_an_interrupt_during_the_retries_fails_every_round_left(tiny: Tiny) -> None:
+    """A batch fails, and while its rounds are retried alone an interrupt comes: no further round is retried and
+    every round of the batch fails with the interrupt; none is finished with neither hidden states nor an error
+    (its round loop would trip over a round without hidden states)."""
+    head = Head(tiny, False)
+    works = [head.work(Spec(c, "ngram", 2)) for c in CTX[:3]]
+    stop = Shutdown("stop")
+
+    def fail_then_interrupt(n: int) -> None:
+        if n == 1:
+            raise RuntimeError("the batch fails")
+        if n == 2:
+            raise stop  # during the first round's retry
+
+    calls = spy(head.engine, "forward_many", fail_then_interrupt)
+    subs = run_together(head.batcher, works, calls)
+    assert len(calls) == 2
+    assert all(s.error is stop and s.work.error is stop and s.work.finished.is_set() for s in subs)
+
+
+# --- the lock, who computes, and order ----------------------------------------------------------------------------
+
+
+def test_work_queued_during_a_batch_runs_in_the_next_one(tiny: Tiny) -> None:
+    """A batch takes what is queued when its thread gets the lock; a round submitted while it computes waits for
+    the lock and runs in a later batch (here computed by its own thread), exactly as alone."""
+    head, ref = Head(tiny, True), Head(tiny, True)
+    specs = [Spec(CTX[0], "model", 2), Spec(CTX[1], "model", 3), Spec(CTX[2], "ngram", 3)]
+    works = [head.work(s) for s in specs]
+    late: list[Submitter] = []
+
+    def during_first_batch(n: int) -> None:
+        if n == 1:
+            late.append(submit(head.batcher, works[2]))
+            assert not works[2].finished.is_set()
+
+    calls = spy(head.engine, "forward_many", during_first_batch)
+    subs = run_together(head.batcher, works[:2], calls)
+    join(late)
+    assert [len(c.caches) for c in calls] == [2, 1]
+    assert calls[0].thread in subs and calls[1].thread is late[0]
+    assert (head.batcher.batches, head.batcher.rounds) == (2, 3)
+    for spec, w in zip(specs, works, strict=True):
+        assert_same_round(w, ref.alone(spec), True)
+
+
+def test_a_thread_holding_the_lock_keeps_rounds_from_computing(tiny: Tiny) -> None:
+    """The lock is the runtime's: while anyone holds it no round computes; once let go, the queued round runs."""
+    head = Head(tiny, False)
+    work = head.work(Spec(CTX[0], "ngram", 2))
+    calls = spy(head.engine, "forward_many")
+    with head.batcher.lock:
+        sub = submit(head.batcher, work)
+        time.sleep(0.05)
+        assert not work.finished.is_set() and calls == [] and sub.is_alive()
+    join([sub])
+    assert sub.error is None and work.hidden is not None and len(calls) == 1
+
+
+class InterruptingLock:
+    """A lock whose acquisition is interrupted (as a job timeout interrupts a thread waiting for the lock)."""
+
+    def __enter__(self) -> None:
+        raise Shutdown("interrupted while waiting")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_round_interrupted_while_waiting_is_withdrawn(tiny: Tiny) -> None:
+    """A thread interrupted before it gets the lock takes its round back out of the queue and raises at once:
+    no later batch computes it (its caches are the caller's again), and it does not wait for one."""
+    head = Head(tiny, False)
+    withdrawn, later = head.work(Spec(CTX[0], "ngram", 2)), head.work(Spec(CTX[1], "ngram", 2))
+    real_lock, head.batcher.lock = head.batcher.lock, InterruptingLock()  # type: ignore[assignment]
+    sub = Submitter(head.batcher, withdrawn)
+    sub.start()
+    sub.join(2.0)
+    assert not sub.is_alive(), "the interrupted caller waits for a round no batch will compute"
+    assert isinstance(sub.error, Shutdown)
+    assert head.batcher._queue == [] and not withdrawn.finished.is_set() and withdrawn.hidden is None
+    head.batcher.lock = real_lock
+    calls = spy(head.engine, "forward_many")
+    head.batcher.run(later)
+    assert len(calls) == 1 and calls[0].caches == [later.cache]
+    assert withdrawn.cache.length == withdrawn.start  # untouched
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_threads() -> Iterator[None]:
+    """Every test joins the threads it starts."""
+    before = set(threading.enumerate())
+    yield
+    stray = [t for t in threading.enumerate() if t not in before and isinstance(t, Submitter) and t.is_alive()]
+    assert not stray, stray
