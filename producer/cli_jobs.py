@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from collections.abc import Callable
+from collections import Counter
 from pathlib import Path
-from typing import TypeVar
 
 import click
 
-from producer.client import Client, JobView, token_chunk
+from producer.client import FINAL, Client, Followed, JobEnded, JobView, TextChunk, WaitTimeout, summary
 from producer.options import (
     EXIT_BAD_INPUT,
     EXIT_JOB_FAILED,
@@ -25,12 +23,7 @@ from producer.options import (
     run_guarded,
     timeout_opt,
 )
-from schemas.errors import TransportError
-from schemas.settings import DEFAULTS
 
-T = TypeVar("T")
-
-FINAL = {"finished", "failed", "canceled", "stopped", "expired"}
 json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
 
 
@@ -67,106 +60,68 @@ def _context_errors(client: Client, parsed) -> list[str]:
     return errors
 
 
-def _summary(views: list[JobView]) -> str:
-    counts: dict[str, int] = {}
-    for v in views:
-        counts[v.status] = counts.get(v.status, 0) + 1
-    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+def _say_retry(error: BaseException, seconds: float) -> None:
+    """The Client's `on_retry` here: say on stderr that Redis is gone and when the next attempt is."""
+    click.echo(f"Redis unreachable ({error}); retrying in {seconds:.1f}s", err=True)
 
 
-def _polled(fn: Callable[[], T], deadline: float | None) -> T:
-    """fn(), retried with backoff while Redis is unreachable (restarting, say), until the deadline."""
-    import redis
-
-    delay = DEFAULTS.reconnect_min_s
-    while True:
-        try:
-            return fn()
-        except (redis.ConnectionError, redis.TimeoutError, TransportError) as e:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransportError(f"Redis unreachable: {e}") from None
-            click.echo(f"Redis unreachable ({e}); retrying in {delay:.1f}s", err=True)
-            time.sleep(delay)
-            delay = min(delay * 2, DEFAULTS.reconnect_max_s)
-
-
-def wait_for(client: Client, ids: list[str], timeout: float | None, show: bool) -> list[JobView]:
-    """Poll until every job is final; a progress bar on a terminal, plain lines otherwise."""
-    deadline = time.monotonic() + timeout if timeout else None
+def show_wait(client: Client, ids: list[str], timeout: float | None) -> list[JobView]:
+    """`client.wait`, showing progress: a bar on a terminal, a line per change otherwise; exit 5 on timeout."""
     bar = None
-    if show and sys.stderr.isatty():
+    if sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=len(ids), file=sys.stderr, unit="job", desc="generating")
     last = ""
-    while True:
-        views = _polled(lambda: client.views(ids), deadline)
+
+    def show(views: list[JobView]) -> None:
+        nonlocal last
         done = sum(v.status in FINAL for v in views)
-        speed = sum(v.progress.get("tokens_per_s", 0) for v in views if v.status == "started")
         if bar is not None:
+            speed = sum(v.progress.get("tokens_per_s", 0) for v in views if v.status == "started")
             bar.n = done
-            bar.set_postfix_str(f"{_summary(views)}; {speed:.1f} tok/s", refresh=True)
-        elif show:
-            line = f"progress: {done}/{len(ids)} done ({_summary(views)})"
-            if line != last:
-                click.echo(line, err=True)
-                last = line
-        if done == len(ids):
-            if bar is not None:
-                bar.close()
-            return views
-        if deadline is not None and time.monotonic() > deadline:
-            if bar is not None:
-                bar.close()
-            fail(f"timed out after {timeout:.0f}s ({_summary(views)})", EXIT_TIMEOUT)
-        time.sleep(0.3)
+            bar.set_postfix_str(f"{summary(views)}; {speed:.1f} tok/s", refresh=True)
+        elif (line := f"progress: {done}/{len(ids)} done ({summary(views)})") != last:
+            click.echo(line, err=True)
+            last = line
+
+    client.on_retry = _say_retry
+    timed_out: WaitTimeout | None = None
+    try:
+        views = client.wait(ids, timeout=timeout, on_progress=show)
+    except WaitTimeout as e:
+        views, timed_out = e.views, e
+    finally:
+        if bar is not None:
+            bar.close()
+    if timed_out is not None:
+        fail(str(timed_out), EXIT_TIMEOUT)
+    return views
 
 
-def follow_text(client: Client, ids: list[str], timeout: float | None) -> list[JobView]:
-    """Print committed text of running jobs as it arrives, until every job is final. Token streams can be
-    written by other clients: an entry that is not a text chunk is skipped, and a finished job whose stream
-    holds nothing more (its end marker lost or expired) counts as ended."""
-    deadline = time.monotonic() + timeout if timeout else None
-    last_id = dict.fromkeys(ids, "0-0")
-    index = {jid: i for i, jid in enumerate(ids)}
-    job_of = {client.keys.tokens(j).encode(): j for j in ids}
-    ended: set[str] = set()
-    finished: set[str] = set()  # seen finished before this pass's read
-    current = None
-    while True:
-        streams = {client.keys.tokens(j): last_id[j] for j in ids if j not in ended}
-        resp = _polled(lambda s=streams: client.r.xread(s, count=64, block=300), deadline) if streams else []
-        fed: set[str] = set()
-        for stream, entries in resp or []:
-            jid = job_of.get(stream)
-            if jid is None:
-                continue
-            fed.add(jid)
-            for entry_id, fields in entries:
-                last_id[jid] = entry_id
-                chunk = token_chunk(fields)
-                if chunk is None:
-                    continue
-                if current != jid:
-                    click.echo(f"\n[{index[jid]}] " if current is not None else f"[{index[jid]}] ", nl=False)
-                    current = jid
-                click.echo(chunk[0], nl=False)
-                if chunk[1]:
-                    ended.add(jid)
+def show_follow(client: Client, ids: list[str], timeout: float | None) -> list[JobView]:
+    """`client.follow`, printing each job's text as it commits (`[index] ` before each switch of job) and how
+    jobs that end without their text ended; the views at the end; exit 5 on timeout."""
+    client.on_retry = _say_retry
+    current: str | None = None  # the job whose text is being printed
+    views: list[JobView] = []
+    try:
+        for event in client.follow(ids, timeout=timeout):
+            if isinstance(event, TextChunk):
+                if current != event.job_id:
+                    click.echo(f"\n[{event.index}] " if current is not None else f"[{event.index}] ", nl=False)
+                    current = event.job_id
+                click.echo(event.text, nl=False)
+                if event.last:
                     click.echo("")
                     current = None
-        views = _polled(lambda: client.views(ids), deadline)
-        for v in views:
-            if v.status in FINAL and v.job_id not in ended and v.status != "finished":
-                ended.add(v.job_id)
-                click.echo(f"\n[{v.index}] {v.status}: {v.error or ''}")
-            elif v.job_id in finished and v.job_id not in fed:  # finished, and a read since found nothing more
-                ended.add(v.job_id)
-        finished = {v.job_id for v in views if v.status == "finished"}
-        if all(v.status in FINAL for v in views) and (ended >= {v.job_id for v in views if v.status == "finished"}):
-            return views
-        if deadline is not None and time.monotonic() > deadline:
-            fail(f"timed out after {timeout:.0f}s ({_summary(views)})", EXIT_TIMEOUT)
+            elif isinstance(event, JobEnded) and event.view.status != "finished":
+                click.echo(f"\n[{event.view.index}] {event.view.status}: {event.view.error or ''}")
+            elif isinstance(event, Followed):
+                views = event.views
+    except WaitTimeout as e:
+        fail(str(e), EXIT_TIMEOUT)
+    return views
 
 
 def _exit_for(views: list[JobView]) -> int:
@@ -239,7 +194,7 @@ def enqueue(
         )
         return
     click.echo(f"batch {batch.batch_id}: {len(batch.job_ids)} jobs", err=True)
-    views = wait_for(client, batch.job_ids, timeout, show=True)  # type: ignore[arg-type]
+    views = show_wait(client, batch.job_ids, timeout)  # type: ignore[arg-type]
     if as_json:
         click.echo(json.dumps({"batch_id": batch.batch_id, "jobs": [v.as_dict() for v in views]}))
     else:
@@ -269,12 +224,10 @@ def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix
         return
     views = client.views(run_guarded(lambda: client.resolve(target)))
     if as_json:
-        counts: dict[str, int] = {}
-        for v in views:
-            counts[v.status] = counts.get(v.status, 0) + 1
+        counts = Counter(v.status for v in views)
         click.echo(json.dumps({"target": target, "counts": counts, "jobs": [v.as_dict() for v in views]}))
         return
-    click.echo(f"{target}: {_summary(views)}")
+    click.echo(f"{target}: {summary(views)}")
     for v in views:
         p = v.progress
         speed = (
@@ -315,9 +268,9 @@ def results(
     client = _client(redis_url, prefix, queue)
     ids = run_guarded(lambda: client.resolve(batch))
     if follow:
-        views = follow_text(client, ids, timeout)
+        views = show_follow(client, ids, timeout)
     elif wait:
-        views = wait_for(client, ids, timeout, show=True)
+        views = show_wait(client, ids, timeout)
     else:
         views = client.views(ids)
     if output:
@@ -350,7 +303,7 @@ def retry(
     for jid in done:
         click.echo(jid)
     if wait and done:
-        sys.exit(_exit_for(wait_for(client, done, timeout, show=True)))
+        sys.exit(_exit_for(show_wait(client, done, timeout)))
 
 
 @click.command()

@@ -1,8 +1,13 @@
-"""The Python client of the job system: enqueue batches, read status and results, retry, cancel.
+"""The Python client of the job system: enqueue batches, wait for or follow them, read results, retry, cancel.
 
-    client = Client(connect(url))
+    from producer.client import Client
+    from relay_broker.connection import connect
+    from schemas.requests import GenerationRequest
+
+    client = Client(connect("redis://localhost:6379/0"))
     batch = client.enqueue([GenerationRequest(prompt="Hello")])
-    for view in client.wait(batch.batch_id): print(view.result["text"])
+    for view in client.wait(batch.job_ids, timeout=600):  # or stream the text: client.follow(batch.job_ids)
+        print(view.index, view.status, view.result["text"] if view.result else view.error)
 
 Jobs are RQ jobs (JSON serializer) on one queue, one per prompt, grouped under a batch id (an RQ
 Group of the same name) with deterministic ids `{batch}-{index:05d}`; results are also kept,
@@ -11,10 +16,15 @@ write-once, under `{prefix}:result:{job_id}`.
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import redis
 from pydantic import ValidationError
@@ -24,8 +34,9 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from relay_broker.retry import REDIS_LOST, ride_out
 from relay_broker.rq_jobs import SafeJob
-from schemas.errors import InvalidRequest, ShardFlowError
+from schemas.errors import InvalidRequest, ShardFlowError, TransportError
 from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, ModelInfo, job_id_for, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest
@@ -33,6 +44,11 @@ from schemas.settings import DEFAULTS
 
 DONE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 RETRYABLE = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
+FINAL = frozenset({"finished", "failed", "canceled", "stopped", "expired"})  # a JobView.status that stays
+POLL_S, READ_BLOCK_MS, READ_COUNT = 0.3, 300, 64  # how `wait` polls and `follow` reads token streams
+OnRetry = Callable[[BaseException, float], None]  # (the Redis error, seconds until the next attempt)
+OnProgress = Callable[[list["JobView"]], None]
+T = TypeVar("T")
 
 
 class NotFound(ShardFlowError):
@@ -52,22 +68,57 @@ class JobView:
     result: dict | None = None
 
     def as_dict(self) -> dict:
-        return {
-            "job_id": self.job_id,
-            "index": self.index,
-            "status": self.status,
-            "prompt": self.prompt,
-            "progress": self.progress,
-            "error": self.error,
-            "result": self.result,
-        }
+        """The view as JSON-ready data (`--json` / `--jsonl` output)."""
+        return asdict(self)
 
 
 @dataclass
 class Batch:
+    """An enqueued batch: its id, queue and job ids in prompt order."""
+
     batch_id: str
     queue: str
     job_ids: list[str]
+
+
+def summary(views: list[JobView]) -> str:
+    """Jobs per status in one line, e.g. `1 failed, 3 finished`."""
+    return ", ".join(f"{n} {s}" for s, n in sorted(Counter(v.status for v in views).items()))
+
+
+class WaitTimeout(ShardFlowError):
+    """Jobs were still not all final when the deadline passed; `views` is how they stood then."""
+
+    def __init__(self, timeout: float, views: list[JobView]) -> None:
+        super().__init__(f"timed out after {timeout:.0f}s ({summary(views)})")
+        self.timeout, self.views = timeout, views
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """Text a job committed, in order (`index`: its position in the ids followed; `last`: its end marker)."""
+
+    job_id: str
+    index: int
+    text: str
+    last: bool
+
+
+@dataclass(frozen=True)
+class JobEnded:
+    """A job that ended without an end marker: failed, canceled, stopped, expired, or finished, its marker lost."""
+
+    view: JobView
+
+
+@dataclass(frozen=True)
+class Followed:
+    """The last event of `Client.follow`: every job is final; their views, in the order followed."""
+
+    views: list[JobView]
+
+
+FollowEvent = TextChunk | JobEnded | Followed
 
 
 def token_chunk(fields: dict) -> tuple[str, bool] | None:
@@ -93,7 +144,10 @@ def preview(req: GenerationRequest, n: int = 80) -> str:
 
 
 class Client:
-    """Producer-side access to ShardFlow's queue, batches and results."""
+    """Producer-side access to ShardFlow's queue, batches and results. `on_retry(error, seconds)`, if set,
+    hears of each retry while `wait` or `follow` ride out a lost Redis (the client itself prints nothing)."""
+
+    on_retry: OnRetry | None = None
 
     def __init__(self, r: redis.Redis, *, prefix: str = DEFAULTS.prefix, queue: str = DEFAULTS.queue) -> None:
         self.r, self.keys, self.queue_name = r, Keys(prefix), queue
@@ -237,6 +291,69 @@ class Client:
             result,
         )
 
+    # --- waiting ------------------------------------------------------------------------------
+    def wait(
+        self, job_ids: list[str], *, timeout: float | None = None, on_progress: OnProgress | None = None
+    ) -> list[JobView]:
+        """Poll until every job is final; their views. `on_progress(views)` hears of each poll. WaitTimeout
+        once `timeout` seconds pass; Redis going away is ridden out until then (see `on_retry`)."""
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while True:
+            views = self._ride_out(lambda: self.views(job_ids), deadline)
+            if on_progress is not None:
+                on_progress(views)
+            if all(v.status in FINAL for v in views):
+                return views
+            if time.monotonic() > deadline:
+                raise WaitTimeout(timeout or 0.0, views)
+            time.sleep(POLL_S)
+
+    def follow(self, job_ids: list[str], *, timeout: float | None = None) -> Iterator[FollowEvent]:
+        """The jobs' text as it commits (TextChunk), each job that ends without an end marker (JobEnded), then
+        once every job is final Followed; WaitTimeout and Redis going away as in `wait`. Token streams can be
+        written by other clients: an entry that is not a text chunk is skipped, a stream not asked for is
+        ignored, and a finished job whose stream holds nothing more at the next read counts as ended."""
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        last_id: dict[str, str | bytes] = dict.fromkeys(job_ids, "0-0")
+        index = {jid: i for i, jid in enumerate(job_ids)}
+        job_of = {self.keys.tokens(j).encode(): j for j in job_ids}
+        ended, finished = set[str](), set[str]()  # finished: seen finished before this pass's read
+        while True:
+            streams = {self.keys.tokens(j): last_id[j] for j in job_ids if j not in ended}
+            fed: set[str] = set()
+            read = partial(self.r.xread, streams, count=READ_COUNT, block=READ_BLOCK_MS)
+            for stream, entries in (self._ride_out(read, deadline) if streams else None) or []:
+                jid = job_of.get(stream)
+                if jid is None:
+                    continue
+                fed.add(jid)
+                for entry_id, fields in entries:
+                    last_id[jid] = entry_id
+                    chunk = token_chunk(fields)
+                    if chunk is not None:
+                        if chunk[1]:
+                            ended.add(jid)
+                        yield TextChunk(jid, index[jid], *chunk)
+            views = self._ride_out(lambda: self.views(job_ids), deadline)
+            for v in views:
+                gone = v.status in FINAL and v.status != "finished"
+                if v.job_id not in ended and (gone or (v.job_id in finished and v.job_id not in fed)):
+                    ended.add(v.job_id)  # a finished one: a read since it was seen finished found nothing more
+                    yield JobEnded(v)
+            finished = {v.job_id for v in views if v.status == "finished"}
+            if all(v.status in FINAL for v in views) and ended >= finished:
+                yield Followed(views)
+                return
+            if time.monotonic() > deadline:
+                raise WaitTimeout(timeout or 0.0, views)
+
+    def _ride_out(self, fn: Callable[[], T], deadline: float) -> T:
+        """fn(), retried while Redis is unreachable (telling `on_retry`) until the deadline; then TransportError."""
+        try:
+            return ride_out(fn, errors=REDIS_LOST, deadline=deadline, on_retry=self.on_retry)
+        except REDIS_LOST as e:
+            raise TransportError(f"Redis unreachable: {e}") from None
+
     # --- actions --------------------------------------------------------------------------------
     def retry(self, job_ids: list[str]) -> list[str]:
         """Re-enqueue the failed, stopped or canceled jobs among job_ids, keeping their ids and batch."""
@@ -293,14 +410,8 @@ class Client:
             }
         queues = []
         for q in Queue.all(connection=self.r, serializer=JSONSerializer, job_class=SafeJob):
-            registries = {
-                "started": q.started_job_registry,
-                "finished": q.finished_job_registry,
-                "failed": q.failed_job_registry,
-                "scheduled": q.scheduled_job_registry,
-                "canceled": q.canceled_job_registry,
-            }
-            counts = {state: self.r.zcard(registry.key) for state, registry in registries.items()}
+            states = ("started", "finished", "failed", "scheduled", "canceled")
+            counts = {state: self.r.zcard(getattr(q, f"{state}_job_registry").key) for state in states}
             workers = len(live.keys() & set(Worker.all_keys(connection=self.r, queue=q)))
             queues.append({"queue": q.name, "queued": q.count, **counts, "workers": workers})
         model = self.model_info()

@@ -76,7 +76,7 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> None:
-    from producer.cli_jobs import follow_text
+    from producer.cli_jobs import show_follow
     from producer.client import Client
     from producer.local import interrupt_on_termination, layer_count, wait_for_tails
     from relay_broker.connection import connect
@@ -114,7 +114,7 @@ def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> 
             for i, p in enumerate(prompts or PROMPTS):
                 click.echo(f"[{i}] Q: {p}")
             click.echo("")
-            views = follow_text(client, batch.job_ids, timeout=900)
+            views = show_follow(client, batch.job_ids, timeout=900)
             click.echo("")
             for v in views:
                 res = v.result or {}

@@ -87,9 +87,16 @@ class BrokenDrafter:
     """A draft session whose proposals fail."""
 
     device = torch.device("cpu")
+    model_session = None
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
         raise RuntimeError("drafter broke")
+
+    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft:
+        return draft
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass

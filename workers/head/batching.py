@@ -52,8 +52,7 @@ class HeadWork:
 def _model_session(w: HeadWork) -> ModelDraftSession | None:
     if w.k <= 0 or not w.sampling.greedy or w.drafter is None:
         return None
-    sess = getattr(w.drafter, "model_session", None)
-    return sess if isinstance(sess, ModelDraftSession) else None
+    return w.drafter.model_session
 
 
 def _rewind(w: HeadWork) -> None:
@@ -135,9 +134,9 @@ class Batcher:
         if sessions:
             ws = [batch[i] for i, _ in sessions]
             drafts = propose_greedy_many([s for _, s in sessions], [w.context for w in ws], [w.k for w in ws])
-            for (i, s), d in zip(sessions, drafts, strict=True):
+            for (i, _), d in zip(sessions, drafts, strict=True):
                 w = batch[i]
-                out[i] = d if w.drafter is s else w.drafter.finish(w.context, w.k, w.gen)  # type: ignore[union-attr]
+                out[i] = w.drafter.finish(d, w.context, w.k, w.gen)  # type: ignore[union-attr]
         for i, w in enumerate(batch):
             if out[i] is None:
                 use = w.drafter is not None and w.k > 0 and w.gen is not None

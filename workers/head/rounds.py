@@ -60,9 +60,8 @@ class RoundLoop:
         try:
             self.cache = runtime.engine.acquire()
         except BaseException:
-            close = getattr(self.drafter, "close", None)
-            if close is not None:
-                close()  # give the drafter's slot back
+            if self.drafter is not None:
+                self.drafter.close()  # give the drafter's slot back
             raise
         self.stream = names.shared_requests
         self.pinned = False
@@ -262,9 +261,8 @@ class RoundLoop:
         """Free this generation's slots; unless the tail ended the session itself (a final verdict: the
         usual end, which then costs no round trip), tell it to drop the session and delete the replies."""
         self.rt.engine.release(self.cache)
-        close = getattr(self.drafter, "close", None)
-        if close is not None:
-            close()
+        if self.drafter is not None:
+            self.drafter.close()
         try:
             self.reader.flush()  # dead letters of the last round
             if self.tail_closed:

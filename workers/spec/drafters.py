@@ -29,9 +29,21 @@ class Draft:
 
 
 class DraftSession(Protocol):
-    device: torch.device
+    """One generation's drafter. The head's batcher drafts greedily for every session whose `model_session`
+    is a ModelDraftSession in one batched call, then hands each its model draft through `finish`; other
+    sessions `propose` on their own. `close` gives back what the session holds (a cache slot)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def model_session(self) -> ModelDraftSession | None: ...
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft: ...
+
+    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft: ...
+
+    def close(self) -> None: ...
 
 
 class Drafter(Protocol):
@@ -71,6 +83,9 @@ class ModelDraftSession:
     @property
     def model_session(self) -> ModelDraftSession:
         return self
+
+    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft:
+        return draft  # its own batched draft is the proposal
 
     def plan(self, context: list[int]) -> tuple[list[int], int]:
         """Crop the cache to the longest prefix of context[:-1] it holds; return (tokens to feed, start)."""
@@ -158,6 +173,14 @@ class NgramDrafter:
     def new_session(self) -> NgramDrafter:
         return self
 
+    model_session = None  # drafts by lookup, never in a model batch
+
+    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft:
+        return draft
+
+    def close(self) -> None:
+        """Holds nothing."""
+
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
         ctx = torch.tensor(context)
         for n in range(min(self.ngram_max, len(context) - 1), self.ngram_min - 1, -1):
@@ -183,21 +206,19 @@ class SyntheticDrafter:
         self.inner = inner  # a real drafter run only to pay its cost (its proposals are discarded)
 
     def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        if self.inner is not None:
+            self.inner.close()
 
     @property
     def model_session(self) -> ModelDraftSession | None:
         return self.inner if isinstance(self.inner, ModelDraftSession) else None
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
-        if self.inner is not None:
-            self.inner.propose(context, k, sampling, gen)
-        return self.finish(context, k, gen)
+        draft = self.inner.propose(context, k, sampling, gen) if self.inner is not None else Draft([])
+        return self.finish(draft, context, k, gen)
 
-    def finish(self, context: list[int], k: int, gen: torch.Generator) -> Draft:
-        """The synthetic proposal itself (the inner drafter has run already)."""
+    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft:
+        """The synthetic proposal itself (the inner drafter's `draft` only paid its cost)."""
         at = len(context) - self.prompt_len
         want = self.reference[at : at + k]
         keep = (torch.rand(len(want), generator=gen) < self.alpha).tolist()
