@@ -30,6 +30,7 @@ from schemas.jobs import Checkpoint, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import DEFAULTS
+from workers.head.runtime import HeadRuntime, generate
 
 log = logging.getLogger("shardflow.jobs")
 
@@ -38,20 +39,14 @@ class JobCancelled(JobError):
     """The user cancelled a running generation."""
 
 
-@dataclass
-class _Bound:
-    runtime: object  # workers.head.runtime.HeadRuntime
+@dataclass(frozen=True)
+class JobContext:
+    """What the job function runs with: the head's loaded models and its Redis connection and key names.
+    The head worker binds it to `run_generation` in its own job class (no module global)."""
+
+    runtime: HeadRuntime
     r: redis.Redis
     names: Keys
-
-
-_bound: _Bound | None = None
-
-
-def bind(runtime: object, r: redis.Redis, names: Keys) -> None:
-    """Give this process's job function its loaded models and relay connection."""
-    global _bound
-    _bound = _Bound(runtime, r, names)
 
 
 def no_retry(job: Job, reason: str) -> None:
@@ -179,15 +174,13 @@ def store_result_once(r: redis.Redis, keys: Keys, job_id: str, result: Generatio
     return existing or data
 
 
-def run_generation(payload: dict) -> dict:
-    """RQ job: one generation. Returns the GenerationResult as JSON-ready data."""
-    from workers.head.runtime import generate
-
+def run_generation(ctx: JobContext, payload: dict) -> dict:
+    """RQ job: one generation (the head worker binds `ctx`). Returns the GenerationResult as JSON-ready data."""
     job = get_current_job()
-    if job is None or _bound is None:
+    if job is None:
         raise RuntimeError("run_generation must run inside a ShardFlow head worker")
-    keys = Keys(_bound.names.prefix)
-    stored = stored_result(_bound.r, keys, job.id)
+    keys = ctx.names
+    stored = stored_result(ctx.r, keys, job.id)
     if stored is not None:
         return stored
     try:
@@ -196,9 +189,9 @@ def run_generation(payload: dict) -> dict:
         no_retry(job, f"invalid request: {e.errors()[0]['msg']}")
         raise InvalidRequest(job.meta["error"]) from None
     ttl = job_ttl(job)
-    progress = Progress(job, _bound.r, keys, _bound.runtime.tokenizer, ttl)  # type: ignore[attr-defined]
+    progress = Progress(job, ctx.r, keys, ctx.runtime.tokenizer, ttl)
     job.meta.pop("error", None)
-    resume = load_checkpoint(_bound.r, keys, job.id)
+    resume = load_checkpoint(ctx.r, keys, job.id)
     if resume:
         log.info("job %s resumes from a checkpoint of %d tokens", job.id, len(resume))
         progress.resume_from(resume)
@@ -206,9 +199,9 @@ def run_generation(payload: dict) -> dict:
         try:
             result = generate(
                 req,
-                _bound.runtime,  # type: ignore[arg-type]
-                _bound.r,
-                names=_bound.names,
+                ctx.runtime,
+                ctx.r,
+                names=ctx.names,
                 on_tokens=progress.on_tokens,
                 resume=resume,
             )
@@ -221,6 +214,6 @@ def run_generation(payload: dict) -> dict:
         job.meta["error"] = f"{type(e).__name__}: {e}"
         job.save_meta()
         raise
-    stored = store_result_once(_bound.r, keys, job.id, result, ttl)  # first: a retry finds it, not the checkpoint
+    stored = store_result_once(ctx.r, keys, job.id, result, ttl)  # first: a retry finds it, not the checkpoint
     progress.flush(result.token_ids, final=True)  # then drop the checkpoint and end the token stream
     return stored

@@ -17,11 +17,12 @@ lower shard while others wait for their verdicts (each is an ordinary RQ worker 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
@@ -47,10 +48,11 @@ class _LoopEnded(Exception):
     """RQ's loop ended on an error, not on a stop request: restart it."""
 
 
-class AllowListJob(SafeJob):
-    """The head's job class: the one job function it runs, looked up by its name (never imported by it)."""
-
-    functions: ClassVar[Mapping[str, Callable[..., Any]]] = {RUN_GENERATION: jobs.run_generation}
+def head_job_class(ctx: jobs.JobContext) -> type[SafeJob]:
+    """This worker's job class: the one job function, bound to its models, looked up by its wire name (never
+    imported by it; see relay_broker/rq_jobs.py)."""
+    functions: Mapping[str, Callable[..., Any]] = {RUN_GENERATION: functools.partial(jobs.run_generation, ctx)}
+    return type("HeadJob", (SafeJob,), {"functions": functions})
 
 
 class HeadWorker(SimpleWorker):
@@ -70,21 +72,21 @@ class HeadWorker(SimpleWorker):
         model_info: ModelInfo | None = None,
         **kwargs: Any,
     ) -> None:
+        self.names = names or Keys()
+        job_class = head_job_class(jobs.JobContext(runtime, r, self.names))
         kwargs.setdefault("serializer", JSONSerializer)
-        kwargs.setdefault("job_class", AllowListJob)
+        kwargs.setdefault("job_class", job_class)
         kwargs.setdefault("maintenance_interval", DEFAULTS.maintenance_s)
         kwargs.setdefault("worker_ttl", max(DEFAULTS.heartbeat_ttl_s * 2, 16))
         kwargs.setdefault("job_monitoring_interval", max(int(DEFAULTS.heartbeat_s), 1))
         super().__init__(
-            [Queue(q, connection=r, serializer=JSONSerializer, job_class=AllowListJob) for q in queues],
+            [Queue(q, connection=r, serializer=JSONSerializer, job_class=job_class) for q in queues],
             connection=r,
             **kwargs,
         )
-        self.names = names or Keys()
-        jobs.bind(runtime, r, self.names)
         if model_info is not None:
             for q in queues:
-                r.set(Keys(self.names.prefix).model_info(q), model_info.model_dump_json())
+                r.set(self.names.model_info(q), model_info.model_dump_json())
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         """RQ's loop, restarted with backoff (relay_broker.retry) when it ends on an error (Redis lost
