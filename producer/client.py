@@ -20,9 +20,7 @@ import math
 import re
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TypeVar
 
@@ -34,9 +32,22 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from producer.views import (  # noqa: F401  (re-exported: the producer API's types)
+    FINAL,
+    Batch,
+    Followed,
+    FollowEvent,
+    JobEnded,
+    JobView,
+    NotFound,
+    TextChunk,
+    WaitTimeout,
+    summary,
+    token_chunk,
+)
 from relay_broker.retry import REDIS_LOST, ride_out
 from relay_broker.rq_jobs import SafeJob
-from schemas.errors import InvalidRequest, ShardFlowError, TransportError
+from schemas.errors import InvalidRequest, TransportError
 from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, ModelInfo, job_id_for, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest
@@ -44,89 +55,10 @@ from schemas.settings import DEFAULTS
 
 DONE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 RETRYABLE = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
-FINAL = frozenset({"finished", "failed", "canceled", "stopped", "expired"})  # a JobView.status that stays
 POLL_S, READ_BLOCK_MS, READ_COUNT = 0.3, 300, 64  # how `wait` polls and `follow` reads token streams
 OnRetry = Callable[[BaseException, float], None]  # (the Redis error, seconds until the next attempt)
 OnProgress = Callable[[list["JobView"]], None]
 T = TypeVar("T")
-
-
-class NotFound(ShardFlowError):
-    """No batch or job has this id (never existed, or expired)."""
-
-
-@dataclass
-class JobView:
-    """What a user sees of one job."""
-
-    job_id: str
-    index: int
-    status: str
-    prompt: str = ""
-    progress: dict = field(default_factory=dict)
-    error: str | None = None
-    result: dict | None = None
-
-    def as_dict(self) -> dict:
-        """The view as JSON-ready data (`--json` / `--jsonl` output)."""
-        return asdict(self)
-
-
-@dataclass
-class Batch:
-    """An enqueued batch: its id, queue and job ids in prompt order."""
-
-    batch_id: str
-    queue: str
-    job_ids: list[str]
-
-
-def summary(views: list[JobView]) -> str:
-    """Jobs per status in one line, e.g. `1 failed, 3 finished`."""
-    return ", ".join(f"{n} {s}" for s, n in sorted(Counter(v.status for v in views).items()))
-
-
-class WaitTimeout(ShardFlowError):
-    """Jobs were still not all final when the deadline passed; `views` is how they stood then."""
-
-    def __init__(self, timeout: float, views: list[JobView]) -> None:
-        super().__init__(f"timed out after {timeout:.0f}s ({summary(views)})")
-        self.timeout, self.views = timeout, views
-
-
-@dataclass(frozen=True)
-class TextChunk:
-    """Text a job committed, in order (`index`: its position in the ids followed; `last`: its end marker)."""
-
-    job_id: str
-    index: int
-    text: str
-    last: bool
-
-
-@dataclass(frozen=True)
-class JobEnded:
-    """A job that ended without an end marker: failed, canceled, stopped, expired, or finished, its marker lost."""
-
-    view: JobView
-
-
-@dataclass(frozen=True)
-class Followed:
-    """The last event of `Client.follow`: every job is final; their views, in the order followed."""
-
-    views: list[JobView]
-
-
-FollowEvent = TextChunk | JobEnded | Followed
-
-
-def token_chunk(fields: dict) -> tuple[str, bool] | None:
-    """(text, is the end) of a token-stream entry, or None for an entry that is not one (others can write it)."""
-    text, final = fields.get(b"text"), fields.get(b"final")
-    if not isinstance(text, bytes) or final not in (b"0", b"1") or len(fields) != 2:
-        return None
-    return text.decode("utf-8", errors="replace"), final == b"1"
 
 
 def _number(v: object) -> bool:
