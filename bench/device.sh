@@ -2,6 +2,7 @@
 # What the GPU figures in docs/benchmarks.md come from: one device call per part, on nvidia-h200-x2.
 #   bench/device.sh ladder    # the ladder (graphs, compiled, 16 in flight, no speculation, eager rows)
 #   bench/device.sh checks    # profile_round, gpu_parity, batch_check
+#   bench/device.sh parity    # gpu_parity, batch_check
 #   bench/device.sh profile   # profile_round only (no HF-layers row)
 #   bench/device.sh ladder:330 profile:230   # several parts in one call, each capped (seconds)
 # ROWS=... picks ladder rows; a capped part keeps what it wrote before the cap in $OUT.
@@ -29,6 +30,12 @@ case "${part%%:*}" in
   profile)
     timeout "$LIMIT" python3 -m bench.profile_round --device cuda:0 --tail-device cuda:1 --compile-draft \
       --no-hf --out "$OUT" 2>&1 | quiet > "$OUT/profile.log"; tail -45 "$OUT/profile.log"
+    ;;
+  parity)
+    timeout "$LIMIT" python3 -m bench.gpu_parity --head-device cuda:0 --tail-device cuda:1 2>&1 | quiet > "$OUT/parity.log"
+    tail -8 "$OUT/parity.log"
+    timeout 120 python3 -m bench.batch_check --device cuda:0 2>&1 | quiet > "$OUT/batch_check.log"
+    tail -8 "$OUT/batch_check.log"
     ;;
   checks)
     python3 -m bench.profile_round --device cuda:0 --tail-device cuda:1 --compile-draft --out "$OUT" 2>&1 \
