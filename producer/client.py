@@ -55,7 +55,6 @@ from schemas.settings import DEFAULTS
 
 DONE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 RETRYABLE = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
-POLL_S, READ_BLOCK_MS, READ_COUNT = 0.3, 300, 64  # how `wait` polls and `follow` reads token streams
 OnRetry = Callable[[BaseException, float], None]  # (the Redis error, seconds until the next attempt)
 OnProgress = Callable[[list["JobView"]], None]
 T = TypeVar("T")
@@ -238,7 +237,7 @@ class Client:
                 return views
             if time.monotonic() > deadline:
                 raise WaitTimeout(timeout or 0.0, views)
-            time.sleep(POLL_S)
+            time.sleep(DEFAULTS.poll_interval_s)
 
     def follow(self, job_ids: list[str], *, timeout: float | None = None) -> Iterator[FollowEvent]:
         """The jobs' text as it commits (TextChunk), each job that ends without an end marker (JobEnded), then
@@ -253,7 +252,7 @@ class Client:
         while True:
             streams = {self.keys.tokens(j): last_id[j] for j in job_ids if j not in ended}
             fed: set[str] = set()
-            read = partial(self.r.xread, streams, count=READ_COUNT, block=READ_BLOCK_MS)
+            read = partial(self.r.xread, streams, count=DEFAULTS.follow_read_count, block=DEFAULTS.follow_block_ms)
             for stream, entries in (self._ride_out(read, deadline) if streams else None) or []:
                 jid = job_of.get(stream)
                 if jid is None:

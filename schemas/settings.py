@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(2.0, description="Head worker heartbeat period while a job runs.")
     heartbeat_ttl_s: int = Field(8, description="A running job with no heartbeat this long is abandoned.")
     maintenance_s: int = Field(3, description="How often head workers look for abandoned jobs.")
+    poll_interval_s: float = Field(0.3, description="How often `--wait` (Client.wait) polls job states.")
+    follow_block_ms: int = Field(300, description="Blocking read of token streams by `--follow` (Client.follow).")
+    follow_read_count: int = Field(64, description="Token-stream entries `--follow` reads per stream per call.")
     progress_interval_s: float = Field(0.2, description="Least time between progress/token updates of a job.")
     # --- generation ---
     draft_k: int = Field(8, description="Draft tokens proposed per round (K).")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 
 import pytest
 from rq import Queue
@@ -135,3 +136,20 @@ def test_forged_job_records_never_stop_the_head(env):
         assert env.r.hget(f"rq:job:{jid}", "status") == b"failed", jid
         assert 0 < env.r.ttl(f"rq:job:{jid}") <= DEFAULTS.result_ttl_s, jid  # kept like any failed job
     assert "ignoring the rate limit" in log and "NOPERM" not in log
+
+
+def test_a_forged_scheduled_entry_holds_back_no_retry(env):
+    """Due entries of RQ's scheduled registry (where retries wait out their backoff) that do not restore, or
+    are no job at all, never keep the head's scheduler from enqueueing the real ones."""
+    env.r.hset("rq:job:forged-sched", mapping={"data": b"[]", "created_at": b"not a date", "status": b"scheduled"})
+    env.r.set("rq:job:forged-sched-str", "not a hash")
+    env.r.zadd(f"rq:scheduled:{env.queue}", {"forged-sched": 0, "forged-sched-str": 0})
+    queue = Queue(env.queue, connection=env.r, serializer=JSONSerializer)
+    request = {"prompt": "Tokyo", "chat_template": False, "max_new_tokens": 4}
+    job = queue.enqueue_in(timedelta(seconds=0), "workers.jobs.run_generation", request, job_id="real-sched")
+    deadline = time.monotonic() + 30
+    while env.r.hget(job.key, "status") != b"finished" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert env.r.hget(job.key, "status") == b"finished"
+    assert not env.r.zcard(f"rq:scheduled:{env.queue}")  # the forged entries left the registry too
+    assert env.r.hget("rq:job:forged-sched", "status") == b"failed"

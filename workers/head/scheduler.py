@@ -24,9 +24,12 @@ from datetime import datetime
 from typing import Any, Literal
 
 import redis
+from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.scheduler import RQScheduler
-from rq.utils import as_text, now, utcformat
+from rq.utils import as_text, current_timestamp, now, utcformat
 
+from relay_broker.rq_jobs import SafeJob
 from schemas.settings import DEFAULTS
 
 log = logging.getLogger("shardflow.scheduler")
@@ -134,6 +137,34 @@ class ThreadScheduler(RQScheduler):
         conn.expire(self.key, self.lock_ttl)
         if pipeline is None:
             conn.execute()
+
+    def enqueue_scheduled_jobs(self) -> None:
+        """RQ's, with every due record read through `SafeJob` (RQ restores them with its plain Job, so one
+        forged entry of `rq:scheduled:QUEUE` would raise and hold back every due retry of that queue): a
+        record that does not parse is enqueued as a bare job RQ then fails the usual way, a key that is no
+        job is dropped from the registry."""
+        self._status = self.Status.WORKING
+        if not self._scheduled_job_registries and self._acquired_locks:
+            self.prepare_registries()
+        for registry in self._scheduled_job_registries:
+            job_ids = registry.get_jobs_to_schedule(current_timestamp())
+            if not job_ids:
+                continue
+            queue = Queue(registry.name, connection=self.connection, serializer=self.serializer, job_class=SafeJob)
+            with self.connection.pipeline() as pipe:
+                for job_id in job_ids:
+                    job = self._fetch(job_id)
+                    if job is not None:
+                        queue._enqueue_job(job, pipeline=pipe, at_front=job.should_enqueue_at_front())
+                    registry.remove(job_id, pipeline=pipe)
+                pipe.execute()
+        self._status = self.Status.STARTED
+
+    def _fetch(self, job_id: str) -> SafeJob | None:
+        try:
+            return SafeJob.fetch(job_id, connection=self.connection, serializer=self.serializer)
+        except NoSuchJobError:
+            return None
 
     # --- the thread ---------------------------------------------------------------------------------
     def start(self) -> threading.Thread:  # type: ignore[override]
