@@ -17,9 +17,9 @@ import sys
 import click
 import torch
 
+from bench.synthetic import load_shard
 from workers.engine.kvcache import KVCache
 from workers.engine.runner import Engine
-from workers.engine.shard import load_shard
 
 
 def rollback(rnd: random.Random, caches: list, refs: list[KVCache], starts: list[int]) -> None:

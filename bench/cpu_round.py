@@ -63,7 +63,7 @@ def _echo_tail(url: str, n: int) -> None:
     done = 0
     while done < n:
         for stream, entry_id, _ in reader.read(count=16, block_ms=1000):
-            reader.ack_many([(stream, entry_id, Reply("bench:rep", {b"h": b"v" * 200}))])
+            reader.ack_many([(stream, entry_id, Reply("bench:rep", {b"h": b"v" * 200}, 600))])
             done += 1
 
 

@@ -13,8 +13,8 @@ import time
 import click
 import torch
 
+from bench.synthetic import load_shard
 from workers.engine.runner import Engine
-from workers.engine.shard import load_shard
 from workers.spec.drafters import ModelDrafter, propose_greedy_many
 
 

@@ -30,12 +30,13 @@ import click
 import torch
 
 from bench.delay_proxy import spawn_proxy
+from bench.synthetic import preset_of, registry
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
-from workers.engine.shard import RANDOM_PRESETS
+from schemas.settings import Settings
 from workers.head.runtime import HeadRuntime, generate
 
 FIELDS = ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms", "verify_ms")
@@ -46,7 +47,7 @@ def run_row(
 ) -> dict:
     def request(p, ref):
         draft = (
-            DraftSettings(kind=kind, k=k, alpha=alpha, reference_ids=ref, adaptive=False)
+            DraftSettings(kind=kind, k=k, adaptive=False, options={"alpha": alpha, "reference_ids": ref})
             if kind != "none"
             else DraftSettings(kind="none")
         )
@@ -188,9 +189,9 @@ def main(
     out,
 ) -> None:
     dt = getattr(torch, dtype)
-    n_layers = RANDOM_PRESETS[target.split(":", 1)[1]]["num_hidden_layers"] if target.startswith("random:") else None
-    assert n_layers is not None, "ladder.py takes random:<preset> targets"
-    vocab = RANDOM_PRESETS[target.split(":", 1)[1]]["vocab_size"]
+    preset = preset_of(target)
+    assert preset is not None, "ladder.py takes random:<preset> targets"
+    n_layers, vocab = preset["num_hidden_layers"], preset["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(n_prompts)]
     wanted = rows.split(",")
@@ -208,7 +209,7 @@ def main(
                 (split, n_layers),
                 server.url,
                 prefix=f"ladder-{mode}",
-                extra=["--device", tail_device, "--dtype", dtype, *flags],
+                extra=["--device", tail_device, "--dtype", dtype, "--plugin", "bench.synthetic", *flags],
             )
             tails[mode] = (proc, Keys(f"ladder-{mode}"))
         try:
@@ -216,12 +217,13 @@ def main(
             for proc, names in tails.values():
                 wait_for_tails(connect(server.url), names, proc=proc, timeout_s=600)
             cuda = head_device.startswith("cuda")
-            load = dict(draft=draft, device=head_device, dtype=dt, max_k=k, max_len=max_len)
+            load = dict(draft=draft, device=head_device, dtype=dt, max_len=max_len, plugins=registry())
+            load["settings"] = Settings(draft_k=k)
             modes = {"eager": dict(static=False, graphs=False), "graphs": dict(static=True, graphs=cuda)}
             modes["compiled"] = dict(modes["graphs"], compile_draft=True)  # torch.compile'd drafter, graphs
             used = {w.split("-")[1] for w in wanted}
             runtimes = {
-                m: HeadRuntime.load(target, (0, split), **load, **modes[m], synthetic_drafts=True)
+                m: HeadRuntime.load(target, (0, split), **load, **modes[m])  # type: ignore[arg-type]
                 for m in modes
                 if m in used
             }

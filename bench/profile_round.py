@@ -21,8 +21,8 @@ import click
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.synthetic import RANDOM_PRESETS, load_shard
 from workers.engine.runner import Engine
-from workers.engine.shard import RANDOM_PRESETS, load_shard
 from workers.spec.drafters import ModelDrafter, propose_greedy_many
 from workers.spec.verify import verify_greedy
 

@@ -15,12 +15,15 @@ from producer.options import (
     engine_options,
     generation_options,
     layers_option,
+    load_worker_plugins,
+    plugins_opt,
     prefix_opt,
     redis_opt,
     request_defaults,
     run_guarded,
     threads_opt,
     torch_setup,
+    worker_settings,
 )
 from schemas.keys import Keys
 from schemas.settings import DEFAULTS
@@ -131,6 +134,7 @@ worker_target_opt = click.option(
 @dtype_opt
 @threads_opt
 @engine_options
+@plugins_opt
 def tail(
     target: str,
     layers: tuple[int, int],
@@ -147,33 +151,34 @@ def tail(
     static: bool | None,
     graphs: bool | None,
     slots: int,
+    plugins: tuple[str, ...],
 ) -> None:
     """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
     from relay_broker.connection import connect
     from workers.engine.runner import Engine
-    from workers.engine.shard import load_shard
     from workers.tail.server import TailWorker
 
-    shard = load_shard(target, layers, embed=False, head=True, device=device, dtype=torch_setup(threads, dtype))
+    settings = worker_settings(
+        max_sessions=max_sessions,
+        session_ttl_s=session_ttl,
+        max_packet_bytes=max_packet_bytes,
+        static_cache_len=max_len,
+        batch_slots=slots,
+    )
+    registry = run_guarded(lambda: load_worker_plugins(plugins))
+    dtype_ = torch_setup(threads, dtype)
+    load = dict(embed=False, head=True, device=device, dtype=dtype_, fused=settings.fused_layers)
+    shard = registry.load_shard(target, layers, **load)  # type: ignore[arg-type]
     if layers[1] != shard.config.num_hidden_layers:
         raise click.BadParameter(f"a tail must end at the last layer ({shard.config.num_hidden_layers})")
     worker = run_guarded(
         lambda: TailWorker(
             shard,
-            connect(redis_url),
+            connect(redis_url, settings=settings),
             names=Keys(prefix),
             tail_id=name,
-            max_sessions=max_sessions,
-            session_ttl_s=session_ttl,
-            max_packet_bytes=max_packet_bytes,
-            engine=Engine(
-                shard,
-                static=static,
-                graphs=graphs,
-                max_len=max_len,
-                step_tokens=DEFAULTS.draft_k + 1,
-                slots=slots,
-            ),
+            settings=settings,
+            engine=Engine(shard, static=static, graphs=graphs, settings=settings),
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
@@ -202,12 +207,6 @@ def tail(
     "compiles once, tens of seconds, at its first use).",
 )
 @click.option(
-    "--synthetic-drafts",
-    is_flag=True,
-    help="Benchmarks only: accept requests for the synthetic drafter (drafts from reference ids with a set "
-    "acceptance); a head without it refuses them.",
-)
-@click.option(
     "--concurrency",
     type=click.IntRange(1),
     default=1,
@@ -220,6 +219,7 @@ def tail(
 @dtype_opt
 @threads_opt
 @engine_options
+@plugins_opt
 def head(
     target: str,
     layers: tuple[int, int],
@@ -237,7 +237,7 @@ def head(
     graphs: bool | None,
     slots: int,
     compile_draft: bool,
-    synthetic_drafts: bool,
+    plugins: tuple[str, ...],
 ) -> None:
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
     from relay_broker.connection import connect
@@ -247,6 +247,7 @@ def head(
 
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
+    settings = worker_settings(batch_slots=slots, queue=queue, prefix=prefix, redis_url=redis_url)
     runtime = HeadRuntime.load(
         target,
         layers,
@@ -255,9 +256,9 @@ def head(
         dtype=torch_setup(threads, dtype),
         static=static,
         graphs=graphs,
-        slots=slots,
         compile_draft=compile_draft,
-        synthetic_drafts=synthetic_drafts,
+        settings=settings,
+        plugins=run_guarded(lambda: load_worker_plugins(plugins)),
     )
     info = ModelInfo(
         target=str(target),
@@ -267,7 +268,7 @@ def head(
         head_layers=list(layers),
         draft=draft,
     )
-    r = run_guarded(lambda: connect(redis_url))
+    r = run_guarded(lambda: connect(redis_url, settings=settings))
     level = logging.getLevelName(logging.getLogger().level)
     workers = [
         HeadWorker(
@@ -301,6 +302,7 @@ def head(
 @device_opt
 @dtype_opt
 @threads_opt
+@plugins_opt
 def generate(
     prompt: str,
     target: str,
@@ -312,6 +314,7 @@ def generate(
     dtype: str,
     threads: int | None,
     as_json: bool,
+    plugins: tuple[str, ...],
     **gen: object,
 ) -> None:
     """Run one split generation in this process as the head, against tails serving this Redis."""
@@ -322,8 +325,13 @@ def generate(
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
     req = run_guarded(lambda: _request(prompt, **gen))
-    runtime = HeadRuntime.load(target, layers, draft=draft, device=device, dtype=torch_setup(threads, dtype))
-    r = run_guarded(lambda: connect(redis_url))
+    settings = worker_settings(prefix=prefix, redis_url=redis_url)
+    registry = run_guarded(lambda: load_worker_plugins(plugins))
+    dtype_ = torch_setup(threads, dtype)
+    runtime = HeadRuntime.load(
+        target, layers, draft=draft, device=device, dtype=dtype_, settings=settings, plugins=registry
+    )
+    r = run_guarded(lambda: connect(redis_url, settings=settings))
     _print_result(run_guarded(lambda: run_generation(req, runtime, r, names=Keys(prefix))), as_json)
 
 

@@ -51,7 +51,7 @@ from schemas.errors import InvalidRequest, TransportError
 from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, ModelInfo, job_id_for, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 
 DONE = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 RETRYABLE = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
@@ -80,7 +80,14 @@ class Client:
 
     on_retry: OnRetry | None = None
 
-    def __init__(self, r: redis.Redis, *, prefix: str = DEFAULTS.prefix, queue: str = DEFAULTS.queue) -> None:
+    def __init__(
+        self, r: redis.Redis, *, prefix: str | None = None, queue: str | None = None, settings: Settings | None = None
+    ) -> None:
+        """`settings` (default: Settings(), i.e. SHARDFLOW_* and the documented defaults) gives the queue and
+        prefix (unless given here), job defaults (timeout, retries and their backoff, result TTL) and the
+        poll/follow pace."""
+        self.settings = settings = settings or Settings()
+        prefix, queue = prefix or settings.prefix, queue or settings.queue
         self.r, self.keys, self.queue_name = r, Keys(prefix), queue
         # SafeJob: RQ's cleanup (the worker's, or an operator's) calls the failure callback a job
         # record names; a forged record must not make a producer import code (see README, Security).
@@ -100,8 +107,8 @@ class Client:
         requests: list[GenerationRequest],
         *,
         batch_id: str | None = None,
-        result_ttl: int = DEFAULTS.result_ttl_s,
-        retries: int = DEFAULTS.job_retries,
+        result_ttl: int | None = None,
+        retries: int | None = None,
     ) -> Batch:
         """Enqueue one job per request under one batch, atomically; returns the batch.
 
@@ -109,10 +116,13 @@ class Client:
         result (failed or not), ShardFlow's result, text stream and checkpoint, counted from when they are
         written; the batch record lasts as long from enqueueing (the batch stays listed while any of its
         jobs exists, through RQ's group of the same name)."""
+        cfg = self.settings
+        result_ttl = cfg.result_ttl_s if result_ttl is None else result_ttl
+        retries = cfg.job_retries if retries is None else retries
         if not requests:
             raise InvalidRequest("nothing to enqueue")
-        if len(requests) > DEFAULTS.max_batch_jobs:
-            raise InvalidRequest(f"{len(requests)} jobs in one batch; at most {DEFAULTS.max_batch_jobs}")
+        if len(requests) > self.settings.max_batch_jobs:
+            raise InvalidRequest(f"{len(requests)} jobs in one batch; at most {self.settings.max_batch_jobs}")
         if result_ttl < 1:
             raise InvalidRequest("result_ttl must be at least 1 second")
         batch_id = batch_id or new_batch_id()
@@ -121,13 +131,13 @@ class Client:
         if self.r.exists(self.keys.batch(batch_id), Group.get_key(batch_id)):
             raise InvalidRequest(f"batch {batch_id} already exists")
         ids = [job_id_for(batch_id, i) for i in range(len(requests))]
-        retry = Retry(max=retries, interval=DEFAULTS.retry_intervals_s[:retries] or 0) if retries > 0 else None
+        retry = Retry(max=retries, interval=self.settings.retry_intervals_s[:retries] or 0) if retries > 0 else None
         datas = [
             Queue.prepare_data(
                 RUN_GENERATION,
                 args=(req.model_dump(mode="json"),),
                 job_id=jid,
-                timeout=DEFAULTS.job_timeout_s,
+                timeout=self.settings.job_timeout_s,
                 result_ttl=result_ttl,
                 failure_ttl=result_ttl,
                 retry=retry,
@@ -151,7 +161,7 @@ class Client:
         """Job ids of a batch in enqueue order: from its record, or once that expired (a queue that waited
         longer than the result TTL) from RQ's group of the same name, which lasts while any job does."""
         count = self.r.hget(self.keys.batch(batch_id), "count")
-        if count is not None and count.isdigit() and int(count) <= DEFAULTS.max_batch_jobs:
+        if count is not None and count.isdigit() and int(count) <= self.settings.max_batch_jobs:
             return [job_id_for(batch_id, i) for i in range(int(count))]
         members = sorted(m.decode(errors="replace") for m in self.r.smembers(Group.get_key(batch_id)))
         if not members:
@@ -237,7 +247,7 @@ class Client:
                 return views
             if time.monotonic() > deadline:
                 raise WaitTimeout(timeout or 0.0, views)
-            time.sleep(DEFAULTS.poll_interval_s)
+            time.sleep(self.settings.poll_interval_s)
 
     def follow(self, job_ids: list[str], *, timeout: float | None = None) -> Iterator[FollowEvent]:
         """The jobs' text as it commits (TextChunk), each job that ends without an end marker (JobEnded), then
@@ -252,7 +262,8 @@ class Client:
         while True:
             streams = {self.keys.tokens(j): last_id[j] for j in job_ids if j not in ended}
             fed: set[str] = set()
-            read = partial(self.r.xread, streams, count=DEFAULTS.follow_read_count, block=DEFAULTS.follow_block_ms)
+            cfg = self.settings
+            read = partial(self.r.xread, streams, count=cfg.follow_read_count, block=cfg.follow_block_ms)
             for stream, entries in (self._ride_out(read, deadline) if streams else None) or []:
                 jid = job_of.get(stream)
                 if jid is None:
@@ -281,7 +292,7 @@ class Client:
     def _ride_out(self, fn: Callable[[], T], deadline: float) -> T:
         """fn(), retried while Redis is unreachable (telling `on_retry`) until the deadline; then TransportError."""
         try:
-            return ride_out(fn, errors=REDIS_LOST, deadline=deadline, on_retry=self.on_retry)
+            return ride_out(fn, errors=REDIS_LOST, deadline=deadline, on_retry=self.on_retry, settings=self.settings)
         except REDIS_LOST as e:
             raise TransportError(f"Redis unreachable: {e}") from None
 
@@ -294,7 +305,7 @@ class Client:
             if not isinstance(job, Job) or job.get_status(refresh=False) not in RETRYABLE:
                 continue
             job.meta.pop("error", None)
-            job.retries_left = DEFAULTS.job_retries
+            job.retries_left = self.settings.job_retries
             job.save()
             self.r.delete(self.keys.cancel(job.id), self.keys.tokens(job.id))
             if job.id in registry:
@@ -315,7 +326,7 @@ class Client:
                 continue
             status = job.get_status(refresh=False)
             if status == JobStatus.STARTED:
-                ttl = min(DEFAULTS.job_timeout_s, job_ttl(job))  # never outlives what the job itself leaves
+                ttl = min(self.settings.job_timeout_s, job_ttl(job))  # never outlives what the job itself leaves
                 self.r.set(self.keys.cancel(job.id), 1, ex=ttl)
                 done.append(job.id)
             elif status not in DONE:

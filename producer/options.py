@@ -178,6 +178,32 @@ threads_opt = click.option(
 )
 
 
+plugins_opt = click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    envvar="SHARDFLOW_PLUGINS",
+    show_envvar=True,
+    help="Module whose register(registry) adds drafter kinds or model schemes (workers/plugins.py); repeatable, "
+    "or comma-separated in the environment. Benchmarks: bench.synthetic. None by default.",
+)
+
+
+def load_worker_plugins(plugins: tuple[str, ...]):
+    """The registry of the --plugin modules (names split on commas too)."""
+    from workers.plugins import load_plugins
+
+    return load_plugins([m.strip() for p in plugins for m in p.split(",") if m.strip()])
+
+
+def worker_settings(**flags: object):
+    """The typed settings a worker runs with: SHARDFLOW_* from the environment, then the flags given
+    (None = not given) on top; the one config the worker passes down."""
+    from schemas.settings import Settings
+
+    return Settings(**{k: v for k, v in flags.items() if v is not None})
+
+
 def engine_options(fn: Callable) -> Callable:
     """--static-cache / --graphs / --slots: how shards run (default: static + graphs on CUDA, off on CPU)."""
     fn = click.option(

@@ -21,10 +21,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import redis
 import redis.exceptions
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from schemas.errors import TransportError
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 
 T = TypeVar("T")
 TRANSPORT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
@@ -47,26 +47,36 @@ def _retryable(e: BaseException) -> bool:
     return isinstance(e, TRANSPORT_ERRORS) and not isinstance(e, AUTH_ERRORS) and not _certificate_rejected(e)
 
 
-def transport_retry(attempts: int = DEFAULTS.connect_attempts) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Decorator: retry on Redis transport errors with jittered backoff, then raise TransportError."""
+def _attempts_for(args: tuple) -> int:
+    """settings.connect_attempts of the object a method belongs to, else the documented default."""
+    settings = getattr(args[0], "settings", None) if args else None
+    return settings.connect_attempts if isinstance(settings, Settings) else DEFAULT_ATTEMPTS
+
+
+DEFAULT_ATTEMPTS: int = Settings.model_fields["connect_attempts"].default
+
+
+def transport_retry(attempts: int | None = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Decorator: retry on Redis transport errors with jittered backoff, then raise TransportError.
+    `attempts` None: the `settings.connect_attempts` of the method's object (schemas/settings.py)."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
-        inner = retry(
-            retry=retry_if_exception(_retryable),
-            stop=stop_after_attempt(attempts),
-            wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
-            reraise=True,
-        )(fn)
-
         def call(*args: Any, **kwargs: Any) -> T:
+            n = attempts if attempts is not None else _attempts_for(args)
+            retrying = Retrying(
+                retry=retry_if_exception(_retryable),
+                stop=stop_after_attempt(n),
+                wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
+                reraise=True,
+            )
             try:
-                return inner(*args, **kwargs)
+                return retrying(fn, *args, **kwargs)
             except AUTH_ERRORS as e:
                 raise TransportError(f"Redis refused the credentials: {e}") from e
             except TRANSPORT_ERRORS as e:
                 if _certificate_rejected(e):
                     raise TransportError(f"Redis's TLS certificate is not trusted (ssl_ca_certs?): {e}") from e
-                raise TransportError(f"Redis unreachable after {attempts} attempts: {e}") from e
+                raise TransportError(f"Redis unreachable after {n} attempts: {e}") from e
 
         call.__name__ = getattr(fn, "__name__", "call")
         call.__doc__ = fn.__doc__
@@ -76,17 +86,21 @@ def transport_retry(attempts: int = DEFAULTS.connect_attempts) -> Callable[[Call
 
 
 def connect(
-    url: str = DEFAULTS.redis_url,
+    url: str,
     *,
     username: str | None = None,
     password: str | None = None,
     check: bool = True,
-    attempts: int = DEFAULTS.connect_attempts,
+    settings: Settings | None = None,
+    attempts: int | None = None,
     **kwargs: Any,
 ) -> redis.Redis:
-    """Open a Redis client for `url` (bytes responses); PING it (with retries) unless check=False."""
+    """Open a Redis client for `url` (bytes responses); PING it (`attempts` tries, default
+    settings.connect_attempts) unless check=False. `settings` (default: Settings()) gives the socket timeout."""
+    settings = settings or Settings()
+    attempts = attempts or settings.connect_attempts
     opts: dict[str, Any] = {
-        "socket_timeout": DEFAULTS.socket_timeout_s,
+        "socket_timeout": settings.socket_timeout_s,
         "socket_connect_timeout": 10.0,
         "health_check_interval": 30,
     }

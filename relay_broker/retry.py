@@ -16,15 +16,15 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exp
 
 from relay_broker.connection import TRANSPORT_ERRORS
 from schemas.errors import TransportError
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 
 T = TypeVar("T")
 REDIS_LOST = (*TRANSPORT_ERRORS, TransportError)
 
 
-def backoff() -> wait_exponential:
+def backoff(settings: Settings) -> wait_exponential:
     """reconnect_min_s, doubling up to reconnect_max_s."""
-    return wait_exponential(multiplier=DEFAULTS.reconnect_min_s, max=DEFAULTS.reconnect_max_s)
+    return wait_exponential(multiplier=settings.reconnect_min_s, max=settings.reconnect_max_s)
 
 
 def ride_out(
@@ -36,8 +36,9 @@ def ride_out(
     on_retry: Callable[[BaseException, float], None] | None = None,
     sleep: Callable[[float], object] = time.sleep,
     wait: Callable[[RetryCallState], float] | None = None,
+    settings: Settings | None = None,
 ) -> T:
-    """fn(), retried while it raises one of `errors`, with `backoff()` (or `wait`) between attempts, until it
+    """fn(), retried while it raises one of `errors`, with `backoff(settings)` (or `wait`) between attempts, until it
     returns; past `deadline` (time.monotonic()) or once `stop()` is true the last error is raised.
     `on_retry(error, seconds)` hears of each retry before its wait; `sleep` waits (an Event's `wait` ends
     the wait early when the event is set)."""
@@ -51,7 +52,7 @@ def ride_out(
 
     retrying = Retrying(
         retry=retry_if_exception_type(errors),
-        wait=wait or backoff(),
+        wait=wait or backoff(settings or Settings()),
         stop=give_up,
         before_sleep=before_sleep,
         sleep=sleep,

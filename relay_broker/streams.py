@@ -15,14 +15,15 @@ import redis
 from relay_broker.connection import transport_retry
 from schemas.errors import ReplyTimeout
 from schemas.keys import Keys
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 
 Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)
 
 
 @transport_retry()
-def publish(r: redis.Redis, stream: str, fields: dict, maxlen: int = DEFAULTS.request_stream_maxlen) -> bytes:
-    """Append one entry to `stream`, trimming it to about `maxlen` entries."""
+def publish(r: redis.Redis, stream: str, fields: dict, *, maxlen: int) -> bytes:
+    """Append one entry to `stream`, trimming it to about `maxlen` entries (a request stream:
+    settings.request_stream_maxlen)."""
     return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
 
 
@@ -32,20 +33,20 @@ class Reply(NamedTuple):
 
     stream: str
     fields: dict
-    ttl_s: int = DEFAULTS.reply_ttl_s
+    ttl_s: int
 
 
-def add_reply(pipe: redis.client.Pipeline, stream: str, fields: dict, ttl_s: int = DEFAULTS.reply_ttl_s) -> None:
-    """Queue a reply on a session's stream, kept short and expiring when abandoned."""
-    pipe.xadd(stream, fields, maxlen=DEFAULTS.reply_stream_maxlen, approximate=True)
-    pipe.expire(stream, ttl_s)
+def add_reply(pipe: redis.client.Pipeline, reply: Reply, maxlen: int) -> None:
+    """Queue a reply on a session's stream, kept to about `maxlen` entries and expiring when abandoned."""
+    pipe.xadd(reply.stream, reply.fields, maxlen=maxlen, approximate=True)
+    pipe.expire(reply.stream, reply.ttl_s)
 
 
 @transport_retry()
-def close_session(r: redis.Redis, stream: str, close_fields: dict, reply_stream: str) -> None:
+def close_session(r: redis.Redis, stream: str, close_fields: dict, reply_stream: str, *, maxlen: int) -> None:
     """Tell the tail holding a session to drop it and delete the session's reply stream: one round trip."""
     pipe = r.pipeline(transaction=False)
-    pipe.xadd(stream, close_fields, maxlen=DEFAULTS.request_stream_maxlen, approximate=True)
+    pipe.xadd(stream, close_fields, maxlen=maxlen, approximate=True)
     pipe.delete(reply_stream)
     pipe.execute()
 
@@ -59,8 +60,8 @@ class GroupReader:
     consumer: str
     streams: list[str]
     claim_streams: list[str] = field(default_factory=list)  # streams whose stale entries this reader takes over
-    claim_idle_ms: int = DEFAULTS.claim_idle_ms
     dead_stream: str = Keys().dead_letters
+    settings: Settings = field(default_factory=Settings)  # claim_idle_ms, block_ms, stream caps
     _pending_done: bool = field(default=False, init=False)
     _last_claim: float = field(default=0.0, init=False)
 
@@ -82,8 +83,9 @@ class GroupReader:
                 raise
 
     @transport_retry()
-    def read(self, count: int = 16, block_ms: int = DEFAULTS.block_ms) -> list[Entry]:
-        """Return up to `count` entries; blocks up to block_ms when there is nothing new."""
+    def read(self, count: int = 16, block_ms: int | None = None) -> list[Entry]:
+        """Return up to `count` entries; blocks up to block_ms (settings.block_ms) when there is nothing new."""
+        block_ms = self.settings.block_ms if block_ms is None else block_ms
         if not self._pending_done:
             got = self._flatten(
                 self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, "0"), count=count)
@@ -92,7 +94,7 @@ class GroupReader:
             if got:
                 return got
             self._pending_done = True
-        if self.claim_streams and time.monotonic() - self._last_claim > self.claim_idle_ms / 2000:
+        if self.claim_streams and time.monotonic() - self._last_claim > self.settings.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
             claimed = self._claim(count)
             if claimed:
@@ -105,7 +107,8 @@ class GroupReader:
         """Entries that another consumer read but never acknowledged for claim_idle_ms (a dead tail's)."""
         out: list[Entry] = []
         for stream in self.claim_streams:
-            resp = self.r.xautoclaim(stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count)
+            idle = self.settings.claim_idle_ms
+            resp = self.r.xautoclaim(stream, self.group, self.consumer, idle, "0-0", count=count)
             out += [(stream.encode(), i, f) for i, f in resp[1] if f]
         return out
 
@@ -127,10 +130,10 @@ class GroupReader:
         packets' records to the dead-letter stream: one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for record in dead_letters or []:
-            pipe.xadd(self.dead_stream, record, maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
+            pipe.xadd(self.dead_stream, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
         for stream, entry_id, reply in done:
             if reply is not None:
-                add_reply(pipe, *reply)
+                add_reply(pipe, reply, self.settings.reply_stream_maxlen)
             pipe.xack(stream, self.group, entry_id)
             pipe.xdel(stream, entry_id)
         pipe.execute()
@@ -142,43 +145,40 @@ class ReplyReader:
 
     Anyone who can write the stream (a tail, or any client of a Redis without ACLs) can put entries in it,
     so the caller checks each one and hands the bad ones back with `refuse`: they go to the dead-letter
-    stream in the same round trip as the next read (at most `max_dead_letters` records per reader; the rest
-    are only counted). Entries are read `count` at a time, so a flood of junk costs one round trip per
-    `count` entries and holds at most `count` entries in memory."""
+    stream in the same round trip as the next read (at most `reply_dead_letters_max` records per reader; the
+    rest are only counted). Entries are read `reply_read_count` at a time, so a flood of junk costs one round
+    trip per that many entries and holds at most that many in memory."""
 
     r: redis.Redis
     stream: str
     last_id: bytes = b"0-0"
     dead_stream: str | None = None
-    count: int = DEFAULTS.reply_read_count
-    max_dead_letters: int = DEFAULTS.reply_dead_letters_max
+    settings: Settings = field(default_factory=Settings)  # reply_read_count, reply_dead_letters_max, block_ms
     entry_id: bytes = field(default=b"", init=False)  # id of the entry `next` returned last
     refused: int = field(default=0, init=False)
     _buffer: deque = field(default_factory=deque, init=False, repr=False)
     _dead: list[dict] = field(default_factory=list, init=False, repr=False)
 
-    def next(self, timeout_s: float = DEFAULTS.reply_timeout_s) -> dict[bytes, bytes]:
+    def next(self, timeout_s: float) -> dict[bytes, bytes]:
         """Return the next reply's fields; raise ReplyTimeout if none comes within timeout_s."""
         deadline = time.monotonic() + timeout_s
         while not self._buffer:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise ReplyTimeout(f"no reply on {self.stream} within {timeout_s:.1f}s")
-            self._take(self._read(min(left_ms, DEFAULTS.block_ms)))
+            self._take(self._read(min(left_ms, self.settings.block_ms)))
         return self._pop()
 
-    def publish_then_next(
-        self, stream: str, fields: dict, timeout_s: float = DEFAULTS.reply_timeout_s
-    ) -> dict[bytes, bytes]:
+    def publish_then_next(self, stream: str, fields: dict, timeout_s: float) -> dict[bytes, bytes]:
         """Send a request and wait for the next reply in one round trip (XADD + blocking XREAD pipelined)."""
         deadline = time.monotonic() + timeout_s
-        self._take(self._publish_and_read(stream, fields, min(int(timeout_s * 1000), DEFAULTS.block_ms)))
+        self._take(self._publish_and_read(stream, fields, min(int(timeout_s * 1000), self.settings.block_ms)))
         return self._pop() if self._buffer else self.next(max(deadline - time.monotonic(), 0.0))
 
     def refuse(self, record: dict) -> None:
         """Dead-letter the entry `next` returned last (`record`: its DeadLetterRecord fields)."""
         self.refused += 1
-        if self.dead_stream is not None and self.refused <= self.max_dead_letters:
+        if self.dead_stream is not None and self.refused <= self.settings.reply_dead_letters_max:
             self._dead.append(record)
 
     @transport_retry()
@@ -203,22 +203,22 @@ class ReplyReader:
     def _queue_dead(self, pipe: redis.client.Pipeline) -> int:
         """Queue the dead letters on `pipe` (a refused write, under an old ACL file say, fails nothing else)."""
         for record in self._dead:
-            pipe.xadd(self.dead_stream, record, maxlen=DEFAULTS.dead_letter_maxlen, approximate=True)
+            pipe.xadd(self.dead_stream, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
         return len(self._dead)
 
     @transport_retry()
     def _publish_and_read(self, stream: str, fields: dict, block_ms: int) -> list:
         pipe = self.r.pipeline(transaction=False)
         n = self._queue_dead(pipe)
-        pipe.xadd(stream, fields, maxlen=DEFAULTS.request_stream_maxlen, approximate=True)
-        pipe.xread({self.stream: self.last_id}, count=self.count, block=max(block_ms, 1))
+        pipe.xadd(stream, fields, maxlen=self.settings.request_stream_maxlen, approximate=True)
+        pipe.xread({self.stream: self.last_id}, count=self.settings.reply_read_count, block=max(block_ms, 1))
         return self._result(pipe.execute(raise_on_error=False), n)
 
     @transport_retry()
     def _read(self, block_ms: int) -> list:
         pipe = self.r.pipeline(transaction=False)
         n = self._queue_dead(pipe)
-        pipe.xread({self.stream: self.last_id}, count=self.count, block=block_ms)
+        pipe.xread({self.stream: self.last_id}, count=self.settings.reply_read_count, block=block_ms)
         return self._result(pipe.execute(raise_on_error=False), n)
 
     def _result(self, replies: list, dead: int) -> list:

@@ -13,6 +13,11 @@ SCHEMA_VERSION = 1
 SessionId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 FinishReason = Literal["eos", "length", "stop"]
+BUILTIN_DRAFTERS = ("model", "ngram", "none")
+# a value of a plugin drafter's `draft.options` (bounded: any producer can send one)
+PluginValue = (
+    bool | int | float | Annotated[str, Field(max_length=1024)] | Annotated[list[TokenId], Field(max_length=1 << 16)]
+)
 
 
 class SamplingParams(BaseModel):
@@ -35,10 +40,12 @@ class DraftSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["model", "ngram", "none", "synthetic"] = Field(
+    kind: str = Field(
         "model",
-        description="'model' uses the head's draft model if it has one, else n-gram; 'synthetic' (benchmarks "
-        "only) proposes reference_ids, each replaced by a wrong token with probability 1 - alpha.",
+        pattern=r"^[a-z][a-z0-9_]{0,31}$",
+        description="'model' uses the head's draft model if it has one, else n-gram; 'ngram' prompt lookup; "
+        "'none' no speculation; any other name is a plugin drafter (workers/plugins.py) that the head must have "
+        "been started with, else the job fails with the reason.",
     )
     k: int = Field(DEFAULTS.draft_k, ge=0, le=64, description="Draft tokens per round (the most, if adaptive).")
     adaptive: bool = Field(
@@ -48,8 +55,15 @@ class DraftSettings(BaseModel):
     )
     ngram_max: int = Field(DEFAULTS.ngram_max, ge=1, le=16)
     ngram_min: int = Field(DEFAULTS.ngram_min, ge=1, le=16)
-    alpha: float = Field(0.78, ge=0.0, le=1.0, description="Synthetic drafter: chance each draft is right.")
-    reference_ids: list[TokenId] | None = Field(None, max_length=1 << 16, description="Synthetic drafter's text.")
+    options: dict[Annotated[str, Field(max_length=64)], PluginValue] = Field(
+        default_factory=dict, max_length=16, description="A plugin drafter's own settings (it validates them)."
+    )
+
+    @model_validator(mode="after")
+    def _options_for_plugins(self) -> DraftSettings:
+        if self.options and self.kind in BUILTIN_DRAFTERS:
+            raise ValueError(f"draft.options are for plugin drafters, not {self.kind!r}")
+        return self
 
 
 class ChatMessage(BaseModel):

@@ -22,7 +22,7 @@ from workers.engine.kvcache import StaticKVCache
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache, Shard, load_shard
 from workers.head.batching import Batcher, HeadWork
-from workers.spec.drafters import Draft, ModelDrafter, NgramDrafter, SyntheticDrafter
+from workers.spec.drafters import Draft, DraftSession, ModelDrafter, NgramDrafter
 from workers.tiny_models import build_tokenizer, save_tiny_model
 
 GREEDY = SamplingParams()
@@ -70,8 +70,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
 class Spec:
     """One generation's round: its committed context, drafter and draft length.
 
-    drafter: "none", "ngram", "model" (greedy draft model), "sampled" (the draft model sampling), "synthetic"
-    (benchmark drafter around an inner model session), or "broken" (a drafter that raises).
+    drafter: "none", "ngram", "model" (greedy draft model), "sampled" (the draft model sampling), "planted"
+    (a plugin-style drafter around an inner model session), or "broken" (a drafter that raises).
     first: the generation's first round (the shard has seen nothing); otherwise all but the last token are cached.
     bad: the uncached token is outside the vocabulary (a bad input that fails the lower shard's forward)."""
 
@@ -97,6 +97,29 @@ class BrokenDrafter:
 
     def close(self) -> None:
         pass
+
+
+class PlantedDrafter:
+    """A plugin-style drafter (as bench/synthetic.py's) around a model session: the batcher drafts for the
+    inner session with the others, then `finish` swaps in planted tokens."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, planted: list[int], inner: DraftSession) -> None:
+        self.planted, self.inner = planted, inner
+
+    @property
+    def model_session(self) -> Any:
+        return self.inner
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
+        return self.finish(self.inner.propose(context, k, sampling, gen), context, k, gen)
+
+    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft:
+        return Draft(self.planted[:k], point=True)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 @dataclass
@@ -158,9 +181,8 @@ class Head:
             return NgramDrafter()
         if kind == "broken":
             return BrokenDrafter()
-        if kind == "synthetic":
-            ref = [1, 2, 3, 4, 5, 6, 7, 8]
-            return SyntheticDrafter(ref, 0.5, len(spec.context), self.tiny.vocab, self.drafter.new_session())
+        if kind == "planted":
+            return PlantedDrafter([1, 2, 3, 4, 5, 6, 7, 8], self.drafter.new_session())
         return self.drafter.new_session()
 
     def alone(self, spec: Spec) -> HeadWork:
@@ -249,13 +271,13 @@ MIXED = [
     Spec(CTX[1], "none", 0),
     Spec(CTX[3], "sampled", 2, seed=7),
     Spec(CTX[4], "model", 2, first=True),  # a first round: the whole prompt, longer than a step (runs eagerly)
-    Spec(CTX[0], "synthetic", 4, seed=3),
+    Spec(CTX[0], "planted", 4, seed=3),
 ]
 
 
 @STATIC
 def test_rounds_from_threads_run_as_one_batch(tiny: Tiny, static: bool) -> None:
-    """Six generations' rounds (greedy and sampled model drafts, n-gram, none, a first round, synthetic) submitted
+    """Six generations' rounds (greedy and sampled model drafts, n-gram, none, a first round, planted) submitted
     from six threads run as one lower-shard forward, computed by one of those threads, over the caches in
     submission order; each gets the drafts and hidden states it gets alone."""
     head, ref = Head(tiny, static), Head(tiny, static)

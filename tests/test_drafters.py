@@ -8,13 +8,14 @@ import time
 import pytest
 import torch
 
-from schemas.errors import InvalidRequest
+from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from tests.conftest import PROMPTS
 from workers.engine.kvcache import KVCache
 from workers.engine.shard import load_shard
 from workers.head.runtime import HeadRuntime, generate
-from workers.spec.drafters import ModelDrafter, NgramDrafter
+from workers.plugins import DrafterContext, Registry, load_plugins
+from workers.spec.drafters import Draft, ModelDrafter, NgramDrafter
 from workers.tail.sessions import SessionStore
 
 GREEDY = SamplingParams()
@@ -69,24 +70,66 @@ def test_session_store_bounds_count_and_idle_time():
     assert len(store) == 0
 
 
-def test_synthetic_drafter_sets_acceptance_and_stays_lossless(models, tails, redis_client, tokenizers):
+class ReplayDrafter:
+    """A plugin drafter (this module is its plugin: see `register`): proposes `options["ids"]`, the
+    continuation to expect, with every `options["wrong_every"]`-th token wrong; it runs the head's draft
+    model session only to pay its cost, as bench/synthetic.py's does."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, options: dict, ctx: DrafterContext) -> None:
+        self.ids, self.every, self.ctx = list(options["ids"]), int(options.get("wrong_every", 0)), ctx
+
+    @property
+    def model_session(self):
+        return self.ctx.model_session
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
+        return self.finish(Draft([]), context, k, gen)
+
+    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft:
+        at = len(context) - self.ctx.prompt_len
+        want = self.ids[at : at + k]
+        wrong = [self.every > 0 and (at + i) % self.every == self.every - 1 for i in range(len(want))]
+        return Draft([(t + 1) % self.ctx.vocab_size if w else t for t, w in zip(want, wrong, strict=True)], point=True)
+
+    def close(self) -> None:
+        if self.ctx.model_session is not None:
+            self.ctx.model_session.close()
+
+
+def register(registry: Registry) -> None:
+    """This test module as a plugin (workers/plugins.py): a `replay` drafter kind."""
+    registry.add_drafter("replay", ReplayDrafter)
+
+
+def test_plugin_drafter_runs_only_where_loaded_and_stays_lossless(models, tails, redis_client, tokenizers):
+    """A drafter kind from a plugin module (`--plugin`, load_plugins) serves requests naming it, batched
+    with the draft model, lossless at any acceptance; a head without the plugin refuses the request with
+    the reason; a bad plugin name or module is a clear load error."""
     ms = models["qwen2"]
     names = tails.get(ms.target, 2, ms.n_layers)
-    runtime = HeadRuntime.load(ms.target, (0, 2), synthetic_drafts=True)  # a benchmark switch
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, plugins=load_plugins([__name__]))
     prompt = tokenizers["qwen2"].encode(PROMPTS[3])
     base = GenerationRequest(prompt_ids=prompt, max_new_tokens=40, draft=DraftSettings(kind="none"))
     ref = generate(base, runtime, redis_client, names=names).token_ids
-    synthetic = base.model_copy(update={"draft": DraftSettings(kind="synthetic", k=6, alpha=1.0, reference_ids=ref)})
-    with pytest.raises(InvalidRequest, match="synthetic drafter is for benchmarks"):  # a production head refuses
-        generate(synthetic, HeadRuntime.load(ms.target, (0, 2)), redis_client, names=names)
-    for alpha, check in (
-        (1.0, lambda r: r.accepted_tokens == r.drafted_tokens),
-        (0.0, lambda r: r.accepted_tokens == 0),
-        (0.7, lambda r: 0 < r.accepted_tokens < r.drafted_tokens),
+    replay = DraftSettings(kind="replay", k=6, adaptive=False, options={"ids": ref})
+    with pytest.raises(InvalidRequest, match="drafter kind 'replay' is not available on this worker"):
+        generate(base.model_copy(update={"draft": replay}), HeadRuntime.load(ms.target, (0, 2)), redis_client)
+    for every, check in (
+        (0, lambda r: r.accepted_tokens == r.drafted_tokens),
+        (1, lambda r: r.accepted_tokens == 0),
+        (3, lambda r: 0 < r.accepted_tokens < r.drafted_tokens),
     ):
-        req = base.model_copy(update={"draft": DraftSettings(kind="synthetic", k=6, alpha=alpha, reference_ids=ref)})
-        got = generate(req, runtime, redis_client, names=names)
-        assert got.token_ids == ref and check(got), (alpha, got.accepted_tokens, got.drafted_tokens)
+        draft = replay.model_copy(update={"options": {"ids": ref, "wrong_every": every}})
+        got = generate(base.model_copy(update={"draft": draft}), runtime, redis_client, names=names)
+        assert got.token_ids == ref and check(got), (every, got.accepted_tokens, got.drafted_tokens)
+    with pytest.raises(ModelLoadError, match="cannot be imported"):
+        load_plugins(["no_such_module_here"])
+    with pytest.raises(ModelLoadError, match="has no register"):
+        load_plugins(["json"])
+    with pytest.raises(ModelLoadError, match="needs a plugin"):
+        HeadRuntime.load("random:tiny", (0, 2))
 
 
 def test_adaptive_draft_length_shrinks_on_rejections_and_stays_lossless(models, tails, redis_client):

@@ -127,10 +127,10 @@ class _HostCopies(TorchDispatchMode):
 
 
 @torch.inference_mode()
-def test_batched_forward_and_whole_draft_are_capture_safe():
+def test_batched_forward_and_whole_draft_are_capture_safe(models):
     """The fused forward and the whole-draft loop run on the meta device (standing in for CUDA) without
     building host tensors: the CPU suite guards the GPU's graph captures."""
-    shard = load_shard("random:tiny", None, embed=True, head=True).to("meta")
+    shard = load_shard(models["qwen2"].target, None, embed=True, head=True).to("meta")
     shard.rotary = shard.rotary.to("meta")
     shard.fused = fused_stack(shard.layers[0], [fuse_layer(x, concat=True) for x in shard.layers], shard.config)
     pool = KVPool.for_shard(shard, slots=2, max_len=64, scratch=16)
@@ -155,7 +155,7 @@ def _no_capture(*_, **__):
 
 
 @torch.inference_mode()
-def test_graph_wrapper_pads_and_replays(monkeypatch):
+def test_graph_wrapper_pads_and_replays(models, monkeypatch):
     """BatchGraph's own logic (padding rows, inputs copied in, whole-draft body) on CPU, with capture and
     replay simulated: replaying the recorded callable must give the eager whole-draft result."""
     for name, value in {
@@ -167,7 +167,7 @@ def test_graph_wrapper_pads_and_replays(monkeypatch):
         "CUDAGraph": _FakeGraph,
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    shard = load_shard("random:tiny", None, embed=True, head=True)
+    shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
     pool = KVPool.for_shard(shard, slots=4, max_len=64, scratch=10)
     ref_pool = KVPool.for_shard(shard, slots=4, max_len=64, scratch=10)
     graph = BatchGraph(shard, shard.run_batch, pool, 4, 2, 1, steps=5)

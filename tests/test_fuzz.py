@@ -124,7 +124,7 @@ def test_fuzzed_streams_dead_letter_everything_and_real_generations_finish(
     for t in threads:
         t.start()
     for i, fields in enumerate(packets):
-        publish(redis_client, names.shared_requests if i % 2 else own, fields)
+        publish(redis_client, names.shared_requests if i % 2 else own, fields, maxlen=10_000)
     for t in threads:
         t.join(120)
     assert results == expected  # the real generations, interleaved with the fuzz, are exact

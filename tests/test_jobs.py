@@ -21,6 +21,7 @@ from producer.cli import main
 from producer.client import Client
 from producer.local import spawn_tail, wait_for_tails
 from schemas.keys import Keys
+from schemas.requests import GenerationRequest
 from tests.conftest import PROMPTS
 
 SPLIT = 2
@@ -368,13 +369,42 @@ def test_head_worker_with_generations_in_flight(models, redis_server, redis_clie
 
 
 def test_a_default_head_refuses_synthetic_drafts(env, tmp_path):
-    """The synthetic drafter (benchmarks: drafts from reference ids) runs only on a head started with
-    --synthetic-drafts; any producer can ask for it, and a production head fails the job with the reason."""
+    """The synthetic drafter (benchmarks: drafts from reference ids) lives in bench/synthetic.py and runs only
+    on a head started with `--plugin bench.synthetic`; any producer can ask for it, and a production head
+    fails the job with the reason (no retry)."""
     line = {"prompt": "Tokyo", "chat_template": False, "max_new_tokens": 4}
-    line["draft"] = {"kind": "synthetic", "reference_ids": [5, 6, 7], "alpha": 1.0}
+    line["draft"] = {"kind": "synthetic", "options": {"reference_ids": [5, 6, 7], "alpha": 1.0}}
     path = tmp_path / "synthetic.jsonl"
     path.write_text(json.dumps(line) + "\n")
     res = env.cli("enqueue", "--file", str(path), "--wait", "--json", "--timeout", "60")
     assert res.exit_code == 1, res.output
     job = json.loads(res.output.splitlines()[-1])["jobs"][0]
-    assert job["status"] == "failed" and "synthetic drafter is for benchmarks" in job["error"], job
+    assert job["status"] == "failed" and "drafter kind 'synthetic' is not available" in job["error"], job
+
+
+def test_bench_plugin_sets_acceptance_through_the_job_path(models, redis_server, redis_client, tmp_path):
+    """`shardflow head --plugin bench.synthetic` (what bench/jobs.py starts): synthetic requests run through
+    the job path with the acceptance they ask for, and the output is the target's own."""
+    e = Env("plugin", models, redis_server, redis_client, tmp_path, head_extra=("--plugin", "bench.synthetic"))
+    try:
+        prompt = {"prompt": PROMPTS[2], "chat_template": False, "max_new_tokens": 24}
+        (plain,) = e.client.enqueue([GenerationRequest.model_validate({**prompt, "draft": {"kind": "none"}})]).job_ids
+        ref = e.client.wait([plain], timeout=120)[0].result["token_ids"]
+        asks = [
+            {
+                **prompt,
+                "draft": {
+                    "kind": "synthetic",
+                    "k": 4,
+                    "adaptive": False,
+                    "options": {"alpha": a, "reference_ids": ref},
+                },
+            }
+            for a in (1.0, 0.0)
+        ]
+        ids = e.client.enqueue([GenerationRequest.model_validate(a) for a in asks]).job_ids
+        sure, never = (v.result for v in e.client.wait(ids, timeout=120))
+        assert sure["token_ids"] == never["token_ids"] == ref
+        assert sure["accepted_tokens"] == sure["drafted_tokens"] > 0 and never["accepted_tokens"] == 0
+    finally:
+        e.close()

@@ -90,7 +90,7 @@ def test_bad_packets_get_clear_errors_while_others_run(guarded_tail, redis_clien
     worker.start()
     for _ in range(3):
         for _, fields, _ in packets:
-            publish(redis_client, names.shared_requests, fields)
+            publish(redis_client, names.shared_requests, fields, maxlen=1000)
     worker.join(120)
     assert not worker.is_alive()
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from schemas.requests import DraftSettings, GenerationRequest
+from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from workers.head.runtime import HeadRuntime, generate
 
@@ -88,7 +89,7 @@ def test_greedy_parity_batched_in_flight(family, models, hf_models, tokenizers, 
     sequences' slots at once, plus one-slot pools beyond the slots) and still equal HF generate."""
     ms = models[family]
     names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache", "--slots", "3"))
-    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True, slots=3)
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True, settings=Settings(batch_slots=3))
     expected = reference(family, hf_models[family], tokenizers[family])
 
     def one(i: int) -> list[int]:

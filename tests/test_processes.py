@@ -22,6 +22,7 @@ from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 
 from relay_broker.connection import connect
+from schemas.settings import Settings
 from workers.head.scheduler import ThreadScheduler
 
 SPLIT = 2
@@ -159,6 +160,7 @@ def test_head_worker_schedules_through_its_thread(redis_server, no_lua, burst):
     worker = HeadWorker.__new__(HeadWorker)  # only the scheduler plumbing: no models, no RQ loop
     worker.queues = [Queue(name, connection=r, serializer=JSONSerializer)]
     worker.connection, worker.serializer, worker.scheduler = r, JSONSerializer, None
+    worker.shardflow_settings = Settings()
     job = _job_due_now(r, worker.queues[0])
     worker._start_scheduler(burst=burst)
     try:

@@ -25,7 +25,7 @@ def test_token_stream_resend_is_not_streamed_twice(redis_client):
     the same text on the job's token stream twice: entry ids are where the text ends."""
     keys = Keys(prefix="resend")
     job = SimpleNamespace(id="j1", key="resend:job:j1", meta={}, serializer=JSONSerializer)
-    progress = Progress(job, redis_client, keys, Chars())  # type: ignore[arg-type]
+    progress = Progress(job, redis_client, keys, Chars(), 600, 0.2)  # type: ignore[arg-type]
     progress.flush([0, 1], final=False)
     progress.flushed_chars = 0  # as if the reply was lost and the same pipeline ran again
     progress.flush([0, 1], final=False)
@@ -41,7 +41,7 @@ def test_progress_flushes_off_the_round_loop(redis_client, monkeypatch):
     it, flushes stay in order, and a cancel request found by a flush stops the generation a round later."""
     keys = Keys(prefix="offpath")
     job = SimpleNamespace(id="j2", key="offpath:job:j2", meta={}, serializer=JSONSerializer)
-    progress = Progress(job, redis_client, keys, Chars())  # type: ignore[arg-type]
+    progress = Progress(job, redis_client, keys, Chars(), 600, 0.2)  # type: ignore[arg-type]
     gate = threading.Event()
     real_flush = progress.flush
 

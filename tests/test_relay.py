@@ -7,9 +7,10 @@ import redis
 
 from relay_broker.connection import connect, transport_retry
 from relay_broker.embedded import EmbeddedRedis, free_port
-from relay_broker.streams import GroupReader, ReplyReader, add_reply, publish
+from relay_broker.streams import GroupReader, Reply, ReplyReader, add_reply, publish
 from schemas.errors import ReplyTimeout, TransportError
 from schemas.keys import Keys
+from schemas.settings import Settings
 
 
 def test_embedded_unix_socket_and_clean_stop():
@@ -67,7 +68,7 @@ def test_unreachable_redis_is_a_transport_error():
 def test_group_reader_pending_first_then_new(redis_client):
     names = Keys("relaytest")
     reader = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])
-    publish(redis_client, names.shared_requests, {b"h": b"1"})
+    publish(redis_client, names.shared_requests, {b"h": b"1"}, maxlen=100)
     ((stream, entry_id, fields),) = reader.read(block_ms=100)
     assert fields == {b"h": b"1"}
     again = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])  # a restart
@@ -80,8 +81,8 @@ def test_group_reader_pending_first_then_new(redis_client):
 def test_reply_reader_order_and_timeout(redis_client):
     stream = Keys("relaytest").reply("s1")
     pipe = redis_client.pipeline()
-    add_reply(pipe, stream, {b"h": b"a"})
-    add_reply(pipe, stream, {b"h": b"b"})
+    add_reply(pipe, Reply(stream, {b"h": b"a"}, 600), maxlen=64)
+    add_reply(pipe, Reply(stream, {b"h": b"b"}, 600), maxlen=64)
     pipe.execute()
     reader = ReplyReader(redis_client, stream)
     assert reader.next(1)[b"h"] == b"a" and reader.next(1)[b"h"] == b"b"
@@ -93,7 +94,7 @@ def test_reply_reader_order_and_timeout(redis_client):
 def test_group_reader_claims_what_a_dead_consumer_left(redis_client):
     names = Keys("claimtest")
     dead = GroupReader(redis_client, names.tail_group, "dead", [names.shared_requests])
-    publish(redis_client, names.shared_requests, {b"h": b"stranded"})
+    publish(redis_client, names.shared_requests, {b"h": b"stranded"}, maxlen=100)
     assert [e[2] for e in dead.read(block_ms=100)] == [{b"h": b"stranded"}]  # read, never acked: it "died"
     live = GroupReader(
         redis_client,
@@ -101,7 +102,7 @@ def test_group_reader_claims_what_a_dead_consumer_left(redis_client):
         "live",
         [names.shared_requests],
         claim_streams=[names.shared_requests],
-        claim_idle_ms=200,
+        settings=Settings(claim_idle_ms=200),
     )
     assert live.read(block_ms=50) == []  # not idle long enough yet
     import time

@@ -21,7 +21,7 @@ from functools import partial
 import torch
 import torch._dynamo
 
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from workers.engine.kvcache import BatchView, KVCache, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
 
@@ -137,12 +137,19 @@ class Engine:
         static: bool | None = None,
         graphs: bool | None = None,
         max_len: int | None = None,
-        step_tokens: int = DEFAULTS.draft_k + 1,
+        step_tokens: int | None = None,
         pad: bool = True,
-        slots: int = DEFAULTS.batch_slots,
+        slots: int | None = None,
         compile: bool = False,
         max_draft: int = 0,
+        settings: Settings | None = None,
     ) -> None:
+        """max_len (default settings.static_cache_len, capped by the model's limit): positions a static cache
+        holds; step_tokens (default settings.draft_k + 1): tokens a round feeds per sequence; slots (default
+        settings.batch_slots): sequences of one batched forward; max_draft: longest whole-draft graph."""
+        settings = settings or Settings()
+        step_tokens = settings.draft_k + 1 if step_tokens is None else step_tokens
+        slots = settings.batch_slots if slots is None else slots
         cuda = shard.device.type == "cuda"
         self.shard = shard
         self.run_batch = shard.run_batch
@@ -153,8 +160,8 @@ class Engine:
         if self.graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         self.static = self.graphs or (cuda if static is None else static)
-        limit = getattr(shard.config, "max_position_embeddings", None) or DEFAULTS.static_cache_len
-        self.max_len = min(max_len or DEFAULTS.static_cache_len, limit)  # static caches hold this many positions
+        limit = getattr(shard.config, "max_position_embeddings", None) or settings.static_cache_len
+        self.max_len = min(max_len or settings.static_cache_len, limit)  # static caches hold this many positions
         self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
         self.max_draft = max_draft  # longest greedy draft run as one graph (`draft_many`)
         self._buckets = buckets(self.slots)

@@ -9,17 +9,15 @@ from the embedding tensor. Qwen2 and Llama families (and others laid out like th
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
-from schemas.settings import DEFAULTS
 from workers.engine import attention
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
@@ -88,71 +86,6 @@ def _materialise(
 
 def checkpoint_source(files: dict[str, Path]) -> Source:
     return lambda names, shapes, dtype, device: _read_tensors(files, names, dtype, device)
-
-
-def random_source(seed: int, std: float = 0.02) -> Source:
-    """Random weights (benchmarks of model shapes whose weights cannot be fetched); norms are ones.
-
-    The LM head copies the embedding and the residual branches' output projections are small, so the
-    model's greedy choice has a wide margin (it mostly repeats a token): speculative and plain paths,
-    whose bf16 kernels round differently, still agree, and synthetic acceptance means what it says."""
-
-    def make(names: dict[str, str], shapes: dict[str, tuple], dtype: torch.dtype, device: str) -> dict:
-        out = {}
-        for local, ckpt in names.items():
-            key = "model.embed_tokens.weight" if ckpt == "lm_head.weight" else ckpt
-            gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(key.encode()))
-            scale = 0.01 if ckpt.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-            scale = 50.0 if key == "model.embed_tokens.weight" else scale  # token identity dominates the residual
-            if "norm" in ckpt:
-                out[local] = torch.ones(shapes[local], dtype=dtype, device=device)
-            elif ckpt.endswith("bias"):
-                out[local] = torch.zeros(shapes[local], dtype=dtype, device=device)
-            else:
-                t = torch.empty(shapes[local], dtype=dtype, device=device)
-                out[local] = t.normal_(0.0, std * scale, generator=gen)
-        return out
-
-    return make
-
-
-# Shapes of public models, for `random:<name>` targets in benchmarks (no weights are fetched).
-RANDOM_PRESETS: dict[str, dict] = {
-    "qwen2.5-7b": dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        rope_theta=1e6,
-        eos_token_id=151645,
-    ),
-    "qwen2.5-0.5b": dict(
-        vocab_size=152064,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        eos_token_id=151645,
-    ),
-    "tiny": dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    ),
-}
 
 
 def _prefix_of(root: nn.Module, target: nn.Module) -> str:
@@ -260,23 +193,21 @@ def load_shard(
     head: bool,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
-    fused: bool | None = None,
+    fused: bool = True,
+    source: tuple[PretrainedConfig, Source] | None = None,
 ) -> Shard:
     """Load layers [a, b) (None = all) of `model`, plus its embedding and/or norm + LM head.
 
-    `model` is a local directory or hub id; `random:<preset>` (see RANDOM_PRESETS) builds random
-    weights of a public model's shape on the device, for benchmarks. `fused` (default: the setting
-    `fused_layers`) runs known layer layouts through workers/engine/fused.py instead of the HF modules."""
-    if str(model).startswith("random:"):
-        preset = RANDOM_PRESETS.get(str(model).split(":", 1)[1])
-        if preset is None:
-            raise ModelLoadError(f"unknown random preset {model!r}; known: {sorted(RANDOM_PRESETS)}")
-        config: PretrainedConfig = Qwen2Config(**preset)
-        source = random_source(seed=0)
+    `model` is a local directory or hub id; `source` (config, weights) replaces it with weights from
+    elsewhere (a plugin's model scheme, workers/plugins.py; `model` is then only its name). `fused`
+    runs known layer layouts through workers/engine/fused.py instead
+    of the HF modules."""
+    if source is not None:
+        config, weights = source
     else:
         model_dir = resolve_model_dir(model)
         config = AutoConfig.from_pretrained(model_dir)
-        source = checkpoint_source(weight_files(model_dir))
+        weights = checkpoint_source(weight_files(model_dir))
     window = sliding_window(config)
     if window is not None and window < (getattr(config, "max_position_embeddings", None) or window + 1):
         raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported")
@@ -293,26 +224,26 @@ def load_shard(
     if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
         raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
     kept = nn.ModuleList(base.layers[a:b])
-    fuse = (DEFAULTS.fused_layers if fused is None else fused) and can_fuse(kept, config)
+    fuse = fused and can_fuse(kept, config)
     parts = []
     for layer in kept:
-        _materialise(layer, _prefix_of(skeleton, layer), source, dtype, device)
+        _materialise(layer, _prefix_of(skeleton, layer), weights, dtype, device)
         if fuse:  # concatenate as each layer loads: peak memory stays one layer above the shard's
             parts.append(fuse_layer(layer, concat=torch.device(device).type != "cpu"))
     embed_mod = norm_mod = head_mod = None
     embed_name = f"{_prefix_of(skeleton, base.embed_tokens)}weight"
     if embed:
         embed_mod = base.embed_tokens
-        _materialise(embed_mod, "", source, dtype, device, {"weight": embed_name})
+        _materialise(embed_mod, "", weights, dtype, device, {"weight": embed_name})
     if head:
         norm_mod, head_mod = base.norm, skeleton.get_output_embeddings()
-        _materialise(norm_mod, _prefix_of(skeleton, norm_mod), source, dtype, device)
+        _materialise(norm_mod, _prefix_of(skeleton, norm_mod), weights, dtype, device)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         if tied and embed_mod is not None:
             head_mod.weight = embed_mod.weight
         else:
             src = embed_name if tied else f"{_prefix_of(skeleton, head_mod)}weight"
-            _materialise(head_mod, "", source, dtype, device, {"weight": src})
+            _materialise(head_mod, "", weights, dtype, device, {"weight": src})
     rotary = type(base.rotary_emb)(config=config).to(device)
     shard = Shard(config, (a, b), kept, rotary, embed_mod, norm_mod, head_mod).eval()
     left = [n for n, p in shard.named_parameters() if p.is_meta] + [n for n, t in shard.named_buffers() if t.is_meta]

@@ -4,7 +4,7 @@ Producers enqueue jobs by the *name* `workers.jobs.run_generation` (schemas.jobs
 on the wire: the head worker's job class maps it to `run_generation` here and refuses any other name,
 never importing a name a record holds; see relay_broker/rq_jobs.py) with one JSON argument (a
 GenerationRequest). The
-function runs in the worker's own process, with the models it bound at start (`bind`), and:
+function runs in the worker's own process, with the models and settings of its JobContext, and:
 - returns an already stored result untouched (a re-run cannot clobber a finished result);
 - publishes progress to the job's meta and committed text to a per-job token stream, throttled and off
   the round loop's path (a thread of its own), with a checkpoint of the committed tokens beside them:
@@ -29,7 +29,6 @@ from schemas.errors import InvalidRequest, JobError, ShardFlowError
 from schemas.jobs import Checkpoint, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
-from schemas.settings import DEFAULTS
 from workers.head.runtime import HeadRuntime, generate
 
 log = logging.getLogger("shardflow.jobs")
@@ -69,7 +68,8 @@ class Progress:
     r: redis.Redis
     keys: Keys
     tokenizer: object
-    ttl: int = DEFAULTS.result_ttl_s  # of the checkpoint and the token stream: the job's result TTL
+    ttl: int  # of the checkpoint and the token stream: the job's result TTL
+    interval_s: float  # least time between flushes (settings.progress_interval_s)
     started: float = field(default_factory=time.monotonic)
     last_flush: float = 0.0
     rounds: int = 0
@@ -92,7 +92,7 @@ class Progress:
                 return  # the last flush is still on its way: the next round tries again
             self._inflight.result()  # raises what it found (JobCancelled, a Redis error)
             self._inflight = None
-        if time.monotonic() - self.last_flush >= DEFAULTS.progress_interval_s:
+        if time.monotonic() - self.last_flush >= self.interval_s:
             self.last_flush = time.monotonic()
             self._inflight = self._pool.submit(self.flush, list(generated), False)
 
@@ -189,7 +189,7 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
         no_retry(job, f"invalid request: {e.errors()[0]['msg']}")
         raise InvalidRequest(job.meta["error"]) from None
     ttl = job_ttl(job)
-    progress = Progress(job, ctx.r, keys, ctx.runtime.tokenizer, ttl)
+    progress = Progress(job, ctx.r, keys, ctx.runtime.tokenizer, ttl, ctx.runtime.settings.progress_interval_s)
     job.meta.pop("error", None)
     resume = load_checkpoint(ctx.r, keys, job.id)
     if resume:

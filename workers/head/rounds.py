@@ -23,7 +23,6 @@ from schemas.packets import (
     raw_header,
 )
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
-from schemas.settings import DEFAULTS
 from workers.head.batching import HeadWork
 from workers.spec.adaptive import DraftLength
 from workers.spec.drafters import Draft
@@ -66,7 +65,8 @@ class RoundLoop:
         self.stream = names.shared_requests
         self.pinned = False
         self.tail_closed = False  # a final verdict came: the tail dropped the session, its reply stream expires
-        self.reader = ReplyReader(r, names.reply(session_id), dead_stream=names.dead_letters)
+        self.settings = runtime.settings
+        self.reader = ReplyReader(r, names.reply(session_id), dead_stream=names.dead_letters, settings=self.settings)
         self.vocab_size = runtime.shard.config.vocab_size
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
@@ -159,7 +159,7 @@ class RoundLoop:
         write the reply stream could forge, so it costs a replay, not the generation): rebuild the session
         on any live tail by replaying every committed token from position 0 in the next round. The
         generation fails (with the last reason) once it has used `resume_attempts` replays."""
-        if self.replays >= DEFAULTS.resume_attempts:
+        if self.replays >= self.settings.resume_attempts:
             raise type(why)(f"{why} (after {self.replays} replays onto other tails)")
         self.replays += 1
         log.warning("session %s: %s; replaying %d tokens onto a live tail", self.sid, why, len(self.committed))
@@ -171,7 +171,7 @@ class RoundLoop:
         """Publish the round and wait for its verdict until the reply timeout. Replies of earlier rounds
         are stale and dropped; entries that are not a reply to this round at all are dead-lettered and
         skipped, so one bad entry in the reply stream never fails the generation."""
-        timeout = self.reply_timeout_s if self.reply_timeout_s is not None else DEFAULTS.reply_timeout_s
+        timeout = self.reply_timeout_s if self.reply_timeout_s is not None else self.settings.reply_timeout_s
         deadline = time.monotonic() + timeout
         reply = self.reader.publish_then_next(self.stream, fields, timeout)
         while True:
@@ -184,9 +184,7 @@ class RoundLoop:
                 return msg
             reply = self.reader.next(max(deadline - time.monotonic(), 0.0))
 
-    def _reply_to(
-        self, rid: int, fields: dict, drafts: list[int], remaining: int
-    ) -> Verdict | ErrorReply | None:
+    def _reply_to(self, rid: int, fields: dict, drafts: list[int], remaining: int) -> Verdict | ErrorReply | None:
         """The entry as this round's reply, or None (stale, or refused into the dead-letter stream)."""
         try:
             msg = decode_tail_message(fields)
@@ -217,7 +215,7 @@ class RoundLoop:
                 at=time.time(),
             ).fields()
         )
-        if self.reader.refused in (1, self.reader.max_dead_letters):
+        if self.reader.refused in (1, self.settings.reply_dead_letters_max):
             log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.reader.refused, reason)
         return None
 
@@ -268,7 +266,9 @@ class RoundLoop:
             if self.tail_closed:
                 return
             bye = encode_message(ClosePacket(session_id=self.sid))
-            close_session(self.r, self.stream, bye, self.names.reply(self.sid))
+            close_session(
+                self.r, self.stream, bye, self.names.reply(self.sid), maxlen=self.settings.request_stream_maxlen
+            )
         except ShardFlowError as e:
             log.warning("session %s: could not close cleanly: %s", self.sid, e)
 

@@ -37,7 +37,7 @@ from relay_broker.retry import ride_out
 from relay_broker.rq_jobs import SafeJob
 from schemas.jobs import RUN_GENERATION, ModelInfo
 from schemas.keys import Keys
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from workers.head import job_function as jobs
 from workers.head.scheduler import ThreadScheduler
 
@@ -73,12 +73,14 @@ class HeadWorker(SimpleWorker):
         **kwargs: Any,
     ) -> None:
         self.names = names or Keys()
+        # the runtime's settings (RQ's Worker has a `settings`-free namespace of its own, hence the name)
+        self.shardflow_settings = cfg = runtime.settings if runtime is not None else Settings()
         job_class = head_job_class(jobs.JobContext(runtime, r, self.names))
         kwargs.setdefault("serializer", JSONSerializer)
         kwargs.setdefault("job_class", job_class)
-        kwargs.setdefault("maintenance_interval", DEFAULTS.maintenance_s)
-        kwargs.setdefault("worker_ttl", max(DEFAULTS.heartbeat_ttl_s * 2, 16))
-        kwargs.setdefault("job_monitoring_interval", max(int(DEFAULTS.heartbeat_s), 1))
+        kwargs.setdefault("maintenance_interval", cfg.maintenance_s)
+        kwargs.setdefault("worker_ttl", max(cfg.heartbeat_ttl_s * 2, 16))
+        kwargs.setdefault("job_monitoring_interval", max(int(cfg.heartbeat_s), 1))
         super().__init__(
             [Queue(q, connection=r, serializer=JSONSerializer, job_class=job_class) for q in queues],
             connection=r,
@@ -97,7 +99,7 @@ class HeadWorker(SimpleWorker):
             return ride_out(
                 lambda: self._work_once(*args, **kwargs),
                 errors=(_LoopEnded,),
-                wait=lambda _: min(2.0 ** max(self._quick_ends - 1, 0), DEFAULTS.worker_restart_max_s),
+                wait=lambda _: min(2.0 ** max(self._quick_ends - 1, 0), self.shardflow_settings.worker_restart_max_s),
                 on_retry=lambda e, s: log.warning("worker %s: %s; restarting in %.0fs", self.name, e, s),
             )
         except StopRequested:  # a stop signal while waiting
@@ -115,7 +117,7 @@ class HeadWorker(SimpleWorker):
             return False
         if kwargs.get("burst") or self._stop_requested or self._shutdown_requested_date is not None:
             return worked  # finished, or stopped on request (an idle worker's stop sets only the date)
-        ran_well = time.monotonic() - started > DEFAULTS.worker_restart_reset_s
+        ran_well = time.monotonic() - started > self.shardflow_settings.worker_restart_reset_s
         self._quick_ends = 1 if ran_well else self._quick_ends + 1
         self._restarted = True
         raise _LoopEnded("its loop ended on an error")
@@ -168,6 +170,7 @@ class HeadWorker(SimpleWorker):
             date_format=date_format,
             log_format=log_format,
             serializer=self.serializer,
+            settings=self.shardflow_settings,
         )
         self.scheduler.acquire_locks()
         if not self.scheduler.acquired_locks:
@@ -193,7 +196,7 @@ class HeadWorker(SimpleWorker):
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """A short TTL: a running job whose worker stops heartbeating is abandoned within seconds."""
-        return DEFAULTS.heartbeat_ttl_s
+        return self.shardflow_settings.heartbeat_ttl_s
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         stop = threading.Event()
@@ -206,7 +209,7 @@ class HeadWorker(SimpleWorker):
             beat.join(5)
 
     def _beat(self, job: Job, stop: threading.Event) -> None:
-        while not stop.wait(DEFAULTS.heartbeat_s):
+        while not stop.wait(self.shardflow_settings.heartbeat_s):
             execution = self.execution
             if execution is None:
                 continue

@@ -26,13 +26,14 @@ from transformers import AutoTokenizer
 from schemas.errors import InvalidRequest
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from workers.engine.runner import Engine
-from workers.engine.shard import Shard, load_shard, resolve_model_dir
+from workers.engine.shard import Shard, resolve_model_dir
 from workers.head.batching import Batcher
 from workers.head.prompts import encode_prompt
 from workers.head.rounds import RoundLoop
-from workers.spec.drafters import DraftSession, ModelDrafter, NgramDrafter, SyntheticDrafter
+from workers.plugins import DrafterContext, Registry
+from workers.spec.drafters import DraftSession, ModelDrafter, NgramDrafter
 
 log = logging.getLogger("shardflow.head")
 TokenCallback = Callable[[list[int], list[int]], None]
@@ -49,21 +50,10 @@ def eos_ids_of(model_dir: Path, config: object) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-class IdTokenizer:
-    """Stands in for a tokenizer with random-weight benchmark targets: token ids only."""
-
-    chat_template = None
-
-    def encode(self, text: str) -> list[int]:
-        raise InvalidRequest("this target has no tokenizer: send prompt_ids")
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return " ".join(map(str, ids))
-
-
 @dataclass
 class HeadRuntime:
-    """What a head worker keeps loaded: tokenizer, lower shard, optional draft model."""
+    """What a head worker keeps loaded: tokenizer, lower shard, optional draft model; its settings and the
+    plugins it was started with (drafter kinds and model schemes beyond the built-in ones)."""
 
     tokenizer: object
     shard: Shard
@@ -71,12 +61,13 @@ class HeadRuntime:
     eos_token_ids: list[int] = field(default_factory=list)
     engine: Engine | None = None  # how the shard runs (dynamic/static cache, CUDA graphs)
     lock: threading.RLock = field(default_factory=threading.RLock)  # one batch computes at a time
-    synthetic_drafts: bool = False  # benchmarks only: accept `draft.kind == "synthetic"` (reference ids)
+    settings: Settings = field(default_factory=Settings)
+    plugins: Registry = field(default_factory=Registry)
     batcher: Batcher = field(init=False)
 
     def __post_init__(self) -> None:
         if self.engine is None:
-            self.engine = Engine(self.shard)
+            self.engine = Engine(self.shard, settings=self.settings)
         self.batcher = Batcher(self.engine, self.lock)
 
     @classmethod
@@ -90,34 +81,37 @@ class HeadRuntime:
         dtype: torch.dtype | None = None,
         static: bool | None = None,
         graphs: bool | None = None,
-        max_k: int = DEFAULTS.draft_k,
         max_len: int | None = None,
-        slots: int = DEFAULTS.batch_slots,
         compile_draft: bool = False,
-        synthetic_drafts: bool = False,
+        settings: Settings | None = None,
+        plugins: Registry | None = None,
     ) -> HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
 
-        static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices); slots is how
-        many sequences run as one batch; compile_draft runs the draft model through torch.compile;
-        synthetic_drafts (benchmarks only) accepts requests for the synthetic drafter."""
-        random = str(target).startswith("random:")
-        model_dir = None if random else resolve_model_dir(target)
-        shard = load_shard(model_dir or target, layers, embed=True, head=False, device=device, dtype=dtype)
+        static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices); compile_draft
+        runs the draft model through torch.compile; `settings` (default: Settings()) gives K (draft_k),
+        the batch slots, the cache length and fused layers; `plugins` may add drafter kinds and model
+        schemes (workers/plugins.py)."""
+        settings, plugins = settings or Settings(), plugins or Registry()
+        load = dict(device=device, dtype=dtype, fused=settings.fused_layers)
+        shard = plugins.load_shard(target, layers, embed=True, head=False, **load)  # type: ignore[arg-type]
+        opts = dict(static=static, graphs=graphs, max_len=max_len, settings=settings)
         drafter = None
         if draft is not None:
-            dshard = load_shard(draft, None, embed=True, head=True, device=device, dtype=dtype)
-            opts = dict(static=static, graphs=graphs, max_len=max_len, slots=slots)
+            dshard = plugins.load_shard(draft, None, embed=True, head=True, **load)  # type: ignore[arg-type]
+            max_k = settings.draft_k
             dengine = Engine(dshard, step_tokens=2, pad=False, compile=compile_draft, max_draft=max_k, **opts)
             drafter = ModelDrafter(dshard, dengine)
             if drafter.shard.config.vocab_size < shard.config.vocab_size:
                 raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
-        engine = Engine(shard, static=static, graphs=graphs, max_len=max_len, step_tokens=max_k + 1, slots=slots)
-        if model_dir is None:  # random weights for benchmarks: prompts come as token ids
-            return cls(IdTokenizer(), shard, drafter, [], engine, synthetic_drafts=synthetic_drafts)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        eos = eos_ids_of(model_dir, shard.config)
-        return cls(tok, shard, drafter, eos, engine, synthetic_drafts=synthetic_drafts)
+        engine = Engine(shard, **opts)  # type: ignore[arg-type]
+        source = plugins.source(target)
+        if source is not None:  # a plugin's model: its tokenizer and EOS ids
+            tok, eos = source.tokenizer, list(source.eos_token_ids)
+        else:
+            model_dir = resolve_model_dir(target)
+            tok, eos = AutoTokenizer.from_pretrained(model_dir), eos_ids_of(model_dir, shard.config)
+        return cls(tok, shard, drafter, eos, engine, settings=settings, plugins=plugins)
 
     @property
     def context_length(self) -> int | None:
@@ -135,17 +129,18 @@ class HeadRuntime:
         """The draft session a request asks for ('model' falls back to n-gram without a draft model)."""
         if req.draft.kind == "none" or req.draft.k == 0:
             return None
-        if req.draft.kind == "synthetic":
-            if not self.synthetic_drafts:
-                raise InvalidRequest(
-                    "the synthetic drafter is for benchmarks: this head was not started with --synthetic-drafts"
-                )
-            ref = req.draft.reference_ids or []
-            inner = self.draft_model.new_session() if self.draft_model is not None else None
-            return SyntheticDrafter(ref, req.draft.alpha, prompt_len, self.shard.config.vocab_size, inner)
         if req.draft.kind == "model" and self.draft_model is not None:
             return self.draft_model.new_session()
-        return NgramDrafter(req.draft.ngram_max, req.draft.ngram_min)
+        if req.draft.kind in ("model", "ngram"):
+            return NgramDrafter(req.draft.ngram_max, req.draft.ngram_min)
+        inner = self.draft_model.new_session() if self.draft_model is not None else None
+        ctx = DrafterContext(prompt_len, self.shard.config.vocab_size, inner)
+        try:
+            return self.plugins.drafter(req.draft.kind, dict(req.draft.options), ctx)
+        except BaseException:
+            if inner is not None:
+                inner.close()
+            raise
 
 
 def generate(

@@ -30,7 +30,7 @@ from rq.scheduler import RQScheduler
 from rq.utils import as_text, current_timestamp, now, utcformat
 
 from relay_broker.rq_jobs import SafeJob
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 
 log = logging.getLogger("shardflow.scheduler")
 
@@ -41,15 +41,16 @@ _WATCH_ATTEMPTS = 8  # a lock key changed under a WATCH this often in a row: tre
 class ThreadScheduler(RQScheduler):
     """An `RQScheduler` that runs in a daemon thread of its worker and never runs Lua."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, settings: Settings | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.shardflow_settings = settings or Settings()
         self._wake = threading.Event()
         self._process: threading.Thread | None = None  # RQ's worker checks `_process.is_alive()`
 
     @property
     def lock_ttl(self) -> int:
         """Seconds a lock (and the scheduler's record) outlives its last refresh."""
-        return max(int(DEFAULTS.heartbeat_ttl_s), math.ceil(3 * self.interval), 2)
+        return max(int(self.shardflow_settings.heartbeat_ttl_s), math.ceil(3 * self.interval), 2)
 
     # --- locks, without Lua ------------------------------------------------------------------------
     def _acquire_or_refresh(self, key: str) -> LockOutcome:

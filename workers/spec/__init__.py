@@ -1,2 +1,3 @@
-"""Speculative decoding, independent of Redis: drafters (model, n-gram, synthetic), adaptive draft
-length, verification (greedy and rejection sampling), sampling warps and seeds, stop strings."""
+"""Speculative decoding, independent of Redis: drafters (model, n-gram; plugin kinds through
+workers/plugins.py), adaptive draft length, verification (greedy and rejection sampling), sampling warps
+and seeds, stop strings."""

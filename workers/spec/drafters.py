@@ -15,7 +15,6 @@ from typing import Protocol
 import torch
 
 from schemas.requests import SamplingParams
-from schemas.settings import DEFAULTS
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.spec.sampling import warp
@@ -57,11 +56,13 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, shard: Shard, engine: Engine | None = None) -> None:
+    def __init__(self, shard: Shard, engine: Engine | None = None, max_draft: int = 0) -> None:
+        """`engine` runs the draft model (default: dynamic caches on CPU, static + graphs on CUDA, whole
+        drafts of up to `max_draft` tokens as one graph)."""
         if shard.embed is None or shard.lm_head is None:
             raise ValueError("a draft model needs its embedding and LM head")
         self.shard = shard
-        self.engine = engine or Engine(shard, step_tokens=2, pad=False, max_draft=DEFAULTS.draft_k)
+        self.engine = engine or Engine(shard, step_tokens=2, pad=False, max_draft=max_draft)
 
     def new_session(self) -> ModelDraftSession:
         return ModelDraftSession(self.engine)
@@ -190,39 +191,3 @@ class NgramDrafter:
                 start = int(hits[-1]) + n
                 return Draft(context[start : start + k], point=True)
         return Draft([], point=True)
-
-
-class SyntheticDrafter:
-    """Benchmarks only: proposes the target's own reference continuation, each token replaced by a wrong
-    one with probability 1 - alpha, so acceptance is set while every round still runs the real path."""
-
-    name = "synthetic"
-    device = torch.device("cpu")
-
-    def __init__(
-        self, reference: list[int], alpha: float, prompt_len: int, vocab: int, inner: DraftSession | None = None
-    ) -> None:
-        self.reference, self.alpha, self.prompt_len, self.vocab = reference, alpha, prompt_len, vocab
-        self.inner = inner  # a real drafter run only to pay its cost (its proposals are discarded)
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
-
-    @property
-    def model_session(self) -> ModelDraftSession | None:
-        return self.inner if isinstance(self.inner, ModelDraftSession) else None
-
-    def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
-        draft = self.inner.propose(context, k, sampling, gen) if self.inner is not None else Draft([])
-        return self.finish(draft, context, k, gen)
-
-    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft:
-        """The synthetic proposal itself (the inner drafter's `draft` only paid its cost)."""
-        at = len(context) - self.prompt_len
-        want = self.reference[at : at + k]
-        keep = (torch.rand(len(want), generator=gen) < self.alpha).tolist()
-        shift = torch.randint(1, self.vocab, (len(want),), generator=gen).tolist()
-        return Draft(
-            [t if ok else (t + s) % self.vocab for t, ok, s in zip(want, keep, shift, strict=True)], point=True
-        )

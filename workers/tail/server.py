@@ -36,7 +36,7 @@ from schemas.packets import (
     peek_session,
     raw_header,
 )
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from workers.engine.isolate import run_isolated
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
@@ -103,22 +103,25 @@ class TailWorker:
         *,
         names: Keys | None = None,
         tail_id: str | None = None,
-        max_sessions: int = DEFAULTS.max_sessions,
-        session_ttl_s: float = DEFAULTS.session_ttl_s,
-        max_packet_bytes: int = DEFAULTS.max_packet_bytes,
         engine: Engine | None = None,
+        settings: Settings | None = None,
     ) -> None:
+        """`settings` (default: Settings()): sessions kept (max_sessions, session_ttl_s), the largest packet,
+        stream caps and expiries; `engine` runs the shard (default: from the shard's device and settings)."""
         if shard.lm_head is None:
             raise ValueError("a tail shard needs the final norm and LM head")
-        self.shard, self.r, self.max_packet_bytes = shard, r, max_packet_bytes
-        self.engine = engine or Engine(shard)
+        self.settings = cfg = settings or Settings()
+        self.shard, self.r, self.max_packet_bytes = shard, r, cfg.max_packet_bytes
+        self.engine = engine or Engine(shard, settings=cfg)
         self.names = names or Keys()
         self.tail_id = tail_id or default_tail_id()
         if not TAIL_ID.fullmatch(self.tail_id):
             raise ValueError(f"tail name {self.tail_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
-        if max_sessions < self.engine.slots:  # a batch's sessions must never evict one another
-            raise ValueError(f"max_sessions ({max_sessions}) must be at least the batch slots ({self.engine.slots})")
-        self.sessions = SessionStore(max_sessions, session_ttl_s, release=self.engine.release)
+        if cfg.max_sessions < self.engine.slots:  # a batch's sessions must never evict one another
+            raise ValueError(
+                f"max_sessions ({cfg.max_sessions}) must be at least the batch slots ({self.engine.slots})"
+            )
+        self.sessions = SessionStore(cfg.max_sessions, cfg.session_ttl_s, release=self.engine.release)
         self.stop_event = threading.Event()
         self._dead: list[DeadLetter] = []
         self._last_keepalive = 0.0
@@ -131,6 +134,7 @@ class TailWorker:
             [shared, self.names.tail_requests(self.tail_id)],
             claim_streams=[shared],
             dead_stream=self.names.dead_letters,
+            settings=cfg,
         )
 
     def serve(self) -> None:
@@ -144,6 +148,7 @@ class TailWorker:
                     stop=self.stop_event.is_set,
                     on_retry=self._lost_redis,
                     sleep=self.stop_event.wait,
+                    settings=self.settings,
                 )
             except (TransportError, redis.RedisError):
                 break  # stopped while Redis was away
@@ -158,15 +163,15 @@ class TailWorker:
         """Now and then: keep this tail's own stream from expiring (a dead tail's goes after
         tail_stream_ttl_s) and drop consumers of the shared group that have been idle that long."""
         now = time.monotonic()
-        if now - self._last_keepalive < DEFAULTS.tail_keepalive_s:
+        if now - self._last_keepalive < self.settings.tail_keepalive_s:
             return
         self._last_keepalive = now
-        ttl_ms = DEFAULTS.tail_stream_ttl_s * 1000
+        ttl_s = self.settings.tail_stream_ttl_s
         try:
-            self.r.expire(self.names.tail_requests(self.tail_id), DEFAULTS.tail_stream_ttl_s)
+            self.r.expire(self.names.tail_requests(self.tail_id), ttl_s)
             shared, group = self.names.shared_requests, self.names.tail_group
             for c in self.r.xinfo_consumers(shared, group):
-                if int(c["idle"]) > ttl_ms and int(c["pending"]) == 0:
+                if int(c["idle"]) > ttl_s * 1000 and int(c["pending"]) == 0:
                     self.r.xgroup_delconsumer(shared, group, c["name"])
         except redis.RedisError as e:
             log.debug("keepalive skipped: %s", e)
@@ -234,7 +239,7 @@ class TailWorker:
             session_id=sid, round_id=rid, error=reason, tail_id=self.tail_id, retryable=isinstance(e, SessionError)
         )
         # a head waiting on this session reads it at once; one that is gone leaves nothing for long
-        return Reply(self.names.reply(sid), encode_message(msg), DEFAULTS.final_reply_ttl_s)
+        return Reply(self.names.reply(sid), encode_message(msg), self.settings.final_reply_ttl_s)
 
     def _session_for(self, p: RoundPacket) -> TailSession | None:
         sess = self.sessions.get(p.session_id)
@@ -265,7 +270,9 @@ class TailWorker:
             self._dead.append(
                 DeadLetter(fields, f"duplicate or late round (session at round {held})", *peek_session(fields))
             )
-            return Reply(self.names.reply(msg.session_id), last) if last is not None else None
+            return (
+                Reply(self.names.reply(msg.session_id), last, self.settings.reply_ttl_s) if last is not None else None
+            )
         hidden = tensors["hidden"]
         cfg = self.shard.config
         if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != cfg.hidden_size:
@@ -353,6 +360,6 @@ class TailWorker:
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict)
         stream = self.names.reply(p.session_id)
         if finish is None:
-            return Reply(stream, sess.last_reply)
+            return Reply(stream, sess.last_reply, self.settings.reply_ttl_s)
         self.sessions.drop(p.session_id)
-        return Reply(stream, sess.last_reply, DEFAULTS.final_reply_ttl_s)
+        return Reply(stream, sess.last_reply, self.settings.final_reply_ttl_s)

@@ -9,7 +9,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from schemas.settings import DEFAULTS
 from workers.engine.shard import Cache
 
 log = logging.getLogger("shardflow.tail")
@@ -29,8 +28,8 @@ class SessionStore:
 
     def __init__(
         self,
-        max_sessions: int = DEFAULTS.max_sessions,
-        ttl_s: float = DEFAULTS.session_ttl_s,
+        max_sessions: int,
+        ttl_s: float,
         release: Callable[[Cache], None] | None = None,
     ) -> None:
         self.max_sessions, self.ttl_s, self.release = max_sessions, ttl_s, release
