@@ -4,6 +4,8 @@
 #   bench/device.sh checks    # profile_round, gpu_parity, batch_check
 #   bench/device.sh parity    # gpu_parity, batch_check
 #   bench/device.sh profile   # profile_round only (no HF-layers row)
+#   bench/device.sh jobs      # the job path (bench/jobs.py): real tail + head processes, default flags (NS=1,4,...;
+#                             TAIL_DEVICE=cuda:0 on one GPU)
 #   bench/device.sh ladder:330 profile:230   # several parts in one call, each capped (seconds)
 # ROWS=... picks ladder rows; a capped part keeps what it wrote before the cap in $OUT.
 # Wheels the device image lacks travel in .whl/ (see the tool library's device README); logs go to $OUT.
@@ -22,10 +24,18 @@ LIMIT=${part#*:}; [ "$LIMIT" = "$part" ] && LIMIT=590
 case "${part%%:*}" in
   ladder)
     timeout "$LIMIT" python3 -m bench.ladder --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \
-      --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43 --alpha 0.78 \
+      --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" --dtype bfloat16 --delay-ms 43 --alpha 0.78 \
       --new 128 --prompts 2 --max-len 2048 \
       --rows "${ROWS:-spec-compiled,nospec-graphs,spec-graphs,spec-compiled-x16,spec-eager,nospec-eager}" \
       --out "$OUT/ladder" 2>&1 | quiet | tee "$OUT/ladder.log" | grep -v "^ " | tail -40
+    ;;
+  jobs)
+    # VARIANT1 / VARIANT2: more worker configurations ("NAME=HEAD ARGS | TAIL ARGS"), after the defaults
+    timeout "$LIMIT" python3 -m bench.jobs --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b \
+      --synthetic 0.78 --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" --dtype bfloat16 --delay-ms 43 \
+      --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,4,16,64}" --distinct 16 --variant "default=" \
+      ${VARIANT1:+--variant "$VARIANT1"} ${VARIANT2:+--variant "$VARIANT2"} \
+      --out "$OUT/jobs" 2>&1 | quiet | tee "$OUT/jobs.log" | grep -v "^ " | tail -40
     ;;
   profile)
     timeout "$LIMIT" python3 -m bench.profile_round --device cuda:0 --tail-device cuda:1 --compile-draft \

@@ -100,28 +100,57 @@ def show_wait(client: Client, ids: list[str], timeout: float | None) -> list[Job
 
 
 def show_follow(client: Client, ids: list[str], timeout: float | None) -> list[JobView]:
-    """`client.follow`, printing each job's text as it commits (`[index] ` before each switch of job) and how
-    jobs that end without their text ended; the views at the end; exit 5 on timeout."""
+    """`client.follow`, printing the jobs' text in job order as it commits: the first unfinished job's text
+    live (after `[index] `), the text of jobs running beside it held until its turn (jobs run many at a
+    time; their text never interleaves), and how jobs that end without their text ended; the views at the
+    end; exit 5 on timeout."""
     client.on_retry = _say_retry
-    current: str | None = None  # the job whose text is being printed
+    shown = _InOrder(len(ids))
     views: list[JobView] = []
     try:
         for event in client.follow(ids, timeout=timeout):
             if isinstance(event, TextChunk):
-                if current != event.job_id:
-                    click.echo(f"\n[{event.index}] " if current is not None else f"[{event.index}] ", nl=False)
-                    current = event.job_id
-                click.echo(event.text, nl=False)
-                if event.last:
-                    click.echo("")
-                    current = None
-            elif isinstance(event, JobEnded) and event.view.status != "finished":
-                click.echo(f"\n[{event.view.index}] {event.view.status}: {event.view.error or ''}")
+                shown.add(event.index, event.text, event.last)
+            elif isinstance(event, JobEnded):
+                v = event.view
+                shown.add(
+                    v.index, f"{v.status}: {v.error or ''}" if v.status != "finished" else "", True, own_line=True
+                )
             elif isinstance(event, Followed):
                 views = event.views
     except WaitTimeout as e:
         fail(str(e), EXIT_TIMEOUT)
     return views
+
+
+class _InOrder:
+    """Prints jobs' text in index order: the current job's as it comes, later jobs' once it is their turn."""
+
+    def __init__(self, n: int) -> None:
+        self.held: list[list[str]] = [[] for _ in range(n)]
+        self.ended = [False] * n
+        self.had_text = [False] * n
+        self.at, self.started = 0, False  # the job being printed; its `[index] ` is out
+
+    def add(self, index: int, text: str, last: bool, own_line: bool = False) -> None:
+        """Job `index`'s next text (`last`: its end); `own_line` text goes on a line of its own."""
+        if not 0 <= index < len(self.held) or self.ended[index]:
+            return
+        if text and own_line and self.had_text[index]:
+            text = "\n" + text
+        self.had_text[index] = self.had_text[index] or bool(text)
+        self.held[index].append(text)
+        self.ended[index] = last
+        while self.at < len(self.held):
+            if not self.started:
+                click.echo(f"[{self.at}] ", nl=False)
+                self.started = True
+            click.echo("".join(self.held[self.at]), nl=False)
+            self.held[self.at] = []
+            if not self.ended[self.at]:
+                return
+            click.echo("")
+            self.at, self.started = self.at + 1, False
 
 
 def _exit_for(views: list[JobView]) -> int:

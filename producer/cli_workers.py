@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 
 import click
 
@@ -209,9 +208,8 @@ def tail(
 @click.option(
     "--concurrency",
     type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="Generations in flight: worker threads sharing the loaded models.",
+    default=None,
+    help="Most generations in flight at once (default: what the batch slots hold, --slots).",
 )
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
 @connection_options
@@ -225,7 +223,7 @@ def head(
     layers: tuple[int, int],
     draft: str | None,
     burst: bool,
-    concurrency: int,
+    concurrency: int | None,
     name: str | None,
     queue: str,
     redis_url: str,
@@ -268,26 +266,17 @@ def head(
         head_layers=list(layers),
         draft=draft,
     )
-    r = run_guarded(lambda: connect(redis_url, settings=settings))
+    capacity = concurrency or runtime.capacity
+    # generations in flight each hold a connection for their reply reads and one for progress, at most
+    r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=2 * capacity + 16))
     level = logging.getLevelName(logging.getLogger().level)
-    workers = [
-        HeadWorker(
-            [queue],
-            runtime,
-            r,
-            names=Keys(prefix),
-            model_info=info,
-            name=f"{name}-{i}" if name and concurrency > 1 else name,
-        )
-        for i in range(max(concurrency, 1))
-    ]
-    for extra in workers[1:]:  # daemon threads: a stopped process leaves their jobs to heartbeat expiry + retry
-        threading.Thread(target=extra.work, kwargs={"burst": burst, "logging_level": level}, daemon=True).start()
+    worker = HeadWorker([queue], runtime, r, names=Keys(prefix), model_info=info, name=name, capacity=capacity)
     click.echo(
-        f"head {workers[0].name} ready (layers {layers[0]}:{layers[1]}, queue {queue}, {len(workers)} in flight)",
+        f"head {worker.name} ready (layers {layers[0]}:{layers[1]}, queue {queue}, "
+        f"{worker.dispatcher.capacity} in flight)",
         err=True,
     )
-    workers[0].work(burst=burst, with_scheduler=True, logging_level=level)
+    worker.work(burst=burst, with_scheduler=True, logging_level=level)
 
 
 @click.command()

@@ -87,5 +87,3 @@ def token_chunk(fields: dict) -> tuple[str, bool] | None:
     if not isinstance(text, bytes) or final not in (b"0", b"1") or len(fields) != 2:
         return None
     return text.decode("utf-8", errors="replace"), final == b"1"
-
-

@@ -93,10 +93,13 @@ def connect(
     check: bool = True,
     settings: Settings | None = None,
     attempts: int | None = None,
+    max_connections: int | None = None,
     **kwargs: Any,
 ) -> redis.Redis:
     """Open a Redis client for `url` (bytes responses); PING it (`attempts` tries, default
-    settings.connect_attempts) unless check=False. `settings` (default: Settings()) gives the socket timeout."""
+    settings.connect_attempts) unless check=False. `settings` (default: Settings()) gives the socket timeout.
+    `max_connections`: a pool of at most that many connections whose callers wait for a free one (up to the
+    socket timeout) instead of failing; default: redis-py's pool (100, then errors)."""
     settings = settings or Settings()
     attempts = attempts or settings.connect_attempts
     opts: dict[str, Any] = {
@@ -113,7 +116,14 @@ def connect(
     if tls_opts and not url.startswith("rediss://"):
         raise TransportError(f"{', '.join(tls_opts)} need a rediss:// URL (TLS), not {url.split(':', 1)[0]}://")
     try:
-        client = redis.Redis.from_url(url, **opts)
+        if max_connections is None:
+            client = redis.Redis.from_url(url, **opts)
+        else:
+            pool = redis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=settings.socket_timeout_s, **opts
+            )
+            client = redis.Redis(connection_pool=pool)
+            client.auto_close_connection_pool = True
     except ValueError as e:
         raise TransportError(f"bad Redis URL {url!r}: {e}") from None
     if check:

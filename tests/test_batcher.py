@@ -1,9 +1,9 @@
 """The head's round batching (workers/head/batching.py) on a real tiny model in-process: no Redis, no subprocess.
 
-Rounds submitted from several threads must run as one batch (one lower-shard `forward_many`, greedy model
-drafts advancing together) and each must get exactly what it gets alone; a failure fails only its own round;
-the compute lock, who computes and the batch order are what the module's docstrings say. Each case runs over
-static (pooled, batched) and dynamic (per-sequence) caches.
+Rounds submitted from several threads must run as one batch (one lower-shard `forward_many`, model drafts
+advancing together; tests/test_draft_batching.py covers sampled and n-gram drafts) and each must get exactly
+what it gets alone; a failure fails only its own round; the compute lock, who computes and the batch order are
+what the module's docstrings say. Each case runs over static (pooled, batched) and dynamic (per-sequence) caches.
 """
 
 from __future__ import annotations
@@ -375,21 +375,6 @@ def test_model_drafts_in_a_batch_equal_drafts_one_at_a_time(tiny: Tiny, static: 
                 gen = torch.Generator().manual_seed(rnd + 1)
                 out.append(HeadWork(old.drafter, ctx, old.k, GREEDY, gen, old.cache, ctx[-1:], len(ctx) - 1))
         works, alone = nxt_works, nxt_alone
-
-
-def test_sampled_drafts_propose_one_by_one_with_their_own_generator(tiny: Tiny) -> None:
-    """Sampled model drafts are not batched: each session proposes alone, from its own generator, so two rounds
-    of one context with one seed draft alike, and the greedy ones of the same batch still advance together."""
-    head = Head(tiny, False)
-    specs = [Spec(CTX[0], "sampled", 3, seed=5), Spec(CTX[0], "sampled", 3, seed=5), Spec(CTX[1], "model", 3)]
-    works = [head.work(s) for s in specs]
-    dforwards = spy(head.drafter.engine, "forward_many")
-    run_together(head.batcher, works)
-    assert works[0].draft is not None and works[1].draft is not None
-    assert works[0].draft.tokens == works[1].draft.tokens and len(works[0].draft.tokens) == 3
-    assert torch.equal(works[0].draft.q, works[1].draft.q)  # type: ignore[arg-type]
-    # the greedy session: 3 batched steps of 1 row; each sampled session: one prefill and k - 1 single steps
-    assert sorted(len(c.caches) for c in dforwards) == [1] * (3 + 2 * 3)
 
 
 # --- failures -----------------------------------------------------------------------------------------------------

@@ -210,7 +210,7 @@ def test_cli_follow_prints_text_and_failures(client, redis_server):
     finish(client, first, "Hello")
     set_status(client, second, "failed", error="boom")
     res = cli(client, redis_server, "results", first.rsplit("-", 1)[0], "--follow", "--timeout", "30")
-    assert res.exit_code == 1 and res.stdout == "[0] Hello\n\n[1] failed: boom\n"
+    assert res.exit_code == 1 and res.stdout == "[0] Hello\n[1] failed: boom\n"
 
 
 def test_cli_wait_timeout_is_exit_5(client, redis_server):

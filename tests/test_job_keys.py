@@ -13,7 +13,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from schemas.settings import DEFAULTS
-from tests.test_jobs import Env
+from tests.job_env import Env
 
 TTL = 60
 

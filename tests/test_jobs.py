@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,110 +11,14 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
-from click.testing import CliRunner
 from rq import Queue
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from producer.cli import main
 from producer.client import Client
-from producer.local import spawn_tail, wait_for_tails
-from schemas.keys import Keys
 from schemas.requests import GenerationRequest
 from tests.conftest import PROMPTS
-
-SPLIT = 2
-
-
-def head_worker(
-    target: Path, url: str, queue: str, prefix: str, log: Path, name: str, extra: tuple[str, ...] = ()
-) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "SHARDFLOW_HEARTBEAT_TTL_S": "4",
-        "SHARDFLOW_HEARTBEAT_S": "1",
-        "SHARDFLOW_MAINTENANCE_S": "2",
-        "SHARDFLOW_REPLY_TIMEOUT_S": "3",  # a dead tail is noticed (and its sessions replayed) quickly
-        "SHARDFLOW_RESUME_ATTEMPTS": "6",
-    }
-    args = [
-        sys.executable,
-        "-m",
-        "producer",
-        "head",
-        "--target",
-        str(target),
-        "--layers",
-        f"0:{SPLIT}",
-        "--queue",
-        queue,
-        "--prefix",
-        prefix,
-        "--redis-url",
-        url,
-        "--threads",
-        "1",
-        "--name",
-        name,
-        *extra,
-    ]
-    return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
-
-
-def wait_for_worker(r, queue: str, timeout: float = 60) -> None:
-    from rq import Worker
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if Worker.count(connection=r, queue=Queue(queue, connection=r)) > 0:
-            return
-        time.sleep(0.2)
-    raise TimeoutError("head worker did not start")
-
-
-class Env:
-    """A queue + prefix served by one tail and one head worker process."""
-
-    def __init__(
-        self,
-        name: str,
-        models,
-        redis_server,
-        redis_client,
-        tmp: Path,
-        tail_extra: list[str] | None = None,
-        head_extra: tuple[str, ...] = (),
-    ):
-        self.ms, self.url, self.r, self.tmp = models["qwen2"], redis_server.url, redis_client, tmp
-        self.queue, self.prefix = f"q-{name}", f"p-{name}"
-        self.opts = ["--queue", self.queue, "--prefix", self.prefix, "--redis-url", self.url]
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.start_tail(tail_extra)
-        self.procs["head"] = head_worker(
-            self.ms.target, self.url, self.queue, self.prefix, tmp / "head.log", f"{name}-h1", head_extra
-        )
-        wait_for_worker(self.r, self.queue)
-        self.client = Client(redis_client, prefix=self.prefix, queue=self.queue)
-
-    def start_tail(self, extra: list[str] | None = None) -> None:
-        proc = spawn_tail(
-            self.ms.target,
-            (SPLIT, self.ms.n_layers),
-            self.url,
-            prefix=self.prefix,
-            extra=["--threads", "1", *(extra or [])],
-            log_path=self.tmp / "tail.log",
-        )
-        wait_for_tails(self.r, Keys(self.prefix), proc=proc)
-        self.procs["tail"] = proc
-
-    def cli(self, *args: str, input: str | None = None):
-        return CliRunner().invoke(main, [*args, *self.opts], input=input)
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            p.kill()
-            p.wait()
+from tests.job_env import Env, head_worker, reference
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +26,6 @@ def env(models, redis_server, redis_client, tmp_path_factory):
     e = Env("main", models, redis_server, redis_client, tmp_path_factory.mktemp("jobs"))
     yield e
     e.close()
-
-
-def reference(hf, tok, prompt: str, n: int) -> list[int]:
-    ids = torch.tensor([tok.encode(prompt)])
-    return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)[
-        0, ids.shape[1] :
-    ].tolist()
 
 
 def test_jsonl_batch_of_20_equals_generate(env, hf_models, tokenizers, tmp_path):
@@ -336,20 +232,25 @@ def test_killed_head_worker_job_is_retried_and_finishes(
 
 
 def test_cancel_queued_and_running_then_retry(env):
-    res = env.cli("enqueue", "one", "two", "--no-chat-template", "--max-new-tokens", "1500", "--drafter", "none")
+    """A running job is cancelled through its flag (it fails, "cancelled by user"); a queued one (here on a
+    queue no head serves: a head takes every job it has room for) is cancelled by RQ; both retry."""
+    res = env.cli("enqueue", "one", "--no-chat-template", "--max-new-tokens", "1500", "--drafter", "none")
     batch = res.output.strip()
-    ids = env.client.resolve(batch)
+    (running_id,) = env.client.resolve(batch)
+    idle = Client(env.r, prefix=env.prefix, queue=f"{env.queue}-unserved")
+    (queued_id,) = idle.enqueue([GenerationRequest(prompt="two", max_new_tokens=4)]).job_ids
     deadline = time.monotonic() + 30
-    while not env.client.views(ids)[0].progress and time.monotonic() < deadline:
+    while not env.client.views([running_id])[0].progress and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert env.cli("cancel", batch).output.strip() == "cancelled 2 job(s)"
+    assert env.cli("cancel", batch).output.strip() == "cancelled 1 job(s)"
+    assert idle.cancel([queued_id]) == [queued_id]
     deadline = time.monotonic() + 30
-    while any(v.status not in ("failed", "canceled") for v in env.client.views(ids)) and time.monotonic() < deadline:
+    while env.client.views([running_id])[0].status != "failed" and time.monotonic() < deadline:
         time.sleep(0.1)
-    running, queued = env.client.views(ids)
+    running, queued = env.client.views([running_id, queued_id])
     assert (running.status, running.error) == ("failed", "cancelled by user")
     assert queued.status == "canceled"
-    assert sorted(env.client.retry(ids)) == ids
+    assert env.client.retry([running_id]) == [running_id] and idle.retry([queued_id]) == [queued_id]
     assert env.cli("cancel", batch).exit_code == 0  # leave the worker free for other tests
 
 
@@ -363,7 +264,11 @@ def test_head_worker_with_generations_in_flight(models, redis_server, redis_clie
         for p, job in zip(PROMPTS[:6], jobs, strict=True):
             assert job["result"]["token_ids"] == reference(hf_models["qwen2"], tokenizers["qwen2"], p, 12)
         info = json.loads(e.cli("info", "--json").output)
-        assert next(q for q in info["queues"] if q["queue"] == e.queue)["workers"] == 3
+        assert next(q for q in info["queues"] if q["queue"] == e.queue)["workers"] == 1  # one worker, 3 in flight
+        ids = [j["job_id"] for j in jobs]
+        spans = [(j.started_at, j.ended_at) for j in Job.fetch_many(ids, connection=e.r, serializer=JSONSerializer)]
+        most = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+        assert 2 <= most <= 3, spans  # jobs overlapped, never more than --concurrency
     finally:
         e.close()
 

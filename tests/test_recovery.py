@@ -18,7 +18,7 @@ from schemas.keys import Keys
 from schemas.packets import Verdict, decode_tail_message
 from schemas.requests import GenerationRequest
 from tests.conftest import PROMPTS
-from tests.test_jobs import SPLIT, Env, reference
+from tests.job_env import SPLIT, Env, reference
 from tests.test_parity import NEW, head_for
 from tests.test_parity import reference as parity_reference
 from workers.head.rounds import RoundLoop

@@ -182,6 +182,7 @@ class Workers:
         )
         args = ["head", "--target", str(model), "--layers", f"0:{SPLIT}", "--queue", QUEUE, "--prefix", PREFIX]
         args += ["--redis-url", s.url("head"), "--threads", "1", "--name", "sec-h1"]
+        args += ["--concurrency", "1"]  # one job at a time: cancel finds one running and one queued
         self.callback_marker = logdir / "head-ran-a-callback"  # what forged_failure_callback would touch
         env = {**os.environ, CALLBACK_MARKER: str(self.callback_marker), "SHARDFLOW_MAINTENANCE_S": "1"}
         with (logdir / "head.log").open("ab") as log:

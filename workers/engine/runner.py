@@ -275,17 +275,19 @@ class Engine:
     def draft_many(
         self, caches: Sequence[Cache], feeds: Sequence[list[int]], starts: Sequence[int], ks: Sequence[int]
     ) -> torch.Tensor | None:
-        """Greedy drafts [n, max(ks)] (device) of sequences of one pool, each from its feed of new token ids at
-        start..: one graph replay for all steps, one host-to-device copy for all inputs. Caches then hold
-        feed + the first k-1 drafts of their own k.
+        """Greedy drafts [n, >= max(ks)] (device; row b's first ks[b] are its own) of sequences of one pool,
+        each from its feed of new token ids at start..: one graph replay for all steps, one host-to-device copy
+        for all inputs. Caches then hold feed + the first k-1 drafts of their own k.
         None (nothing run) where this does not apply: dynamic caches, several pools, long feeds or drafts.
         Without graphs (static caches on CPU, say) the same steps run eagerly."""
-        k = max(ks)
+        # one graph per power-of-two draft length (rows keep their own k): adaptive K changes k from round to
+        # round, and a capture per (batch, feed, k) would recapture for most of a job's first rounds
+        k = min(1 << (max(ks) - 1).bit_length(), self.max_draft) if ks and max(ks) > 0 else 0
         pool = getattr(caches[0], "pool", None)
         sizes = [len(f) for f in feeds]
         if (
             not self.static
-            or k > self.max_draft
+            or max(ks) > self.max_draft
             or min(ks) < 1
             or len(caches) > self.slots
             or max(sizes) > self.step_tokens
@@ -294,7 +296,7 @@ class Engine:
         if not all(isinstance(c, StaticKVCache) and c.pool is pool for c in caches) or min(sizes) < 1:
             return None
         for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):
-            self.check(cache, start, m + kb - 1)
+            self.check(cache, start, m + kb - 1)  # keys of drafts past a row's own k land in the pool's scratch
         t = max(sizes)
         meta = [
             [c.slot, *range(s, s + t), len(f) - 1, *f, *[0] * (t - len(f))]

@@ -2,11 +2,13 @@
 
 Each generation's thread submits its round's work (draft up to k tokens, then run the lower shard
 over [uncached committed tokens, drafts]) and takes the compute lock; whichever thread gets the lock
-runs everything queued by then as one batch: greedy model drafts of all of them advance together (one
-batched draft-model forward per draft position) and the lower shard runs once over every sequence's
-round. Other drafters (n-gram, sampled drafts) propose one by one inside the same batch. If a batch
-fails, each of its generations is retried alone (its caches rolled back to where the round started),
-so one bad sequence fails only itself.
+runs everything queued by then as one batch: the model drafts of all of them, greedy or sampled, advance
+together per draft model (`propose_many`: one batched draft-model forward per draft position, or for an
+all-greedy batch the whole draft as one graph replay; plugin sessions around a model session get their
+inner model's draft, then `finish` it), n-gram proposals run in one call (`propose_ngram_many`), and the
+lower shard runs once over every sequence's round. Other drafters propose one by one. If a batch fails,
+each of its generations is retried alone (its caches rolled back to where the round started, a sampled
+draft's generator to its state as submitted), so one bad sequence fails only itself.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from schemas.requests import SamplingParams
 from workers.engine.isolate import run_isolated
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache
-from workers.spec.drafters import Draft, DraftSession, ModelDraftSession, propose_greedy_many
+from workers.spec.drafters import (
+    Draft,
+    DraftSession,
+    ModelDraftSession,
+    NgramDrafter,
+    propose_many,
+    propose_ngram_many,
+)
 
 
 @dataclass(eq=False)  # queued and withdrawn by identity
@@ -50,9 +59,11 @@ class HeadWork:
 
 
 def _model_session(w: HeadWork) -> ModelDraftSession | None:
-    if w.k <= 0 or not w.sampling.greedy or w.drafter is None:
+    """The draft-model session that drafts for `w` in the batch (a sampled draft needs the round's generator)."""
+    if w.k <= 0 or w.drafter is None or (w.gen is None and not w.sampling.greedy):
         return None
-    return w.drafter.model_session
+    session = w.drafter.model_session
+    return session if isinstance(session, ModelDraftSession) else None
 
 
 def _rewind(w: HeadWork) -> None:
@@ -129,16 +140,28 @@ class Batcher:
 
     @staticmethod
     def _drafts(batch: list[HeadWork]) -> list[Draft]:
+        """Every round's draft: model sessions batched per draft model (then `finish`ed by their drafter),
+        n-gram sessions in one call, the rest one by one; empty where no draft is wanted."""
         out: list[Draft | None] = [None] * len(batch)
-        sessions = [(i, s) for i, w in enumerate(batch) if (s := _model_session(w)) is not None]
-        if sessions:
-            ws = [batch[i] for i, _ in sessions]
-            drafts = propose_greedy_many([s for _, s in sessions], [w.context for w in ws], [w.k for w in ws])
-            for (i, _), d in zip(sessions, drafts, strict=True):
-                w = batch[i]
-                out[i] = w.drafter.finish(d, w.context, w.k, w.gen)  # type: ignore[union-attr]
+        models: dict[int, list[tuple[int, ModelDraftSession]]] = {}  # by draft engine: one batch per draft model
         for i, w in enumerate(batch):
-            if out[i] is None:
-                use = w.drafter is not None and w.k > 0 and w.gen is not None
-                out[i] = w.drafter.propose(w.context, w.k, w.sampling, w.gen) if use else Draft([])  # type: ignore[union-attr,arg-type]
-        return out  # type: ignore[return-value]
+            if (s := _model_session(w)) is not None:
+                models.setdefault(id(s.engine), []).append((i, s))
+        for group in models.values():
+            ws = [batch[i] for i, _ in group]
+            contexts, ks = [w.context for w in ws], [w.k for w in ws]
+            drafts = propose_many([s for _, s in group], contexts, ks, [w.sampling for w in ws], [w.gen for w in ws])
+            for (i, _), w, d in zip(group, ws, drafts, strict=True):
+                out[i] = w.drafter.finish(d, w.context, w.k, w.gen)  # type: ignore[union-attr]
+        rest = [i for i, w in enumerate(batch) if out[i] is None and w.k > 0 and w.gen is not None]
+        ngrams = [(i, d) for i in rest if isinstance(d := batch[i].drafter, NgramDrafter)]
+        if ngrams:
+            ws = [batch[i] for i, _ in ngrams]
+            drafts = propose_ngram_many([d for _, d in ngrams], [w.context for w in ws], [w.k for w in ws])
+            for (i, _), d in zip(ngrams, drafts, strict=True):
+                out[i] = d
+        for i in rest:
+            w = batch[i]
+            if out[i] is None and w.drafter is not None:
+                out[i] = w.drafter.propose(w.context, w.k, w.sampling, w.gen)  # type: ignore[arg-type]
+        return [d if d is not None else Draft([]) for d in out]

@@ -46,6 +46,9 @@ class JobContext:
     runtime: HeadRuntime
     r: redis.Redis
     names: Keys
+    # job id -> (stored result, checkpoint) as the dispatcher read them with the job's record (saves two
+    # round trips per job); taken once, then read from Redis as usual
+    prefetched: dict[str, tuple[bytes | None, bytes | None]] = field(default_factory=dict)
 
 
 def no_retry(job: Job, reason: str) -> None:
@@ -103,7 +106,10 @@ class Progress:
             self._inflight = None
         self._pool.shutdown(wait=True)
 
-    def flush(self, generated: list[int], final: bool) -> None:
+    def flush(self, generated: list[int], final: bool, result_json: str | None = None) -> bool:
+        """Write progress, text and checkpoint (a final flush: end the text, drop the checkpoint), in one
+        round trip; `result_json` is stored first in the same round trip unless a result is there (then
+        False is returned). Raises JobCancelled if the user asked to cancel."""
         self.last_flush = time.monotonic()
         self.text = self.tokenizer.decode(generated, skip_special_tokens=True)  # type: ignore[attr-defined]
         if not final:
@@ -118,6 +124,8 @@ class Progress:
         }
         delta = self.text[self.flushed_chars :]
         pipe = self.r.pipeline(transaction=False)
+        if result_json is not None:  # first: a retry finds the result, not the checkpoint
+            pipe.set(self.keys.result(self.job.id), result_json, nx=True, ex=self.ttl)
         pipe.hset(self.job.key, "meta", self.job.serializer.dumps(self.job.meta))
         ckpt = self.keys.checkpoint(self.job.id)  # what a retry resumes from, consistent with the text streamed
         if final:
@@ -140,11 +148,11 @@ class Progress:
         self.flushed_chars = len(self.text)
         if cancelled and not final:
             raise JobCancelled("cancelled by user")
+        return result_json is None or bool(replies[0])
 
 
-def load_checkpoint(r: redis.Redis, keys: Keys, job_id: str) -> list[int]:
+def load_checkpoint(raw: bytes | None, job_id: str) -> list[int]:
     """Tokens an earlier attempt of this job committed (empty if none, or if the record is unreadable)."""
-    raw = r.get(keys.checkpoint(job_id))
     if raw is None:
         return []
     try:
@@ -154,23 +162,24 @@ def load_checkpoint(r: redis.Redis, keys: Keys, job_id: str) -> list[int]:
         return []
 
 
-def stored_result(r: redis.Redis, keys: Keys, job_id: str) -> dict | None:
+def stored_result(raw: bytes | None, job_id: str) -> dict | None:
     """The result stored for this job, if one is there and reads as a result (others may write the key)."""
-    raw = r.get(keys.result(job_id))
     data = read_result(raw)
     if raw is not None and data is None:
         log.warning("job %s: ignoring an unreadable stored result", job_id)
     return data
 
 
-def store_result_once(r: redis.Redis, keys: Keys, job_id: str, result: GenerationResult, ttl: int) -> dict:
-    """Write the result unless a readable one exists (kept `ttl` seconds); return whichever is stored."""
+def finish(ctx: JobContext, job: Job, progress: Progress, result: GenerationResult, ttl: int) -> dict:
+    """Store the result unless a readable one exists (kept `ttl` seconds), end the token stream and drop the
+    checkpoint, in one round trip; return whichever result is stored."""
     data = result.model_dump(mode="json")
-    if r.set(keys.result(job_id), json.dumps(data), nx=True, ex=ttl):
+    if progress.flush(result.token_ids, final=True, result_json=json.dumps(data)):
         return data
-    existing = stored_result(r, keys, job_id)
+    key = ctx.names.result(job.id)
+    existing = stored_result(ctx.r.get(key), job.id)
     if existing is None:  # unreadable: this job's own result replaces it
-        r.set(keys.result(job_id), json.dumps(data), ex=ttl)
+        ctx.r.set(key, json.dumps(data), ex=ttl)
     return existing or data
 
 
@@ -180,7 +189,8 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
     if job is None:
         raise RuntimeError("run_generation must run inside a ShardFlow head worker")
     keys = ctx.names
-    stored = stored_result(ctx.r, keys, job.id)
+    raw_result, raw_checkpoint = ctx.prefetched.pop(job.id, None) or _read_keys(ctx, job.id)
+    stored = stored_result(raw_result, job.id)
     if stored is not None:
         return stored
     try:
@@ -191,7 +201,7 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
     ttl = job_ttl(job)
     progress = Progress(job, ctx.r, keys, ctx.runtime.tokenizer, ttl, ctx.runtime.settings.progress_interval_s)
     job.meta.pop("error", None)
-    resume = load_checkpoint(ctx.r, keys, job.id)
+    resume = load_checkpoint(raw_checkpoint, job.id)
     if resume:
         log.info("job %s resumes from a checkpoint of %d tokens", job.id, len(resume))
         progress.resume_from(resume)
@@ -214,6 +224,13 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
         job.meta["error"] = f"{type(e).__name__}: {e}"
         job.save_meta()
         raise
-    stored = store_result_once(ctx.r, keys, job.id, result, ttl)  # first: a retry finds it, not the checkpoint
-    progress.flush(result.token_ids, final=True)  # then drop the checkpoint and end the token stream
-    return stored
+    return finish(ctx, job, progress, result, ttl)
+
+
+def _read_keys(ctx: JobContext, job_id: str) -> tuple[bytes | None, bytes | None]:
+    """The job's stored result and checkpoint, in one round trip."""
+    pipe = ctx.r.pipeline(transaction=False)
+    pipe.get(ctx.names.result(job_id))
+    pipe.get(ctx.names.checkpoint(job_id))
+    result, checkpoint = pipe.execute()
+    return result, checkpoint

@@ -39,6 +39,7 @@ from schemas.jobs import RUN_GENERATION, ModelInfo
 from schemas.keys import Keys
 from schemas.settings import Settings
 from workers.head import job_function as jobs
+from workers.head.dispatcher import Dispatcher
 from workers.head.scheduler import ThreadScheduler
 
 log = logging.getLogger("shardflow.head_worker")
@@ -70,12 +71,15 @@ class HeadWorker(SimpleWorker):
         *,
         names: Keys | None = None,
         model_info: ModelInfo | None = None,
+        capacity: int | None = None,
         **kwargs: Any,
     ) -> None:
+        """`capacity`: jobs in flight at once (default: what the runtime's batch slots hold)."""
         self.names = names or Keys()
         # the runtime's settings (RQ's Worker has a `settings`-free namespace of its own, hence the name)
         self.shardflow_settings = cfg = runtime.settings if runtime is not None else Settings()
-        job_class = head_job_class(jobs.JobContext(runtime, r, self.names))
+        self.job_context = jobs.JobContext(runtime, r, self.names)
+        job_class = head_job_class(self.job_context)
         kwargs.setdefault("serializer", JSONSerializer)
         kwargs.setdefault("job_class", job_class)
         kwargs.setdefault("maintenance_interval", cfg.maintenance_s)
@@ -89,15 +93,19 @@ class HeadWorker(SimpleWorker):
         if model_info is not None:
             for q in queues:
                 r.set(self.names.model_info(q), model_info.model_dump_json())
+        default = runtime.capacity if runtime is not None else 1
+        self.dispatcher = Dispatcher(self, capacity or default)
 
-    def work(self, *args: Any, **kwargs: Any) -> bool:
+    def work(
+        self, burst: bool = False, logging_level: str | None = "INFO", with_scheduler: bool = False, **_: Any
+    ) -> bool:
         """RQ's loop, restarted with backoff (relay_broker.retry) when it ends on an error (Redis lost
         mid-job, say) rather than on a stop request: RQ retries a lost connection only while it waits for
         jobs. The wait doubles from 1 s up to worker_restart_max_s, and starts over after a loop that ran
         well for worker_restart_reset_s."""
         try:
             return ride_out(
-                lambda: self._work_once(*args, **kwargs),
+                lambda: self._work_once(burst, logging_level, with_scheduler),
                 errors=(_LoopEnded,),
                 wait=lambda _: min(2.0 ** max(self._quick_ends - 1, 0), self.shardflow_settings.worker_restart_max_s),
                 on_retry=lambda e, s: log.warning("worker %s: %s; restarting in %.0fs", self.name, e, s),
@@ -105,17 +113,21 @@ class HeadWorker(SimpleWorker):
         except StopRequested:  # a stop signal while waiting
             return False
 
-    def _work_once(self, *args: Any, **kwargs: Any) -> bool:
-        """One run of RQ's loop: its result if it finished or was stopped, else _LoopEnded."""
+    def _work_once(self, burst: bool = False, logging_level: str | None = "INFO", with_scheduler: bool = False) -> bool:
+        """One run of the job loop (workers/head/dispatcher.py): its result if it finished or was stopped,
+        else _LoopEnded."""
         started = time.monotonic()
         try:
-            worked = super().work(*args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError) as e:  # raised from RQ's own teardown
-            log.warning("worker %s: Redis lost (%s)", self.name, e)
-            worked = False
+            worked = self._serve(burst, logging_level, with_scheduler)
         except StopRequested:
             return False
-        if kwargs.get("burst") or self._stop_requested or self._shutdown_requested_date is not None:
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("worker %s: Redis lost (%s)", self.name, e)
+            worked = False
+        except Exception as e:  # a forged key of the wrong type, say: never the end of the worker
+            log.error("worker %s: its loop ended on %r", self.name, e)
+            worked = False
+        if burst or self._stop_requested or self._shutdown_requested_date is not None:
             return worked  # finished, or stopped on request (an idle worker's stop sets only the date)
         ran_well = time.monotonic() - started > self.shardflow_settings.worker_restart_reset_s
         self._quick_ends = 1 if ran_well else self._quick_ends + 1
@@ -198,22 +210,14 @@ class HeadWorker(SimpleWorker):
         """A short TTL: a running job whose worker stops heartbeating is abandoned within seconds."""
         return self.shardflow_settings.heartbeat_ttl_s
 
-    def execute_job(self, job: Job, queue: Queue) -> None:
-        stop = threading.Event()
-        beat = threading.Thread(target=self._beat, args=(job, stop), daemon=True, name="heartbeat")
-        beat.start()
+    def _serve(self, burst: bool, logging_level: str | None, with_scheduler: bool) -> bool:
+        """RQ's `work` with its one-job loop replaced by the dispatcher's: start up as RQ does (record,
+        pubsub for RQ's commands, scheduler thread, signal handlers), serve, tear down."""
+        self.bootstrap(logging_level, DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT)
         try:
-            super().execute_job(job, queue)
+            if with_scheduler:
+                self._start_scheduler(burst, logging_level)
+            self._install_signal_handlers()
+            return self.dispatcher.serve(burst)
         finally:
-            stop.set()
-            beat.join(5)
-
-    def _beat(self, job: Job, stop: threading.Event) -> None:
-        while not stop.wait(self.shardflow_settings.heartbeat_s):
-            execution = self.execution
-            if execution is None:
-                continue
-            try:
-                self.maintain_heartbeats(job, execution)
-            except redis.RedisError as e:  # a missed beat is retried at the next period
-                log.warning("heartbeat for job %s failed: %s", job.id, e)
+            self.teardown()

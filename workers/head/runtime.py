@@ -114,6 +114,12 @@ class HeadRuntime:
         return cls(tok, shard, drafter, eos, engine, settings=settings, plugins=plugins)
 
     @property
+    def capacity(self) -> int:
+        """Generations this runtime runs at once by default: its static caches' batch slots (the
+        settings' batch_slots with growing caches)."""
+        return self.engine.slots if self.engine is not None else self.settings.batch_slots
+
+    @property
     def context_length(self) -> int | None:
         """The longest prompt + new tokens this runtime can hold: the model's limit, and its static caches'."""
         limits = [getattr(self.shard.config, "max_position_embeddings", None)]

@@ -5,10 +5,15 @@ k tokens and, when sampling, the distribution q each was drawn from. A model ses
 cache and re-syncs it to the committed context at every call: it crops to the longest prefix it holds
 and feeds what is missing, so after a fully accepted round it consumes the last draft and the bonus
 token before drafting again.
+
+Several sessions draft at once: `propose_many` runs the model sessions of one draft model together (greedy
+and sampled rows in one batched forward per position; each sampled row draws from its own generator exactly
+what it draws alone), `propose_ngram_many` the n-gram ones. A session's `propose` is a batch of one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,9 +33,10 @@ class Draft:
 
 
 class DraftSession(Protocol):
-    """One generation's drafter. The head's batcher drafts greedily for every session whose `model_session`
-    is a ModelDraftSession in one batched call, then hands each its model draft through `finish`; other
-    sessions `propose` on their own. `close` gives back what the session holds (a cache slot)."""
+    """One generation's drafter. The head's batcher drafts for every session whose `model_session` is a
+    ModelDraftSession (greedy or sampled) in one batched call (`propose_many`), then hands each its model
+    draft through `finish`; n-gram sessions propose together (`propose_ngram_many`); other sessions
+    `propose` on their own. `close` gives back what the session holds (a cache slot)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -98,28 +104,86 @@ class ModelDraftSession:
         self.tokens = list(context)
         return context[keep:], keep
 
-    @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
-        """Draft k tokens, feeding each back on the device; one host sync at the end (greedy: see
-        `propose_greedy_many`)."""
-        if k <= 0:
-            return Draft([])
-        if sampling.greedy:
-            return propose_greedy_many([self], [context], [k])[0]
-        feed, keep = self.plan(context)
-        logits = self.engine.forward(self.cache, torch.tensor(feed, device=self.device), keep, logits_last=1)[-1]
-        picked: list[torch.Tensor] = []
-        qs: list[torch.Tensor] = []
-        for i in range(k):
-            probs = warp(logits[None], sampling)[0]
-            tok = torch.multinomial(probs, 1, generator=gen)
-            qs.append(probs)
-            picked.append(tok)
-            if i < k - 1:
-                logits = self.engine.forward(self.cache, tok, len(context) + i, logits_last=1)[-1]
-        tokens = torch.cat(picked).tolist() if picked else []
-        self.tokens = list(context) + tokens[: max(k - 1, 0)]
-        return Draft(tokens, torch.stack(qs) if qs else None)
+        """Draft k tokens (greedy, or sampled from `gen`): a batch of one (`propose_many`)."""
+        return propose_many([self], [context], [k], [sampling], [gen])[0]
+
+
+def propose_many(
+    sessions: list[ModelDraftSession],
+    contexts: list[list[int]],
+    ks: list[int],
+    samplings: list[SamplingParams],
+    gens: list[torch.Generator | None],
+) -> list[Draft]:
+    """Drafts for several sessions of one draft model at once, each greedy or sampled (its own warp, its own
+    generator, q returned). All greedy: `propose_greedy_many` (the whole draft as one graph replay where it
+    applies). Otherwise one batched forward per draft position (rows whose k is reached drop out), greedy
+    rows taking the argmax and each sampled row drawing one token per position from its own generator,
+    exactly the draws it makes alone. Rows with k <= 0 get an empty draft and leave their session alone."""
+    out = [Draft([]) for _ in sessions]
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    if not rows:
+        return out
+    ss, cs, ns = [sessions[i] for i in rows], [contexts[i] for i in rows], [ks[i] for i in rows]
+    if all(samplings[i].greedy for i in rows):
+        got = propose_greedy_many(ss, cs, ns)
+    else:
+        got = _propose_mixed(ss, cs, ns, [samplings[i] for i in rows], [gens[i] for i in rows])
+    for i, d in zip(rows, got, strict=True):
+        out[i] = d
+    return out
+
+
+def _propose_mixed(
+    sessions: list[ModelDraftSession],
+    contexts: list[list[int]],
+    ks: list[int],
+    samplings: list[SamplingParams],
+    gens: list[torch.Generator | None],
+) -> list[Draft]:
+    engine, pick = sessions[0].engine, _Sampler(samplings, gens)
+    with torch.inference_mode():
+        plans = [s.plan(c) for s, c in zip(sessions, contexts, strict=True)]
+        rows = _draft_steps(engine, [s.cache for s in sessions], plans, contexts, ks, pick)
+        qs = [torch.stack(q) if q else None for q in pick.qs]
+    out = []
+    for s, c, k, row, q in zip(sessions, contexts, ks, rows, qs, strict=True):
+        s.tokens = list(c) + row[: k - 1]
+        out.append(Draft(row[:k], q))
+    return out
+
+
+class _Sampler:
+    """Picks each live row's next draft token from its logits: the argmax for greedy rows; for sampled rows a
+    draw from the warped distribution (rows of one warp warped together) with the row's own generator,
+    keeping the distribution as the row's q."""
+
+    def __init__(self, samplings: list[SamplingParams], gens: list[torch.Generator | None]) -> None:
+        self.samplings, self.gens = samplings, gens
+        self.qs: list[list[torch.Tensor]] = [[] for _ in samplings]
+
+    def __call__(self, logits: torch.Tensor, live: list[int]) -> torch.Tensor:
+        picked: list[torch.Tensor | None] = [None] * len(live)
+        warps: dict[tuple[float, int, float], list[int]] = {}
+        greedy = []
+        for j, b in enumerate(live):
+            s = self.samplings[b]
+            if s.greedy:
+                greedy.append(j)
+            else:
+                warps.setdefault((s.temperature, s.top_k, s.top_p), []).append(j)
+        if greedy:
+            top = logits.argmax(-1)
+            for j in greedy:
+                picked[j] = top[j : j + 1]
+        for js in warps.values():
+            probs = warp(logits if len(js) == len(live) else logits[js], self.samplings[live[js[0]]])
+            for j, p in zip(js, probs, strict=True):
+                b = live[j]
+                picked[j] = torch.multinomial(p, 1, generator=self.gens[b])
+                self.qs[b].append(p)
+        return torch.cat(picked)  # type: ignore[arg-type]
 
 
 def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[int]], ks: list[int]) -> list[Draft]:
@@ -131,9 +195,7 @@ def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[i
     with torch.inference_mode():
         caches = [s.cache for s in sessions]
         drafts = engine.draft_many(caches, [f for f, _ in plans], [k for _, k in plans], ks)
-        if drafts is None:
-            drafts = _greedy_steps(engine, caches, plans, contexts, ks)
-        rows = drafts.tolist()
+        rows = drafts.tolist() if drafts is not None else _draft_steps(engine, caches, plans, contexts, ks, _argmax)
     out = []
     for s, c, k, row in zip(sessions, contexts, ks, rows, strict=True):
         s.tokens = list(c) + row[: max(k - 1, 0)]
@@ -141,24 +203,40 @@ def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[i
     return out
 
 
-def _greedy_steps(
-    engine: Engine, caches: list, plans: list[tuple[list[int], int]], contexts: list[list[int]], ks: list[int]
-) -> torch.Tensor:
+def _argmax(logits: torch.Tensor, live: list[int]) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+def _draft_steps(
+    engine: Engine,
+    caches: list,
+    plans: list[tuple[list[int], int]],
+    contexts: list[list[int]],
+    ks: list[int],
+    pick: Callable[[torch.Tensor, list[int]], torch.Tensor],
+) -> list[list[int]]:
+    """Drafts of max(ks) tokens per row: one batched forward per draft position, `pick(logits [live, V], live
+    rows)` choosing each live row's token, fed back on the device; rows whose k is reached drop out. One host
+    sync at the end."""
     feeds = [torch.tensor(f, device=engine.shard.device) for f, _ in plans]
     logits = engine.forward_many(caches, feeds, [k for _, k in plans], logits_last=1)
-    cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
-    drafts = cur.new_zeros((len(caches), max(ks)))
-    drafts[:, 0] = cur
     live = list(range(len(caches)))
+    cur = pick(torch.stack([lg[-1] for lg in logits]), live)
+    steps = [(live, cur)]
     for i in range(1, max(ks)):
         keep = [j for j, b in enumerate(live) if ks[b] > i]
         if len(keep) < len(live):
             cur, live = cur[keep], [live[j] for j in keep]
         starts = [len(contexts[b]) + i - 1 for b in live]
         logits = engine.forward_many([caches[b] for b in live], list(cur[:, None]), starts, logits_last=1)
-        cur = torch.stack([lg[-1] for lg in logits]).argmax(-1)
-        drafts[live, i] = cur
-    return drafts
+        cur = pick(torch.stack([lg[-1] for lg in logits]), live)
+        steps.append((live, cur))
+    flat = iter(torch.cat([c for _, c in steps]).tolist())
+    rows: list[list[int]] = [[] for _ in caches]
+    for rows_live, _ in steps:
+        for b in rows_live:
+            rows[b].append(next(flat))
+    return rows
 
 
 class NgramDrafter:
@@ -183,11 +261,42 @@ class NgramDrafter:
         """Holds nothing."""
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
-        ctx = torch.tensor(context)
-        for n in range(min(self.ngram_max, len(context) - 1), self.ngram_min - 1, -1):
-            windows = ctx[:-1].unfold(0, n, 1)  # every n-gram that has at least one token after it
-            hits = (windows == ctx[-n:]).all(dim=1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                return Draft(context[start : start + k], point=True)
-        return Draft([], point=True)
+        return Draft(ngram_lookup(context, k, self.ngram_max, self.ngram_min), point=True)
+
+
+def propose_ngram_many(drafters: list[NgramDrafter], contexts: list[list[int]], ks: list[int]) -> list[Draft]:
+    """Each n-gram drafter's proposal for its context, in one call (plain Python: no tensors per sequence)."""
+    return [
+        Draft(ngram_lookup(c, k, d.ngram_max, d.ngram_min), point=True)
+        for d, c, k in zip(drafters, contexts, ks, strict=True)
+    ]
+
+
+def ngram_lookup(context: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the context's longest matching last
+    n-gram (n from min(ngram_max, len - 1) down to ngram_min; an occurrence needs a token after it).
+
+    One scan back over the context: at each earlier occurrence of the last token (latest first), the length
+    of the match ending there; the first occurrence with the longest match (capped at the largest n) wins."""
+    size = len(context)
+    top = min(ngram_max, size - 1)
+    if top < ngram_min:
+        return []
+    rev = context[::-1]  # rev[i] is context[size - 1 - i]; an occurrence ending at i >= 1 has a token after it
+    last, best, at, i = rev[0], 0, 0, 1
+    while True:
+        try:
+            i = rev.index(last, i)
+        except ValueError:
+            break
+        m = 1
+        while m < top and i + m < size and rev[i + m] == rev[m]:
+            m += 1
+        if m > best:
+            best, at = m, i
+            if m == top:
+                break
+        i += 1
+    if best < ngram_min:
+        return []
+    return context[size - at : size - at + k]

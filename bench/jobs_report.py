@@ -1,0 +1,356 @@
+"""The measured side of the job-path benchmark (bench/jobs.py): the model it runs, its prompts and
+reference outputs (HF `generate`), per-N figures from the producer's views, RQ's job timestamps and
+token-stream arrival times, worker memory, and the files jobs.json / jobs.md / jobs.png. Not run on its
+own: see `python -m bench.jobs --help`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import redis
+from rq.job import Job
+
+
+def say(msg: str) -> None:
+    click.echo(f"[jobs {time.strftime('%H:%M:%S')}] {msg}", err=True)
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    target: str
+    layers: int
+    split: int
+    draft: str | None
+    vocab: int
+    tokenizer: str | None  # a directory to load the tokenizer from; None: random prompt ids
+
+
+def random_preset(name: str) -> dict:
+    """The shape of a `random:<preset>` target, from the benchmark plugin (or where it lived before)."""
+    import importlib
+
+    for mod in ("bench.synthetic", "workers.engine.shard"):
+        try:
+            presets = getattr(importlib.import_module(mod), "RANDOM_PRESETS", None)
+        except ImportError:
+            continue
+        if presets and name in presets:
+            return presets[name]
+    raise click.BadParameter(f"unknown random preset {name!r}", param_hint="--target")
+
+
+def resolve_model(
+    tiny: bool, smollm: bool, target: str | None, split: int | None, draft: str | None, tmp: Path
+) -> Model:
+    """The model the bench runs, from --tiny (built into `tmp`), --smollm (the demo's SmolLM2) or --target."""
+    from transformers import AutoConfig
+
+    from producer.local import layer_count
+
+    if sum([tiny, smollm, target is not None]) != 1:
+        raise click.UsageError("give exactly one of --tiny, --smollm or --target DIR")
+    name, tokenizer = target or "", None  # tokenizer: where prompts are tokenized from (None: random ids)
+    if tiny:  # random weights: random prompt ids
+        from workers.tiny_models import save_tiny_model
+
+        name, target = "tiny (random qwen2, 4 layers)", str(save_tiny_model(tmp / "tiny", "qwen2"))
+    elif smollm:
+        from producer.demo import smollm2_dir
+
+        name, target = "SmolLM2-135M-Instruct", str(smollm2_dir())
+    assert target is not None
+    if target.startswith("random:"):
+        preset = random_preset(target.split(":", 1)[1])
+        n_layers, vocab = int(preset["num_hidden_layers"]), int(preset["vocab_size"])
+    else:
+        n_layers, vocab = layer_count(target), int(AutoConfig.from_pretrained(target).vocab_size)
+        if not tiny and any((Path(target) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = target
+    split = split if split is not None else n_layers // 2
+    if not 0 < split < n_layers:
+        raise click.BadParameter(f"{split}: the model has {n_layers} layers", param_hint="--split")
+    return Model(name, target, n_layers, split, draft, vocab, tokenizer)
+
+
+def build_prompts(model: Model, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` distinct prompts of exactly `length` token ids: varied text through the tokenizer, or random
+    in-vocabulary ids for models without one (random weights, where text means nothing anyway)."""
+    rng = random.Random(seed)
+    if model.tokenizer is None:
+        return [[rng.randrange(model.vocab) for _ in range(length)] for _ in range(count)]
+    from transformers import AutoTokenizer
+
+    from workers.tiny_models import CORPUS, PROMPTS
+
+    tok = AutoTokenizer.from_pretrained(model.tokenizer)
+    sentences = [*CORPUS, *PROMPTS]
+    out: list[list[int]] = []
+    for i in range(count):
+        ids = tok.encode(f"Request {i}.", add_special_tokens=False)
+        while len(ids) < length:
+            ids += tok.encode(" " + " ".join(rng.sample(sentences, len(sentences))), add_special_tokens=False)
+        out.append(ids[:length])
+    return out
+
+
+def hf_references(model: Model, prompts: list[list[int]], new: int, device: str) -> list[list[int]]:
+    """Greedy continuations of the unsplit target: `generate(do_sample=False)` per prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model.target, dtype=torch.float32).to(device).eval()
+    refs = []
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p], device=device)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
+            refs.append(out[0, ids.shape[1] :].tolist())
+            if (i + 1) % 16 == 0:
+                say(f"references: {i + 1}/{len(prompts)}")
+    del hf
+    return refs
+
+
+def git_state(repo: Path) -> str | None:
+    """The commit the bench runs from, `+dirty` if the work tree differs from it; None outside git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (commit + ("+dirty" if dirty else "")) or None
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) of xs by linear interpolation between order statistics; None if empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def dist(xs: list[float]) -> dict[str, float | None]:
+    """p50 / p95 / mean / max of xs (None where xs is empty), rounded for the report."""
+
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 4)
+
+    return {
+        "p50": r(pct(xs, 0.5)),
+        "p95": r(pct(xs, 0.95)),
+        "mean": r(sum(xs) / len(xs)) if xs else None,
+        "max": r(max(xs)) if xs else None,
+    }
+
+
+def process_memory_gb(pid: int, gpu: bool) -> float | None:
+    """A worker process's memory: on GPU the memory nvidia-smi says it holds (torch's caching allocator
+    keeps its peak), else its peak resident set (VmHWM of /proc/PID/status). None when it cannot be read."""
+    try:
+        if gpu:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+            rows = [line.split(",") for line in out.splitlines() if "," in line]
+            return round(sum(float(used) for owner, used in rows if int(owner) == pid) * 2**20 / 1e9, 3)
+        status = Path(f"/proc/{pid}/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+        return round(kib * 1024 / 1e9, 3)
+    except (OSError, ValueError, StopIteration, subprocess.SubprocessError):
+        return None
+
+
+class FirstTokens(threading.Thread):
+    """When each running job's meta first reports a committed token: the head writes its progress right
+    after a job's first round, in the same pipeline as the first text chunk, but a first token with no
+    visible text (a special token, half a UTF-8 character) streams no chunk, so the text stream alone can be
+    a progress interval late. Polls only the jobs in the queue's started registry (two round trips a poll)."""
+
+    def __init__(self, r: redis.Redis, started_key: str, job_ids: list[str], interval_s: float = 0.02) -> None:
+        super().__init__(daemon=True, name="first-tokens")
+        self.r, self.key, self.wanted, self.interval_s = r, started_key, set(job_ids), interval_s
+        self.seen: dict[str, float] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval_s):
+            try:
+                running = {m.decode().split(":", 1)[0] for m in self.r.zrange(self.key, 0, -1)}
+                todo = sorted((running & self.wanted) - self.seen.keys())
+                with self.r.pipeline(transaction=False) as pipe:
+                    for j in todo:
+                        pipe.hget(Job.key_for(j), "meta")
+                    metas = pipe.execute() if todo else []
+            except redis.RedisError:
+                continue
+            now = time.time()
+            for j, raw in zip(todo, metas, strict=True):
+                try:
+                    tokens = json.loads(raw)["progress"]["tokens"]
+                except (TypeError, ValueError, KeyError):
+                    continue
+                if isinstance(tokens, int) and tokens >= 1:
+                    self.seen[j] = now
+
+
+@dataclass
+class BatchRun:
+    """What the bench saw of one batch: when it enqueued (epoch seconds), per job id when its first text
+    chunk and its end marker reached the producer, when the last job was seen final, the views, and RQ's
+    (enqueued_at, started_at, ended_at) per job as epoch seconds (None where RQ has none)."""
+
+    t0: float
+    t_done: float
+    job_ids: list[str]
+    views: list  # producer.views.JobView
+    first_seen: dict[str, float] = field(default_factory=dict)
+    meta_seen: dict[str, float] = field(default_factory=dict)  # FirstTokens.seen
+    final_seen: dict[str, float] = field(default_factory=dict)
+    rq_times: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
+
+
+def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
+    """One row of the report: a batch of N jobs (N = len(run.job_ids))."""
+    done = [v for v in run.views if v.status == "finished" and v.result]
+    results = [v.result for v in done]
+    completion = sum(int(x.get("completion_tokens", 0)) for x in results)
+    # first enqueue -> last result: the last end marker seen (written once the result is stored), or when the
+    # batch was seen final if some finished job's marker never came
+    seen_all = all(v.job_id in run.final_seen for v in done)
+    wall = (max(run.final_seen.values()) if seen_all and run.final_seen else run.t_done) - run.t0
+    latency: list[float] = []
+    queued: list[float] = []
+    running: list[float] = []
+    for jid in run.job_ids:
+        enq, start, end = run.rq_times.get(jid, (None, None, None))
+        if enq is not None and end is not None:
+            latency.append(end - enq)
+        if enq is not None and start is not None:
+            queued.append(start - enq)
+        if start is not None and end is not None:
+            running.append(end - start)
+    rounds = sum(int(x.get("rounds", 0)) for x in results)
+    inf = float("inf")
+    started = [j for j in run.job_ids if j in run.first_seen or j in run.meta_seen]
+    row: dict = {
+        "n": len(run.job_ids),
+        "finished": len(done),
+        "failed": [f"{v.job_id}: {v.status}: {v.error}" for v in run.views if v.status != "finished"],
+        "completion_tokens": completion,
+        "wall_s": round(wall, 4),
+        "aggregate_tokens_per_s": round(completion / wall, 3) if wall > 0 else None,
+        "per_job_tokens_per_s": dist([float(x.get("tokens_per_s", 0.0)) for x in results]),
+        # enqueue -> result, as the producer sees it: the job's end marker on its token stream (written right
+        # after the result is stored) reaching Client.follow; one clock, the producer's
+        "latency_s": dist([run.final_seen[j] - run.t0 for j in run.job_ids if j in run.final_seen]),
+        # the same by RQ's timestamps (enqueued_at by the producer, ended_at by the head worker once RQ's own
+        # bookkeeping after the job function is done, so a few head <-> Redis round trips later)
+        "latency_rq_s": dist(latency),
+        "queue_wait_s": dist(queued),  # enqueued_at -> started_at (includes RQ's dequeue bookkeeping)
+        "run_s": dist(running),  # started_at -> ended_at
+        # enqueue -> first token, as the producer sees it: the earlier of the job's first text chunk (Client.follow)
+        # and its meta's first progress report (FirstTokens); the text-only figure beside it
+        "ttft_s": dist([min(run.first_seen.get(j, inf), run.meta_seen.get(j, inf)) - run.t0 for j in started]),
+        "ttft_text_s": dist([run.first_seen[j] - run.t0 for j in run.job_ids if j in run.first_seen]),
+        "tokens_per_round": round(completion / rounds, 3) if rounds else None,
+        "mean_accepted_per_round": dist([float(x.get("mean_accepted", 0.0)) for x in results]),
+        # Rounds batched per forward: the head's Batcher counts batches and rounds (workers/head/batching.py
+        # `Batcher.batches` / `.rounds`), and so does nothing else, but neither a result, the job meta nor a
+        # log line exports them, so the job path cannot measure it: null until the product exposes it.
+        "rounds_batched_per_forward": None,
+        # where a round's time goes, summed over every job's rounds (the result's RoundTimings)
+        "stage_ms_per_round": {
+            k: round(sum(float(x.get("timings", {}).get(k, 0.0)) for x in results) / rounds, 2) if rounds else None
+            for k in ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms", "verify_ms", "total_ms")
+        },
+        "replays": sum(int(x.get("replays", 0)) for x in results),
+        "resumed_tokens": sum(int(x.get("resumed_tokens", 0)) for x in results),
+    }
+    if refs is not None:
+        bad = []
+        for v in done:
+            want = refs[v.index]
+            got = v.result["token_ids"] if v.result else []
+            if got != want:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+                )
+                bad.append({"index": v.index, "first_diff_at": at, "got_len": len(got), "want_len": len(want)})
+        row["checked"] = len(done)
+        row["mismatches"] = len(bad)
+        row["mismatch_detail"] = bad[:20]
+    else:
+        row["checked"], row["mismatches"] = 0, None
+    return row
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The report's table: one line per (variant, N)."""
+    lines = [
+        "| variant | N | done | aggregate tok/s | per-job tok/s p50 | latency p50 / p95 s | TTFT p50 / p95 s | "
+        "tok/round | rounds/forward | head / tail mem GB | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        lat, ttft, mem = x["latency_s"], x["ttft_s"], x.get("memory_gb", {})
+        mism = "—" if x["mismatches"] is None else f"{x['mismatches']}/{x['checked']}"
+        lines.append(
+            f"| {x['variant']} | {x['n']} | {x['finished']}/{x['n']} | {_f(x['aggregate_tokens_per_s'])} | "
+            f"{_f(x['per_job_tokens_per_s']['p50'])} | {_f(lat['p50'])} / {_f(lat['p95'])} | "
+            f"{_f(ttft['p50'], '.3f')} / {_f(ttft['p95'], '.3f')} | {_f(x['tokens_per_round'])} | "
+            f"{_f(x['rounds_batched_per_forward'])} | {_f(mem.get('head'))} / {_f(mem.get('tail'))} | {mism} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, doc: dict) -> None:
+    """jobs.json (everything), jobs.md (the table) and, if matplotlib is installed, jobs.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "jobs.json").write_text(json.dumps(doc, indent=2))
+    (out / "jobs.md").write_text(markdown(doc["rows"]))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: jobs.png skipped", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for variant in dict.fromkeys(x["variant"] for x in doc["rows"]):
+        pts = [(x["n"], x["aggregate_tokens_per_s"] or 0.0) for x in doc["rows"] if x["variant"] == variant]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("jobs in the batch (N)")
+    ax.set_ylabel("aggregate tokens/s")
+    s = doc["settings"]
+    ax.set_title(f"{s['model']}: {s['prompt_tokens']}+{s['new_tokens']} tokens, +{s['delay_ms']} ms head link")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "jobs.png", dpi=120)
+    plt.close(fig)

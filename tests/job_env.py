@@ -1,0 +1,119 @@
+"""The job system's test bench: a queue served by real tail and head worker processes (`Env`), and greedy
+references from Hugging Face `generate`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+from rq import Queue
+
+from producer.cli import main
+from producer.client import Client
+from producer.local import spawn_tail, wait_for_tails
+from schemas.keys import Keys
+
+SPLIT = 2
+
+
+def head_worker(
+    target: Path, url: str, queue: str, prefix: str, log: Path, name: str, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "SHARDFLOW_HEARTBEAT_TTL_S": "4",
+        "SHARDFLOW_HEARTBEAT_S": "1",
+        "SHARDFLOW_MAINTENANCE_S": "2",
+        "SHARDFLOW_REPLY_TIMEOUT_S": "3",  # a dead tail is noticed (and its sessions replayed) quickly
+        "SHARDFLOW_RESUME_ATTEMPTS": "6",
+    }
+    args = [
+        sys.executable,
+        "-m",
+        "producer",
+        "head",
+        "--target",
+        str(target),
+        "--layers",
+        f"0:{SPLIT}",
+        "--queue",
+        queue,
+        "--prefix",
+        prefix,
+        "--redis-url",
+        url,
+        "--threads",
+        "1",
+        "--name",
+        name,
+        *extra,
+    ]
+    return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for_worker(r, queue: str, timeout: float = 60) -> None:
+    from rq import Worker
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if Worker.count(connection=r, queue=Queue(queue, connection=r)) > 0:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("head worker did not start")
+
+
+class Env:
+    """A queue + prefix served by one tail and one head worker process."""
+
+    def __init__(
+        self,
+        name: str,
+        models,
+        redis_server,
+        redis_client,
+        tmp: Path,
+        tail_extra: list[str] | None = None,
+        head_extra: tuple[str, ...] = (),
+    ):
+        self.ms, self.url, self.r, self.tmp = models["qwen2"], redis_server.url, redis_client, tmp
+        self.queue, self.prefix = f"q-{name}", f"p-{name}"
+        self.opts = ["--queue", self.queue, "--prefix", self.prefix, "--redis-url", self.url]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.start_tail(tail_extra)
+        self.procs["head"] = head_worker(
+            self.ms.target, self.url, self.queue, self.prefix, tmp / "head.log", f"{name}-h1", head_extra
+        )
+        wait_for_worker(self.r, self.queue)
+        self.client = Client(redis_client, prefix=self.prefix, queue=self.queue)
+
+    def start_tail(self, extra: list[str] | None = None) -> None:
+        proc = spawn_tail(
+            self.ms.target,
+            (SPLIT, self.ms.n_layers),
+            self.url,
+            prefix=self.prefix,
+            extra=["--threads", "1", *(extra or [])],
+            log_path=self.tmp / "tail.log",
+        )
+        wait_for_tails(self.r, Keys(self.prefix), proc=proc)
+        self.procs["tail"] = proc
+
+    def cli(self, *args: str, input: str | None = None):
+        return CliRunner().invoke(main, [*args, *self.opts], input=input)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.kill()
+            p.wait()
+
+
+def reference(hf, tok, prompt: str, n: int) -> list[int]:
+    ids = torch.tensor([tok.encode(prompt)])
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)[
+        0, ids.shape[1] :
+    ].tolist()

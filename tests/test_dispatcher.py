@@ -1,0 +1,64 @@
+"""The head's job loop (workers/head/dispatcher.py): many jobs in flight in one worker, jobs beyond its
+capacity wait in the queue, one pool of Redis connections whatever the concurrency."""
+
+from __future__ import annotations
+
+import pytest
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from schemas.requests import DraftSettings, GenerationRequest
+from tests.conftest import PROMPTS
+from tests.job_env import Env, reference
+
+
+def _most_in_flight(env: Env, ids: list[str]) -> int:
+    spans = [(j.started_at, j.ended_at) for j in Job.fetch_many(ids, connection=env.r, serializer=JSONSerializer)]
+    return max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(n)]
+
+
+def test_jobs_beyond_capacity_wait_and_all_equal_generate(
+    models, redis_server, redis_client, tmp_path, hf_models, tokenizers
+):
+    """12 jobs on a head with room for 4: they run 4 at a time (never more), and every output equals HF
+    `generate` (greedy, n-gram drafts)."""
+    e = Env("cap4", models, redis_server, redis_client, tmp_path, head_extra=("--concurrency", "4"))
+    try:
+        prompts = _prompts(12)
+        reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=10) for p in prompts]
+        ids = e.client.enqueue(reqs).job_ids
+        views = e.client.wait(ids, timeout=240)
+        tok = tokenizers["qwen2"]
+        for p, v in zip(prompts, views, strict=True):
+            assert v.status == "finished", v
+            assert v.result["token_ids"] == reference(hf_models["qwen2"], tok, p, 10), p
+        assert 2 <= _most_in_flight(e, ids) <= 4
+    finally:
+        e.close()
+
+
+@pytest.mark.slow
+def test_high_concurrency_shares_one_pool(models, redis_server, redis_client, tmp_path, hf_models, tokenizers):
+    """A head with room for 96 generations (far past redis-py's default pool of 100 connections, which one
+    RQ worker thread per generation exhausted) serves 120 jobs: all finish, equal to HF `generate`, with
+    no connection errors in its log."""
+    e = Env("cap96", models, redis_server, redis_client, tmp_path, head_extra=("--concurrency", "96"))
+    try:
+        prompts = _prompts(120)
+        draft = DraftSettings(kind="none")
+        reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=4, draft=draft) for p in prompts]
+        ids = e.client.enqueue(reqs).job_ids
+        views = e.client.wait(ids, timeout=600)
+        tok = tokenizers["qwen2"]
+        for p, v in zip(prompts, views, strict=True):
+            assert v.status == "finished", v
+            assert v.result["token_ids"] == reference(hf_models["qwen2"], tok, p, 4), p
+        assert _most_in_flight(e, ids) > 16  # far more in flight than one batch of slots by default
+        log = (tmp_path / "head.log").read_text()
+        assert "Too many connections" not in log and "MaxConnections" not in log
+    finally:
+        e.close()

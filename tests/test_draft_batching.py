@@ -1,0 +1,228 @@
+"""Every drafter batches (workers/spec/drafters.py, wired in workers/head/batching.py): no Redis, no subprocess.
+
+Sampled draft-model drafts of several generations advance together (one batched draft-model forward per draft
+position, greedy rows alongside), each row drawing from its own generator exactly what it draws alone, so a
+sequence's drafts and q never depend on what it is batched with; n-gram proposals of a batch run in one call and
+equal the one-by-one lookup. The fixtures are tests/test_batcher.py's (tiny models, a spied engine, threads).
+"""
+
+# ruff: noqa: F811  (the fixtures imported from the harness are redefined as test parameters, as pytest does)
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import workers.head.batching as batching
+from schemas.requests import SamplingParams
+from tests.test_batcher import (  # noqa: F401  (tiny and _no_stray_threads are fixtures)
+    CTX,
+    GREEDY,
+    SAMPLED,
+    STATIC,
+    Head,
+    PlantedDrafter,
+    Spec,
+    Tiny,
+    _no_stray_threads,
+    assert_same_round,
+    run_together,
+    spy,
+    tiny,
+)
+from workers.head.batching import HeadWork
+from workers.spec.drafters import Draft, ModelDraftSession, NgramDrafter, propose_many, propose_ngram_many
+from workers.spec.sampling import warp
+
+WARPS = [  # three warps: rows of one warp are warped together, the others apart
+    SamplingParams(temperature=1.0, seed=1),
+    SamplingParams(temperature=0.7, top_k=20, seed=1),
+    SamplingParams(temperature=1.3, top_p=0.9, seed=1),
+]
+
+
+@torch.inference_mode()
+def draft_alone(
+    session: ModelDraftSession, context: list[int], k: int, s: SamplingParams, gen: torch.Generator
+) -> Draft:
+    """The reference: a sampled draft proposed by itself, token by token (the pre-batching `propose`)."""
+    if s.greedy:
+        return session.propose(context, k, s, gen)
+    feed, keep = session.plan(context)
+    engine = session.engine
+    logits = engine.forward(session.cache, torch.tensor(feed), keep, logits_last=1)[-1]
+    picked, qs = [], []
+    for i in range(k):
+        probs = warp(logits[None], s)[0]
+        tok = torch.multinomial(probs, 1, generator=gen)
+        qs.append(probs)
+        picked.append(tok)
+        if i < k - 1:
+            logits = engine.forward(session.cache, tok, len(context) + i, logits_last=1)[-1]
+    tokens = torch.cat(picked).tolist()
+    session.tokens = list(context) + tokens[: k - 1]
+    return Draft(tokens, torch.stack(qs))
+
+
+def assert_same_draft(got: Draft, want: Draft, static: bool) -> None:
+    assert got.tokens == want.tokens
+    assert (got.q is None) == (want.q is None)
+    if got.q is not None and want.q is not None:
+        if static:  # a batched (padded) matmul rounds differently by a few float32 ulps
+            assert torch.allclose(got.q, want.q, rtol=1e-5, atol=1e-6)
+        else:  # dynamic caches run each sequence's own forward: bit for bit
+            assert torch.equal(got.q, want.q)
+
+
+@STATIC
+def test_sampled_drafts_batch_and_equal_each_drafting_alone(tiny: Tiny, static: bool) -> None:
+    """Five sampled sessions (three warps, k = 1..4) and a greedy one draft in one `propose_many`: one batched
+    draft-model forward per position over the rows still drafting; over two rounds (re-synced after partial
+    acceptance) each row's tokens, q, cache and generator state equal those of the same session drafting alone."""
+    head, ref = Head(tiny, static), Head(tiny, static)
+    contexts = [list(c) for c in (*CTX, CTX[0])]
+    ks = [1, 4, 2, 3, 4, 3]
+    samplings = [*WARPS, WARPS[0], GREEDY, WARPS[1]]
+    sessions = [head.drafter.new_session() for _ in ks]
+    alone = [ref.drafter.new_session() for _ in ks]
+    for rnd in range(2):
+        gens = [torch.Generator().manual_seed(100 * rnd + i) for i in range(len(ks))]
+        ref_gens = [torch.Generator().manual_seed(100 * rnd + i) for i in range(len(ks))]
+        calls = spy(head.drafter.engine, "forward_many")
+        got = propose_many(sessions, contexts, ks, samplings, list(gens))
+        assert [len(c.caches) for c in calls] == [sum(k > i for k in ks) for i in range(max(ks))]
+        for i, (d, s) in enumerate(zip(got, samplings, strict=True)):
+            want = draft_alone(alone[i], contexts[i], ks[i], s, ref_gens[i])
+            assert_same_draft(d, want, static)
+            assert len(d.tokens) == ks[i] and (d.q is None) == s.greedy
+            if d.q is not None:
+                assert d.q.shape == (ks[i], tiny.vocab) and torch.allclose(d.q.sum(-1), torch.ones(ks[i]))
+            assert torch.equal(gens[i].get_state(), ref_gens[i].get_state())  # the same draws, no more
+            assert sessions[i].tokens == alone[i].tokens
+            assert sessions[i].cache.length == alone[i].cache.length == len(contexts[i]) + ks[i] - 1
+        # the next round: some drafts accepted, then a bonus token
+        contexts = [[*c, *d.tokens[: i % 3], 30 + i] for i, (c, d) in enumerate(zip(contexts, got, strict=True))]
+    for s in (*sessions, *alone):
+        s.close()
+
+
+def test_k_zero_rows_draft_nothing_and_draw_nothing(tiny: Tiny) -> None:
+    """A row that wants no draft gets an empty one, its session and generator untouched."""
+    head = Head(tiny, False)
+    sessions = [head.drafter.new_session() for _ in range(2)]
+    gens = [torch.Generator().manual_seed(3) for _ in range(2)]
+    before = gens[0].get_state()
+    got = propose_many(sessions, [list(CTX[0]), list(CTX[1])], [0, 2], [SAMPLED, SAMPLED], list(gens))
+    assert got[0] == Draft([]) and sessions[0].cache.length == 0
+    assert torch.equal(gens[0].get_state(), before) and len(got[1].tokens) == 2
+
+
+class DrawingPlanted(PlantedDrafter):
+    """A plugin drafter whose `finish` draws from the round's generator after the inner model draft (as
+    bench/synthetic.py's does): batched, the draws stay in the order they come alone."""
+
+    def finish(self, draft: Draft, context: list[int], k: int, gen: torch.Generator | None) -> Draft:
+        return Draft(torch.randint(0, 50, (k,), generator=gen).tolist(), point=True)
+
+
+def make(head: Head, spec: Spec, sampling: SamplingParams) -> HeadWork:
+    """A round of `spec` with the given sampling (a planted drafter's inner draft samples too)."""
+    work = dataclasses.replace(head.work(spec), sampling=sampling)  # re-records the generator's state
+    if spec.drafter == "drawing":
+        work.drafter = DrawingPlanted([], head.drafter.new_session())
+    return work
+
+
+ROUNDS = [  # (spec, sampling): sampled rounds of three warps, a twin, greedy, plugin drafters, n-gram, none
+    (Spec(CTX[0], "sampled", 3, seed=5), WARPS[0]),
+    (Spec(CTX[0], "sampled", 3, seed=5), WARPS[0]),  # the same context and seed: the same draft
+    (Spec(CTX[1], "sampled", 4, seed=6), WARPS[1]),
+    (Spec(CTX[2], "sampled", 2, seed=7, first=True), WARPS[2]),
+    (Spec(CTX[3], "model", 3), GREEDY),
+    (Spec(CTX[4], "planted", 4, seed=8), SAMPLED),
+    (Spec(CTX[2], "drawing", 2, seed=9), WARPS[2]),
+    (Spec(CTX[2], "ngram", 3), SAMPLED),
+    (Spec(CTX[1], "none", 0), SAMPLED),
+]
+
+
+@STATIC
+def test_sampled_rounds_from_threads_draft_in_one_batch(tiny: Tiny, static: bool) -> None:
+    """Rounds submitted from threads draft their model sessions, sampled (three warps, plugin sessions around a
+    model session) and greedy, in one `propose_many`: its first forward runs every model row, and there are as
+    many forwards as the longest draft; each round equals the same round computed alone, and two rounds of one
+    context and seed draft alike."""
+    head, ref = Head(tiny, static), Head(tiny, static)
+    works = [make(head, s, sampling) for s, sampling in ROUNDS]
+    models = [w for w in works if w.drafter is not None and w.drafter.model_session is not None]
+    calls = spy(head.drafter.engine, "forward_many")
+    run_together(head.batcher, works)
+    assert len(models) == 7 and len(calls) == 4 and len(calls[0].caches) == 7
+    assert [id(c) for c in calls[0].caches] == [id(w.drafter.model_session.cache) for w in models]  # type: ignore[union-attr]
+    for (spec, sampling), w in zip(ROUNDS, works, strict=True):
+        assert_same_round(w, ref.batcher.run(make(ref, spec, sampling)), static)
+        if w.drafter is not None and w.drafter.model_session is not None:  # the inner model drafted, too
+            assert w.drafter.model_session.cache.length == len(w.context) + w.k - 1
+    twin, other = works[0].draft, works[1].draft
+    assert twin is not None and other is not None and twin.q is not None and other.q is not None
+    assert twin.tokens == other.tokens and torch.equal(twin.q, other.q)
+    assert works[5].draft == Draft([1, 2, 3, 4], point=True)
+
+
+def lookup_reference(context: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
+    """The tensor lookup n-gram drafting used before it batched: each n, longest first."""
+    ctx = torch.tensor(context)
+    for n in range(min(ngram_max, len(context) - 1), ngram_min - 1, -1):
+        windows = ctx[:-1].unfold(0, n, 1)
+        hits = (windows == ctx[-n:]).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return context[start : start + k]
+    return []
+
+
+def test_ngram_batch_equals_one_by_one() -> None:
+    """One `propose_ngram_many` over 200 contexts (vocabularies of 3 to 5000 tokens, 1 to 300 tokens, four
+    (n_max, n_min) settings) equals each drafter's own `propose` and the tensor lookup, all point drafts."""
+    rng = random.Random(13)
+    settings = [(3, 1), (4, 2), (1, 1), (5, 5)]
+    drafters = [NgramDrafter(*settings[i % 4]) for i in range(200)]
+    contexts = [[rng.randrange(rng.choice((3, 20, 5000))) for _ in range(rng.randrange(1, 300))] for _ in range(200)]
+    ks = [rng.randrange(1, 9) for _ in range(200)]
+    got = propose_ngram_many(drafters, contexts, ks)
+    gen = torch.Generator()
+    for d, c, k, g in zip(drafters, contexts, ks, got, strict=True):
+        assert g.point and g.q is None
+        assert g.tokens == d.propose(c, k, SAMPLED, gen).tokens == lookup_reference(c, k, d.ngram_max, d.ngram_min)
+    assert 50 < sum(bool(g.tokens) for g in got) < 200  # matches and misses
+    # the latest occurrence of the longest n-gram wins; a match needs a token after it
+    cases = [([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 2, [5, 6]), ([5, 1, 7, 7, 1], 3, [7, 7, 1]), ([1, 2, 3], 3, [])]
+    got = propose_ngram_many([NgramDrafter(3, 1)] * 4, [c for c, _, _ in cases] + [[4]], [k for _, k, _ in cases] + [3])
+    assert [g.tokens for g in got] == [want for _, _, want in cases] + [[]]
+    assert propose_ngram_many([], [], []) == []
+
+
+def test_ngram_rounds_propose_in_one_call(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's n-gram rounds (greedy and sampled) look up in one `propose_ngram_many`, never one by one, and
+    each equals the same round alone."""
+    head, ref = Head(tiny, False), Head(tiny, False)
+    batched: list[int] = []
+
+    def counted(drafters: list[NgramDrafter], contexts: list[list[int]], ks: list[int]) -> list[Draft]:
+        batched.append(len(drafters))
+        return propose_ngram_many(drafters, contexts, ks)
+
+    specs = [Spec(c, "ngram", k) for c, k in zip(CTX, (2, 4, 3, 1, 2), strict=True)]
+    samplings = [GREEDY, SAMPLED, GREEDY, SAMPLED, GREEDY]
+    works = [make(head, s, sampling) for s, sampling in zip(specs, samplings, strict=True)]
+    monkeypatch.setattr(batching, "propose_ngram_many", counted)
+    monkeypatch.setattr(NgramDrafter, "propose", lambda *a: pytest.fail("an n-gram round proposed alone"))
+    run_together(head.batcher, works)
+    monkeypatch.undo()
+    assert batched == [5]
+    for spec, sampling, w in zip(specs, samplings, works, strict=True):
+        assert_same_round(w, ref.batcher.run(make(ref, spec, sampling)), False)
+    assert works[2].draft is not None and works[2].draft.tokens == [11, 12, 9]

@@ -1,0 +1,254 @@
+"""A head worker's job loop: many generation jobs in flight in one RQ worker, a few Redis round trips each.
+
+RQ's own loop runs one job at a time and spends ~25 sequential round trips per job on bookkeeping
+(heartbeats, state, registries, maintenance) between dequeues, which over a WAN link costs seconds per
+job. `Dispatcher` keeps RQ's records and semantics (started/finished/failed registries, executions, retries
+through RQ's scheduler, abandoned-job cleanup by heartbeat expiry) and changes how they are written:
+
+- **dequeue**: as many jobs as there are free slots, `LMOVE`d to the queue's intermediate list in one
+  pipelined round trip (`BLMOVE` with a short timeout only when the queue was empty);
+- **fetch + start**: one pipeline reads the records, one transaction starts them all (execution records,
+  started registry, status, the worker's state);
+- **run**: each job on a thread of its own (`generate` batches every generation's rounds on the GPU);
+- **finish**: one transaction per job (result, finished registry, execution cleanup, worker counters);
+  a failure goes through RQ's `handle_job_failure` (retries, failed registry);
+- **housekeeping** on a thread of its own, never between a free slot and the next dequeue: one pipelined
+  heartbeat of the worker and every running job each `heartbeat_s`, RQ's maintenance each `maintenance_s`.
+
+Capacity (jobs in flight) is the head's `--concurrency`, by default what its batch slots hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq.exceptions import NoSuchJobError
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.job_lifecycle import format_exc_info
+from rq.queue import Queue
+from rq.timeouts import JobTimeoutException
+from rq.utils import now
+from rq.worker import SimpleWorker
+from rq.worker.base import WorkerStatus
+
+log = logging.getLogger("shardflow.dispatcher")
+
+
+@dataclass
+class Running:
+    job: Job
+    queue: Queue
+    execution: Execution
+
+
+class Dispatcher:
+    """Dequeues, starts, runs and finishes up to `capacity` jobs at once for one HeadWorker."""
+
+    def __init__(self, worker: SimpleWorker, capacity: int) -> None:
+        """`worker`: the HeadWorker (workers/head/rq_worker.py) whose records, settings (`shardflow_settings`),
+        key names (`names`) and job context (`job_context`) the jobs run under."""
+        self.w, self.capacity = worker, max(capacity, 1)
+        self.running: dict[str, Running] = {}
+        self.cond = threading.Condition()
+        self.pool = ThreadPoolExecutor(self.capacity, "generation")
+        self.completed = 0
+
+    # --- the loop -------------------------------------------------------------------------------------
+    def serve(self, burst: bool) -> bool:
+        """Run jobs until the worker is asked to stop (then let those in flight finish) or, in burst mode,
+        until the queues are empty and nothing runs; True if any job ran. Redis errors of the dequeue path
+        propagate (the worker restarts its loop; jobs in flight go on)."""
+        done = threading.Event()
+        keeper = threading.Thread(target=self._housekeep, args=(done,), daemon=True, name="housekeeping")
+        keeper.start()
+        try:
+            while not self.w._stop_requested:
+                free = self._wait_for_room()
+                if free == 0:
+                    continue
+                taken = self._dequeue(free, block=not burst)
+                if taken:
+                    self._start(taken)
+                elif burst:
+                    if not self.running:
+                        break
+                    with self.cond:
+                        self.cond.wait(0.05)
+            self.drain()  # a warm stop, or burst's end: jobs in flight finish (still heartbeating)
+        finally:
+            done.set()
+            keeper.join(5.0)
+        return self.completed > 0
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the jobs in flight to finish."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.running, timeout)
+
+    def _wait_for_room(self) -> int:
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.running) < self.capacity or self.w._stop_requested, 1.0)
+            return 0 if self.w._stop_requested else self.capacity - len(self.running)
+
+    # --- dequeue, fetch, start --------------------------------------------------------------------------
+    def _dequeue(self, n: int, block: bool) -> list[tuple[str, Queue]]:
+        """Up to n job ids moved to their queue's intermediate list (RQ's safety net while they start)."""
+        r = self.w.connection
+        got: list[tuple[str, Queue]] = []
+        for queue in self.w.queues:
+            pipe = r.pipeline(transaction=False)
+            for _ in range(n - len(got)):
+                pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+            got += [(_text(x), queue) for x in pipe.execute() if x]
+            if len(got) >= n:
+                return got
+        if got or not block:
+            return got
+        queue = self.w.queues[0]
+        timeout = max(int(self.w.shardflow_settings.block_ms // 1000), 1)
+        jid = r.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT")
+        return [(_text(jid), queue)] if jid else []
+
+    def _start(self, taken: list[tuple[str, Queue]]) -> None:
+        """Read the records (one round trip), start them all (one transaction), hand each to a thread."""
+        w, r = self.w, self.w.connection
+        pipe = r.pipeline(transaction=False)
+        for jid, _ in taken:  # each job's record, and the stored result and checkpoint its function reads
+            pipe.hgetall(w.job_class.key_for(jid))
+            pipe.get(w.names.result(jid))
+            pipe.get(w.names.checkpoint(jid))
+        # anyone able to write RQ's keys may have put something else there: a key of another type is no job
+        got = [None if isinstance(x, redis.ResponseError) else x for x in pipe.execute(raise_on_error=False)]
+        jobs: list[tuple[Job, Queue]] = []
+        gone: list[tuple[str, Queue]] = []
+        for i, (jid, queue) in enumerate(taken):
+            raw, w.job_context.prefetched[jid] = got[3 * i], (got[3 * i + 1], got[3 * i + 2])
+            job = w.job_class(jid, connection=r, serializer=w.serializer)
+            try:
+                if not raw:
+                    raise NoSuchJobError(jid)
+                job.restore(raw)
+            except NoSuchJobError:  # deleted (or never a job): nothing to run
+                w.job_context.prefetched.pop(jid, None)
+                gone.append((jid, queue))
+                continue
+            jobs.append((job, queue))
+        with r.pipeline() as tx:
+            w.heartbeat(pipeline=tx)
+            started = []
+            for job, queue in jobs:
+                ttl = w.get_heartbeat_ttl(job)
+                execution = Execution.create(job, ttl, pipeline=tx, worker_name=w.name)
+                job.heartbeat(now(), ttl, pipeline=tx)
+                job.prepare_for_execution(w.name, pipeline=tx)
+                tx.persist(job.key)
+                tx.lrem(queue.intermediate_queue_key, 1, job.id)
+                started.append(Running(job, queue, execution))
+            for jid, queue in gone:
+                tx.lrem(queue.intermediate_queue_key, 1, jid)
+            if started:
+                w.set_state(WorkerStatus.BUSY, pipeline=tx)
+            tx.execute()
+        with self.cond:
+            for run in started:
+                w.executions[run.execution.id] = run.execution
+                self.running[run.job.id] = run
+        for run in started:
+            log.info("job %s started (%d in flight)", run.job.id, len(self.running))
+            self.pool.submit(self._run, run)
+
+    # --- run, finish ------------------------------------------------------------------------------------
+    def _run(self, run: Running) -> None:
+        job, w = run.job, self.w
+        try:
+            try:
+                timeout = job.timeout or run.queue.DEFAULT_TIMEOUT
+                with w.death_penalty_class(timeout, JobTimeoutException, job_id=job.id):
+                    value = job.perform()
+                job.ended_at = now()
+                self._finish(run, value)
+            except BaseException:
+                job.ended_at = job.ended_at or now()
+                self._fail(run, sys.exc_info())
+        except BaseException:  # the failure could not be recorded either: heartbeat expiry retries it
+            log.exception("job %s: could not record how it ended", job.id)
+        finally:
+            w.job_context.prefetched.pop(job.id, None)  # a job whose function never ran leaves it behind
+            with self.cond:
+                self.running.pop(job.id, None)
+                w.executions.pop(run.execution.id, None)
+                self.completed += 1
+                self.cond.notify_all()
+
+    def _finish(self, run: Running, value: Any) -> None:
+        """RQ's success bookkeeping for one job as one transaction (jobs never have dependents here)."""
+        job, w, ex = run.job, self.w, run.execution
+        job._result, job._status = value, JobStatus.FINISHED
+        ttl = job.get_result_ttl(w.default_result_ttl)
+        with w.connection.pipeline() as tx:
+            w.increment_successful_job_count(pipeline=tx)
+            w.increment_total_working_time(job.ended_at - job.started_at, tx)  # type: ignore[operator]
+            job._handle_success(
+                ttl,
+                pipeline=tx,
+                worker_name=w.name,
+                execution_id=ex.id,
+                execution_started_at=ex.created_at,
+                execution_ended_at=job.ended_at,
+            )
+            job.cleanup(ttl, pipeline=tx, remove_from_queue=False)
+            w.cleanup_execution(job, pipeline=tx, execution=ex)
+            if len(self.running) <= 1:
+                w.set_state(WorkerStatus.IDLE, pipeline=tx)
+            tx.execute()
+        log.info("job %s finished in %.2fs", job.id, (job.ended_at - job.started_at).total_seconds())  # type: ignore[operator]
+
+    def _fail(self, run: Running, exc_info: Any) -> None:
+        job, w = run.job, self.w
+        job._status = JobStatus.FAILED
+        w.handle_exception(job, *exc_info)
+
+        w.handle_job_failure(
+            job=job,
+            queue=run.queue,
+            started_job_registry=run.queue.started_job_registry,
+            exc_string=format_exc_info(exc_info),
+            execution=run.execution,
+        )
+
+    # --- housekeeping -----------------------------------------------------------------------------------
+    def _housekeep(self, stop: threading.Event) -> None:
+        """Heartbeats of the worker and its running jobs every heartbeat_s; RQ's maintenance when due.
+        Errors are logged and tried again next period (a job whose beats stop is retried elsewhere)."""
+        cfg = self.w.shardflow_settings
+        while not stop.wait(cfg.heartbeat_s):
+            try:
+                self.beat()
+                if self.w.should_run_maintenance_tasks:
+                    self.w.run_maintenance_tasks()
+            except (redis.RedisError, OSError) as e:
+                log.warning("worker %s: housekeeping failed: %s", self.w.name, e)
+
+    def beat(self) -> None:
+        """One pipelined heartbeat: the worker's record and each running job and execution."""
+        w = self.w
+        with self.cond:
+            runs = list(self.running.values())
+        ttl = w.get_heartbeat_ttl(runs[0].job) if runs else 0
+        with w.connection.pipeline(transaction=False) as pipe:
+            w.heartbeat(w.job_monitoring_interval + 60, pipeline=pipe)
+            for run in runs:
+                run.execution.heartbeat(run.job.started_job_registry, ttl, pipeline=pipe)
+                run.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
+            pipe.execute()
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else x
