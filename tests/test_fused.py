@@ -209,3 +209,19 @@ def test_batched_rounds_of_a_7b_shard_stay_fused():
     assert fits(shard, torch.empty(16, 9, 0), torch.ones(16, 1, 9, 8210, dtype=torch.bool))  # type: ignore[arg-type]
     assert fits(shard, torch.empty(1, 137, 0), torch.ones(1, 1, 137, 8210, dtype=torch.bool))  # type: ignore[arg-type]
     assert not fits(shard, torch.empty(1, 2000, 0), torch.ones(1, 1, 2000, 8210, dtype=torch.bool))  # type: ignore[arg-type]
+
+
+def test_capture_takes_every_bucket_and_draft_length_up_front(models, monkeypatch):
+    """A worker captures its graphs before its first job (workers capture at start): one per batch bucket
+    and shape, each only once."""
+    from workers.engine import runner
+
+    made: list[tuple[int, int, int, int]] = []
+    monkeypatch.setattr(
+        runner, "BatchGraph", lambda shard, run, pool, b, t, p, steps=0: made.append((b, t, p, steps)) or made
+    )
+    shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
+    engine = Engine(shard, static=True, slots=6, max_len=64, step_tokens=3, max_draft=5)
+    engine.graphs = True  # as on CUDA
+    assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 8 and engine.capture([(3, 0, 0)]) == 0
+    assert sorted(made) == sorted((b, t, p, s) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)))

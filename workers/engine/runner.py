@@ -280,9 +280,10 @@ class Engine:
         for all inputs. Caches then hold feed + the first k-1 drafts of their own k.
         None (nothing run) where this does not apply: dynamic caches, several pools, long feeds or drafts.
         Without graphs (static caches on CPU, say) the same steps run eagerly."""
-        # one graph per power-of-two draft length (rows keep their own k): adaptive K changes k from round to
-        # round, and a capture per (batch, feed, k) would recapture for most of a job's first rounds
-        k = min(1 << (max(ks) - 1).bit_length(), self.max_draft) if ks and max(ks) > 0 else 0
+        # every whole draft is max_draft long (rows keep their own k): adaptive K changes k from round to round,
+        # and a graph per (batch, feed, k) would mean a capture in most of a job's first rounds and a private
+        # memory pool per k (a few spare draft steps cost far less)
+        k = self.max_draft
         pool = getattr(caches[0], "pool", None)
         sizes = [len(f) for f in feeds]
         if (
@@ -311,6 +312,19 @@ class Engine:
         for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):
             cache.advance(start + m + kb - 1)  # type: ignore[union-attr]
         return out
+
+    def capture(self, shapes: Sequence[tuple[int, int, int]]) -> int:
+        """Capture, for every batch bucket of the pool, the graphs of these (tokens, picked rows, draft steps)
+        shapes now rather than at their first use (a capture takes tens of milliseconds, and the first jobs of
+        a worker would pay for dozens); the number of graphs captured. Nothing without CUDA graphs."""
+        if not self.graphs or self.pool is None:
+            return 0
+        before = len(self._graphs)
+        with torch.inference_mode():  # as rounds run (else autograd would keep every intermediate alive)
+            for size in self._buckets:
+                for t, p, steps in shapes:
+                    self._graph(self.pool, size, t, p, steps)
+        return len(self._graphs) - before
 
     def _graph(self, pool: KVPool, b: int, t: int, p: int, steps: int = 0) -> BatchGraph:
         size = next(s for s in self._buckets if s >= b) if pool is self.pool else 1

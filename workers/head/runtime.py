@@ -111,7 +111,22 @@ class HeadRuntime:
         else:
             model_dir = resolve_model_dir(target)
             tok, eos = AutoTokenizer.from_pretrained(model_dir), eos_ids_of(model_dir, shard.config)
-        return cls(tok, shard, drafter, eos, engine, settings=settings, plugins=plugins)
+        runtime = cls(tok, shard, drafter, eos, engine, settings=settings, plugins=plugins)
+        runtime.warm_up()
+        return runtime
+
+    def warm_up(self) -> int:
+        """Capture the CUDA graphs greedy rounds replay (every batch bucket: the lower shard's padded round, the
+        draft model's whole drafts) before the first job; the number captured (0 without graphs). Sampled
+        drafts' step graphs are captured at first use."""
+        assert self.engine is not None
+        n = self.engine.capture([(self.engine.step_tokens, 0, 0)])  # hidden states of a padded round
+        if self.draft_model is not None:
+            d = self.draft_model.engine  # whole drafts from feeds of 1 or 2 new tokens
+            n += d.capture([(t, 1, d.max_draft) for t in (1, 2)] if d.max_draft else [])
+        if n:
+            log.info("captured %d CUDA graphs", n)
+        return n
 
     @property
     def capacity(self) -> int:

@@ -122,6 +122,9 @@ class TailWorker:
                 f"max_sessions ({cfg.max_sessions}) must be at least the batch slots ({self.engine.slots})"
             )
         self.sessions = SessionStore(cfg.max_sessions, cfg.session_ttl_s, release=self.engine.release)
+        t = self.engine.step_tokens  # a padded round, logits of every row or of the last (no drafts)
+        if captured := self.engine.capture([(t, t, 0), (t, 1, 0)]):
+            log.info("tail captured %d CUDA graphs", captured)
         self.stop_event = threading.Event()
         self._dead: list[DeadLetter] = []
         self._last_keepalive = 0.0
