@@ -55,6 +55,11 @@ class Settings(BaseSettings):
     static_cache_len: int = Field(
         8192, description="Positions a static KV cache holds unless --max-len says (capped by the model's limit)."
     )
+    graph_capture_len: int = Field(
+        2048,
+        description="A worker captures its CUDA graphs for batches attending up to this many positions when it "
+        "starts; batches of longer sequences capture theirs at first use.",
+    )
     fused_layers: bool = Field(
         True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/engine/fused.py)."
     )

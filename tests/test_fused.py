@@ -211,17 +211,32 @@ def test_batched_rounds_of_a_7b_shard_stay_fused():
     assert not fits(shard, torch.empty(1, 2000, 0), torch.ones(1, 1, 2000, 8210, dtype=torch.bool))  # type: ignore[arg-type]
 
 
-def test_capture_takes_every_bucket_and_draft_length_up_front(models, monkeypatch):
-    """A worker captures its graphs before its first job (workers capture at start): one per batch bucket
-    and shape, each only once."""
+def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
+    """A worker captures its graphs before its first job: one per batch bucket, shape and attended length up
+    to graph_capture_len, each only once; a batch attends over the smallest length that holds its rows."""
     from workers.engine import runner
 
-    made: list[tuple[int, int, int, int]] = []
-    monkeypatch.setattr(
-        runner, "BatchGraph", lambda shard, run, pool, b, t, p, steps=0: made.append((b, t, p, steps)) or made
-    )
+    made: list[tuple] = []
+    monkeypatch.setattr(runner, "BatchGraph", lambda shard, run, pool, *key: made.append(key) or made)
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
-    engine = Engine(shard, static=True, slots=6, max_len=64, step_tokens=3, max_draft=5)
+    engine = Engine(shard, static=True, slots=6, max_len=3000, step_tokens=3, max_draft=5)
     engine.graphs = True  # as on CUDA
-    assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 8 and engine.capture([(3, 0, 0)]) == 0
-    assert sorted(made) == sorted((b, t, p, s) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)))
+    full = engine.pool.index.shape[0]
+    assert runner.attended_lengths(engine.pool) == [512, 1024, 2048, full]
+    assert [engine.attended(engine.pool, n) for n in (1, 512, 513, 2049)] == [512, 512, 1024, full]
+    assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 24 and engine.capture([(3, 0, 0)]) == 0
+    want = [(b, t, p, s, n) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)) for n in (512, 1024, 2048)]
+    assert sorted(made) == sorted(want)
+
+
+@torch.inference_mode()
+def test_attending_over_a_prefix_equals_the_whole_slot(models):
+    """A batch whose rows sit below an attended length gets the same hidden states as attending over the
+    whole slot (the positions past it are masked out anyway)."""
+    shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
+    pool = KVPool.for_shard(shard, slots=2, max_len=1500, scratch=8)
+    rows, x = torch.tensor([0, 1]), torch.randint(0, shard.config.vocab_size, (2, 40))
+    pos = torch.arange(40).expand(2, 40).clone()
+    whole = shard.run_batch(x, pos, BatchView(pool, rows, pos), None)
+    part = shard.run_batch(x, pos, BatchView(pool, rows, pos, 512), None)
+    assert torch.allclose(whole, part, atol=1e-5)

@@ -172,10 +172,13 @@ class StaticKVCache:
 
 class BatchView:
     """Several slots of one pool as the cache of one batched forward: row b is slot rows[b] and its
-    tokens sit at positions pos[b] (padding rows use the pool's pad slot and scratch positions)."""
+    tokens sit at positions pos[b] (padding rows use the pool's pad slot and scratch positions).
+    Attention reads only the first `length` positions of each slot (default: all): a batch whose rows
+    all sit below it gathers and attends over what its sequences use, not the pool's capacity."""
 
-    def __init__(self, pool: KVPool, rows: torch.Tensor, pos: torch.Tensor) -> None:
+    def __init__(self, pool: KVPool, rows: torch.Tensor, pos: torch.Tensor, length: int | None = None) -> None:
         self.pool, self.rows, self.pos = pool, rows, pos
+        self.length = length or pool.index.shape[0]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
@@ -185,11 +188,12 @@ class BatchView:
         slots = self.rows[:, None]
         k[slots, :, self.pos] = key_states.transpose(1, 2)
         v[slots, :, self.pos] = value_states.transpose(1, 2)
-        return k[self.rows], v[self.rows]
+        n = self.length
+        return k[:, :, :n][self.rows], v[:, :, :n][self.rows]
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return 0
 
     def mask(self, pos: torch.Tensor) -> torch.Tensor:
-        """[B, 1, T, L]: each row's token attends to its slot's positions at or before its own."""
-        return (self.pool.index[None, None, :] <= pos[:, :, None])[:, None]
+        """[B, 1, T, length]: each row's token attends to its slot's positions at or before its own."""
+        return (self.pool.index[None, None, : self.length] <= pos[:, :, None])[:, None]

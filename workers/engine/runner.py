@@ -36,6 +36,16 @@ def buckets(limit: int) -> list[int]:
     return sorted({*out, limit})
 
 
+def attended_lengths(pool: KVPool) -> list[int]:
+    """Lengths a batch attends over: 512, 1024, ... below the pool's slot length, then all of it."""
+    full, out = pool.index.shape[0], []
+    n = 512
+    while n < full:
+        out.append(n)
+        n *= 2
+    return [*out, full]
+
+
 def greedy_steps(
     run: Callable[..., torch.Tensor],
     pool: KVPool,
@@ -44,16 +54,18 @@ def greedy_steps(
     pos: torch.Tensor,
     pick: torch.Tensor,
     k: int,
+    length: int | None = None,
 ) -> torch.Tensor:
     """k greedy draft tokens per row [b, k], each fed back on the device: the first from the row's token
-    at `pick` after running x, the rest one position further each (capturable as one graph)."""
-    cur = run(x, pos, BatchView(pool, rows, pos), pick)[:, -1].argmax(-1)
+    at `pick` after running x, the rest one position further each (capturable as one graph); attention
+    over the first `length` positions of each slot (see BatchView)."""
+    cur = run(x, pos, BatchView(pool, rows, pos, length), pick)[:, -1].argmax(-1)
     out = [cur]
     last, zero = pos.gather(1, pick), torch.zeros_like(pick)
     limit = pool.index.shape[0] - 1  # padding rows stay on their scratch positions
     for _ in range(1, k):
         last = (last + 1).clamp(max=limit)
-        cur = run(cur[:, None], last, BatchView(pool, rows, last), zero)[:, -1].argmax(-1)
+        cur = run(cur[:, None], last, BatchView(pool, rows, last, length), zero)[:, -1].argmax(-1)
         out.append(cur)
     return torch.stack(out, dim=1)
 
@@ -64,20 +76,30 @@ def _draft_body(
     rows: torch.Tensor,
     pick: torch.Tensor,
     steps: int,
+    length: int | None,
     x: torch.Tensor,
     pos: torch.Tensor,
     _view: BatchView,
     _pick: object,
 ) -> torch.Tensor:
-    return greedy_steps(run, pool, rows, x, pos, pick, steps)
+    return greedy_steps(run, pool, rows, x, pos, pick, steps, length)
 
 
 class BatchGraph:
     """One captured forward of `b` rows × `t` tokens over one pool (logits of `p` rows each, or hidden),
-    or with `steps` > 0 a whole greedy draft of that many tokens (`greedy_steps`; p = 1)."""
+    or with `steps` > 0 a whole greedy draft of that many tokens (`greedy_steps`; p = 1), attending over
+    the first `length` positions of each slot (None: all)."""
 
     def __init__(
-        self, shard: Shard, run: Callable[..., torch.Tensor], pool: KVPool, b: int, t: int, p: int, steps: int = 0
+        self,
+        shard: Shard,
+        run: Callable[..., torch.Tensor],
+        pool: KVPool,
+        b: int,
+        t: int,
+        p: int,
+        steps: int = 0,
+        length: int | None = None,
     ) -> None:
         dev = shard.device
         self.pool = pool
@@ -90,11 +112,11 @@ class BatchGraph:
         self.pad_pos = pool.index[-t:]  # warm-up and capture write only scratch positions of the pad slot
         self.pos = self.pad_pos.expand(b, t).clone()
         self.pick = torch.arange(t - p, t, device=dev).expand(b, p).clone() if p else None
-        view = BatchView(pool, self.rows, self.pos)
+        view = BatchView(pool, self.rows, self.pos, length)
         self.forward = run
         if steps:
             self.pick = torch.full((b, 1), t - 1, dtype=torch.long, device=dev)
-            self.forward = partial(_draft_body, run, pool, self.rows, self.pick, steps)
+            self.forward = partial(_draft_body, run, pool, self.rows, self.pick, steps, length)
         run = self.forward
         with torch.cuda.device(dev):  # capture on the shard's GPU, not the process's current one
             side = torch.cuda.Stream()
@@ -163,6 +185,7 @@ class Engine:
         limit = getattr(shard.config, "max_position_embeddings", None) or settings.static_cache_len
         self.max_len = min(max_len or settings.static_cache_len, limit)  # static caches hold this many positions
         self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
+        self.capture_len = settings.graph_capture_len  # graphs of longer attended lengths: at first use
         self.max_draft = max_draft  # longest greedy draft run as one graph (`draft_many`)
         self._buckets = buckets(self.slots)
         self._graphs: dict[tuple[int, int, int, int, int], BatchGraph] = {}
@@ -248,6 +271,7 @@ class Engine:
         sizes = [x.shape[0] for x in xs]
         t = self.step_tokens if self.graphs and self.pad else max(sizes)
         p = 0 if max(wants) == 0 else (1 if max(wants) == 1 else t)
+        length = self.attended(pool, max(s + m for s, m in zip(starts, sizes, strict=True)))
         if min(sizes) == t:
             x = torch.stack(list(xs))
         else:
@@ -261,9 +285,9 @@ class Engine:
         meta_t = torch.tensor(meta, dtype=torch.long).to(dev, non_blocking=True)
         rows, pos, pick = meta_t[:, 0], meta_t[:, 1 : 1 + t], (meta_t[:, 1 + t :] if p else None)
         if self.graphs:
-            out = self._graph(pool, len(caches), t, p)(rows, x, pos, pick)
+            out = self._graph(pool, len(caches), t, p, length=length)(rows, x, pos, pick)
         else:
-            out = self.run_batch(x, pos, BatchView(pool, rows, pos), pick)
+            out = self.run_batch(x, pos, BatchView(pool, rows, pos, length), pick)
         for cache, start, m in zip(caches, starts, sizes, strict=True):
             cache.advance(start + m)
         if p == 0:
@@ -305,31 +329,42 @@ class Engine:
         ]
         meta_t = torch.tensor(meta, dtype=torch.long).to(self.shard.device, non_blocking=True)
         rows, pos, pick, x = meta_t[:, 0], meta_t[:, 1 : 1 + t], meta_t[:, 1 + t : 2 + t], meta_t[:, 2 + t :]
+        length = self.attended(pool, max(s + m + k - 1 for s, m in zip(starts, sizes, strict=True)))  # type: ignore[arg-type]
         if self.graphs:
-            out = self._graph(pool, len(caches), t, 1, steps=k)(rows, x, pos, pick)  # type: ignore[arg-type]
+            out = self._graph(pool, len(caches), t, 1, steps=k, length=length)(rows, x, pos, pick)  # type: ignore[arg-type]
         else:
-            out = greedy_steps(self.run_batch, pool, rows, x, pos, pick, k)  # type: ignore[arg-type]
+            out = greedy_steps(self.run_batch, pool, rows, x, pos, pick, k, length)  # type: ignore[arg-type]
         for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):
             cache.advance(start + m + kb - 1)  # type: ignore[union-attr]
         return out
 
     def capture(self, shapes: Sequence[tuple[int, int, int]]) -> int:
-        """Capture, for every batch bucket of the pool, the graphs of these (tokens, picked rows, draft steps)
-        shapes now rather than at their first use (a capture takes tens of milliseconds, and the first jobs of
-        a worker would pay for dozens); the number of graphs captured. Nothing without CUDA graphs."""
+        """Capture, for every batch bucket of the pool and every attended length up to capture_len, the
+        graphs of these (tokens, picked rows, draft steps) shapes now rather than at their first use (a
+        capture takes tens of milliseconds, and the first jobs of a worker would pay for dozens); the number
+        of graphs captured. Nothing without CUDA graphs."""
         if not self.graphs or self.pool is None:
             return 0
         before = len(self._graphs)
+        lengths = [n for n in attended_lengths(self.pool) if n <= self.capture_len] or attended_lengths(self.pool)[:1]
         with torch.inference_mode():  # as rounds run (else autograd would keep every intermediate alive)
             for size in self._buckets:
                 for t, p, steps in shapes:
-                    self._graph(self.pool, size, t, p, steps)
+                    for n in lengths:
+                        self._graph(self.pool, size, t, p, steps, n)
         return len(self._graphs) - before
 
-    def _graph(self, pool: KVPool, b: int, t: int, p: int, steps: int = 0) -> BatchGraph:
+    @staticmethod
+    def attended(pool: KVPool, need: int) -> int:
+        """The attended length of a batch whose rows use positions below `need`: the smallest of
+        `attended_lengths` that holds them (a few lengths, so a few graphs per shape)."""
+        return next((n for n in attended_lengths(pool) if n >= need), pool.index.shape[0])
+
+    def _graph(self, pool: KVPool, b: int, t: int, p: int, steps: int = 0, length: int | None = None) -> BatchGraph:
         size = next(s for s in self._buckets if s >= b) if pool is self.pool else 1
-        key = (id(pool), size, t, p, steps)
+        key = (id(pool), size, t, p, steps, length)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = BatchGraph(self.shard, self.run_batch, pool, size, t, p, steps)
+            graph = BatchGraph(self.shard, self.run_batch, pool, size, t, p, steps, length)
+            self._graphs[key] = graph
         return graph
