@@ -149,7 +149,8 @@ def tail(
     threads: int | None,
     static: bool | None,
     graphs: bool | None,
-    slots: int,
+    slots: int | None,
+    gpu_memory: float | None,
     plugins: tuple[str, ...],
 ) -> None:
     """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
@@ -163,6 +164,7 @@ def tail(
         max_packet_bytes=max_packet_bytes,
         static_cache_len=max_len,
         batch_slots=slots,
+        gpu_memory=gpu_memory,
     )
     registry = run_guarded(lambda: load_worker_plugins(plugins))
     dtype_ = torch_setup(threads, dtype)
@@ -233,7 +235,8 @@ def head(
     threads: int | None,
     static: bool | None,
     graphs: bool | None,
-    slots: int,
+    slots: int | None,
+    gpu_memory: float | None,
     compile_draft: bool,
     plugins: tuple[str, ...],
 ) -> None:
@@ -245,7 +248,9 @@ def head(
 
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
-    settings = worker_settings(batch_slots=slots, queue=queue, prefix=prefix, redis_url=redis_url)
+    settings = worker_settings(
+        batch_slots=slots, gpu_memory=gpu_memory, queue=queue, prefix=prefix, redis_url=redis_url
+    )
     runtime = HeadRuntime.load(
         target,
         layers,

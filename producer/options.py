@@ -205,13 +205,21 @@ def worker_settings(**flags: object):
 
 
 def engine_options(fn: Callable) -> Callable:
-    """--static-cache / --graphs / --slots: how shards run (default: static + graphs on CUDA, off on CPU)."""
+    """--static-cache / --graphs / --slots / --gpu-memory: how shards run (default: static + graphs on CUDA, off on
+    CPU)."""
     fn = click.option(
         "--slots",
         type=click.IntRange(1),
-        default=DEFAULTS.batch_slots,
-        show_default=True,
-        help="Sequences run as one batched forward (static caches are preallocated for this many).",
+        default=None,
+        help="Sequences the static caches hold, run as one batched forward (default: what --gpu-memory leaves "
+        "room for on a CUDA device, up to max_slots; 16 on a CPU).",
+    )(fn)
+    fn = click.option(
+        "--gpu-memory",
+        type=click.FloatRange(0, min_open=True),
+        default=None,
+        help="What the worker may fill of its GPU: a share (up to 1) or GiB (default: 0.9; lower it when workers "
+        "share a GPU) [env SHARDFLOW_GPU_MEMORY].",
     )(fn)
     fn = click.option(
         "--graphs/--no-graphs",

@@ -49,9 +49,22 @@ class Settings(BaseSettings):
     draft_k: int = Field(8, description="Draft tokens proposed per round (K).")
     ngram_max: int = Field(3, description="Longest n-gram the prompt-lookup drafter matches.")
     ngram_min: int = Field(1, description="Shortest n-gram the prompt-lookup drafter matches.")
-    batch_slots: int = Field(
-        16, description="Sequences a worker runs as one batched forward (static caches preallocate this many)."
+    batch_slots: int | None = Field(
+        None,
+        description="Sequences a worker's static caches hold and run as one batched forward; None: as many as "
+        "gpu_memory leaves room for on a CUDA device (at most max_slots), cpu_slots on a CPU.",
     )
+    gpu_memory: float = Field(
+        0.9,
+        gt=0,
+        description="What a worker may fill of its CUDA device: a share of its memory (up to 1) or GiB (above "
+        "1); the KV caches get what the weights leave of it, less graph_reserve. Lower it when workers share a GPU.",
+    )
+    graph_reserve: float = Field(
+        0.2, ge=0, lt=1, description="Share of the memory left after the weights kept for CUDA graphs and activations."
+    )
+    max_slots: int = Field(64, ge=1, description="Most sequences a worker holds when its caches are sized from memory.")
+    cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
     static_cache_len: int = Field(
         8192, description="Positions a static KV cache holds unless --max-len says (capped by the model's limit)."
     )

@@ -240,3 +240,24 @@ def test_attending_over_a_prefix_equals_the_whole_slot(models):
     whole = shard.run_batch(x, pos, BatchView(pool, rows, pos), None)
     part = shard.run_batch(x, pos, BatchView(pool, rows, pos, 512), None)
     assert torch.allclose(whole, part, atol=1e-5)
+
+
+def test_slots_are_sized_from_the_memory_a_worker_may_fill(models, monkeypatch):
+    """With no --slots, a CUDA worker's caches get what gpu_memory leaves after its weights and what other
+    processes hold, less graph_reserve, in whole slots from 1 to max_slots (a CPU worker: cpu_slots)."""
+    from schemas.settings import Settings
+    from workers.engine import runner
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 10 * gib)
+    free = {"now": 90 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free["now"], 100 * gib))
+    cfg = Settings(gpu_memory=0.5, graph_reserve=0.2, max_slots=64)
+    assert runner.fit_slots(torch.device("cuda:0"), gib, cfg) == 32  # (50 - 10) * 0.8 GiB, 1 GiB a slot
+    free["now"] = 20 * gib  # another process holds most of the device
+    assert runner.fit_slots(torch.device("cuda:0"), gib, cfg) == 16
+    assert runner.fit_slots(torch.device("cuda:0"), gib // 8, cfg.model_copy(update={"gpu_memory": 30.0})) == 64
+    assert runner.fit_slots(torch.device("cuda:0"), 1000 * gib, cfg) == 1
+    shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
+    assert Engine(shard, static=True, max_len=64, settings=Settings(cpu_slots=5)).slots == 5

@@ -92,6 +92,15 @@ class KVPool:
         self.index = torch.arange(max_len + scratch, device=device)
         self._free = list(range(slots - 1, -1, -1))
 
+    @staticmethod
+    def slot_bytes(shard: Any, max_len: int, scratch: int) -> int:
+        """Bytes one slot of a pool for `shard` takes (keys and values of every layer)."""
+        cfg = shard.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        length = -(-(max_len + scratch) // 16) * 16
+        size = torch.empty((), dtype=shard.dtype).element_size()
+        return 2 * len(shard.layers) * cfg.num_key_value_heads * head_dim * length * size
+
     @classmethod
     def for_shard(cls, shard: Any, *, slots: int, max_len: int, scratch: int) -> KVPool:
         cfg = shard.config

@@ -36,6 +36,31 @@ def buckets(limit: int) -> list[int]:
     return sorted({*out, limit})
 
 
+def cache_modes(shard: Shard, static: bool | None, graphs: bool | None) -> tuple[bool, bool]:
+    """(static caches, CUDA graphs) as asked, by default both on a CUDA device and neither elsewhere."""
+    cuda = shard.device.type == "cuda"
+    graphs = cuda if graphs is None else graphs
+    if graphs and not cuda:
+        raise ValueError("CUDA graphs need a CUDA device")
+    return graphs or (cuda if static is None else static), graphs
+
+
+def cache_len(shard: Shard, max_len: int | None, settings: Settings) -> int:
+    """Positions a static cache holds: max_len (default settings.static_cache_len), within the model's limit."""
+    limit = getattr(shard.config, "max_position_embeddings", None) or settings.static_cache_len
+    return min(max_len or settings.static_cache_len, limit)
+
+
+def fit_slots(device: torch.device, slot_bytes: int, settings: Settings) -> int:
+    """Slots of `slot_bytes` each that fit what the worker may still fill of a CUDA device (settings.gpu_memory,
+    less what is allocated and what other processes hold, less graph_reserve); 1 to max_slots."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    allowed = settings.gpu_memory * total if settings.gpu_memory <= 1 else settings.gpu_memory * 2**30
+    free, _ = torch.cuda.mem_get_info(device)
+    left = min(allowed - torch.cuda.memory_allocated(device), free) * (1 - settings.graph_reserve)
+    return max(1, min(settings.max_slots, int(left // max(slot_bytes, 1))))
+
+
 def attended_lengths(pool: KVPool) -> list[int]:
     """Lengths a batch attends over: 512, 1024, ... below the pool's slot length, then all of it."""
     full, out = pool.index.shape[0], []
@@ -168,22 +193,24 @@ class Engine:
     ) -> None:
         """max_len (default settings.static_cache_len, capped by the model's limit): positions a static cache
         holds; step_tokens (default settings.draft_k + 1): tokens a round feeds per sequence; slots (default
-        settings.batch_slots): sequences of one batched forward; max_draft: longest whole-draft graph."""
+        settings.batch_slots, else sized from the device's memory, `fit_slots`, or settings.cpu_slots):
+        sequences of one batched forward; max_draft: longest whole-draft graph."""
         settings = settings or Settings()
         step_tokens = settings.draft_k + 1 if step_tokens is None else step_tokens
-        slots = settings.batch_slots if slots is None else slots
         cuda = shard.device.type == "cuda"
         self.shard = shard
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.run_batch = torch.compile(shard.run_batch)  # shapes seen twice become dynamic
-        self.graphs = cuda if graphs is None else graphs
-        if self.graphs and not cuda:
-            raise ValueError("CUDA graphs need a CUDA device")
-        self.static = self.graphs or (cuda if static is None else static)
-        limit = getattr(shard.config, "max_position_embeddings", None) or settings.static_cache_len
-        self.max_len = min(max_len or settings.static_cache_len, limit)  # static caches hold this many positions
+        self.static, self.graphs = cache_modes(shard, static, graphs)
+        self.max_len = cache_len(shard, max_len, settings)  # static caches hold this many positions
+        if slots is None:  # as settings say, or what the device's memory leaves room for
+            slots = settings.batch_slots or (
+                fit_slots(shard.device, self.slot_bytes(shard, step_tokens, max_draft), settings)
+                if self.static and cuda
+                else settings.cpu_slots
+            )
         self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
         self.capture_len = settings.graph_capture_len  # graphs of longer attended lengths: at first use
         self.max_draft = max_draft  # longest greedy draft run as one graph (`draft_many`)
@@ -191,6 +218,10 @@ class Engine:
         self._graphs: dict[tuple[int, int, int, int, int], BatchGraph] = {}
         self.pool = self._new_pool(self.slots) if self.static else None
         self._spare: list[KVPool] = []  # one-slot pools for sequences beyond the main pool
+
+    def slot_bytes(self, shard: Shard, step_tokens: int, max_draft: int) -> int:
+        """Bytes a slot of this engine's pool takes."""
+        return KVPool.slot_bytes(shard, self.max_len, step_tokens + max_draft)
 
     def _new_pool(self, slots: int) -> KVPool:
         scratch = self.step_tokens + self.max_draft  # a draft's extra steps may run past max_len

@@ -27,7 +27,8 @@ from schemas.errors import InvalidRequest
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
-from workers.engine.runner import Engine
+from workers.engine.kvcache import KVPool
+from workers.engine.runner import Engine, cache_len, cache_modes, fit_slots
 from workers.engine.shard import Shard, resolve_model_dir
 from workers.head.batching import Batcher
 from workers.head.prompts import encode_prompt
@@ -95,15 +96,16 @@ class HeadRuntime:
         settings, plugins = settings or Settings(), plugins or Registry()
         load = dict(device=device, dtype=dtype, fused=settings.fused_layers)
         shard = plugins.load_shard(target, layers, embed=True, head=False, **load)  # type: ignore[arg-type]
-        opts = dict(static=static, graphs=graphs, max_len=max_len, settings=settings)
+        dshard = plugins.load_shard(draft, None, embed=True, head=True, **load) if draft else None  # type: ignore[arg-type]
+        if dshard is not None and dshard.config.vocab_size < shard.config.vocab_size:
+            raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
+        k = settings.draft_k
+        slots = _joint_slots(shard, dshard, static, graphs, max_len, settings)
+        opts = dict(static=static, graphs=graphs, max_len=max_len, settings=settings, slots=slots)
         drafter = None
-        if draft is not None:
-            dshard = plugins.load_shard(draft, None, embed=True, head=True, **load)  # type: ignore[arg-type]
-            max_k = settings.draft_k
-            dengine = Engine(dshard, step_tokens=2, pad=False, compile=compile_draft, max_draft=max_k, **opts)
+        if dshard is not None:
+            dengine = Engine(dshard, step_tokens=2, pad=False, compile=compile_draft, max_draft=k, **opts)  # type: ignore[arg-type]
             drafter = ModelDrafter(dshard, dengine)
-            if drafter.shard.config.vocab_size < shard.config.vocab_size:
-                raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
         engine = Engine(shard, **opts)  # type: ignore[arg-type]
         source = plugins.source(target)
         if source is not None:  # a plugin's model: its tokenizer and EOS ids
@@ -130,9 +132,9 @@ class HeadRuntime:
 
     @property
     def capacity(self) -> int:
-        """Generations this runtime runs at once by default: its static caches' batch slots (the
-        settings' batch_slots with growing caches)."""
-        return self.engine.slots if self.engine is not None else self.settings.batch_slots
+        """Generations this runtime runs at once by default: its engine's batch slots."""
+        assert self.engine is not None
+        return self.engine.slots
 
     @property
     def context_length(self) -> int | None:
@@ -162,6 +164,20 @@ class HeadRuntime:
             if inner is not None:
                 inner.close()
             raise
+
+
+def _joint_slots(
+    shard: Shard, dshard: Shard | None, static: bool | None, graphs: bool | None, max_len: int | None, cfg: Settings
+) -> int | None:
+    """Slots for the lower shard's and the draft model's caches together, sized from the device's memory
+    when the settings name none and the caches are static on a CUDA device (None: each engine decides)."""
+    if cfg.batch_slots is not None or shard.device.type != "cuda" or not cache_modes(shard, static, graphs)[0]:
+        return None
+    k = cfg.draft_k
+    need = KVPool.slot_bytes(shard, cache_len(shard, max_len, cfg), k + 1)
+    if dshard is not None:
+        need += KVPool.slot_bytes(dshard, cache_len(dshard, max_len, cfg), 2 + k)
+    return fit_slots(shard.device, need, cfg)
 
 
 def generate(
