@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +56,6 @@ class Dispatcher:
         self.w, self.capacity = worker, max(capacity, 1)
         self.running: dict[str, Running] = {}
         self.cond = threading.Condition()
-        self.pool = ThreadPoolExecutor(self.capacity, "generation")
         self.completed = 0
 
     # --- the loop -------------------------------------------------------------------------------------
@@ -160,9 +158,9 @@ class Dispatcher:
             for run in started:
                 w.executions[run.execution.id] = run.execution
                 self.running[run.job.id] = run
-        for run in started:
+        for run in started:  # daemon threads: a cold shutdown (a second stop signal) does not wait for them
             log.info("job %s started (%d in flight)", run.job.id, len(self.running))
-            self.pool.submit(self._run, run)
+            threading.Thread(target=self._run, args=(run,), daemon=True, name=f"job-{run.job.id}").start()
 
     # --- run, finish ------------------------------------------------------------------------------------
     def _run(self, run: Running) -> None:
