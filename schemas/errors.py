@@ -20,6 +20,10 @@ class ReplyTimeout(TransportError):
     """The tail did not answer a round in time (tail dead, restarting, or overloaded)."""
 
 
+class TailBusy(TransportError):
+    """A tail had no free cache for a new session: the round is sent again after a wait (not a replay)."""
+
+
 class JobError(ShardFlowError):
     """A generation failed for a reason that retrying the transport cannot fix."""
 

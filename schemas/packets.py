@@ -118,6 +118,7 @@ class ErrorReply(BaseModel):
     error: str
     tail_id: TailId = ""
     retryable: bool = Field(False, description="The tail lost the session: replay it instead of failing.")
+    busy: bool = Field(False, description="The tail has no free cache for a new session: send the round again.")
 
 
 HeadMessage = Annotated[RoundPacket | ClosePacket, Field(discriminator="kind")]

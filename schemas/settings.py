@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     reply_timeout_s: float = Field(
         15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."
     )
+    tail_busy_wait_s: float = Field(
+        0.1, gt=0, description="First wait before a head sends a new session's round again to a full tail (doubling)."
+    )
+    tail_busy_max_s: float = Field(2.0, gt=0, description="Longest wait between a head's rounds to full tails.")
     resume_attempts: int = Field(3, description="Replays of one generation before it fails (and RQ retries it).")
     # --- relay packets and tail sessions ---
     max_packet_bytes: int = Field(64 << 20, description="Largest packet (header + tensors) accepted.")

@@ -7,6 +7,7 @@ import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
 from tests.conftest import PROMPTS
 from tests.job_env import Env, reference
@@ -60,5 +61,33 @@ def test_high_concurrency_shares_one_pool(models, redis_server, redis_client, tm
         assert _most_in_flight(e, ids) > 16  # far more in flight than one batch of slots by default
         log = (tmp_path / "head.log").read_text()
         assert "Too many connections" not in log and "MaxConnections" not in log
+    finally:
+        e.close()
+
+
+def test_a_full_tail_makes_heads_wait_not_fail(models, redis_server, redis_client, tmp_path, hf_models, tokenizers):
+    """A tail whose static caches hold 2 sessions, a head with 5 jobs in flight: the tail answers the rounds of
+    sessions it has no room for "busy" (not dead-lettered), their heads send them again after a wait, and every
+    job finishes equal to HF `generate`."""
+    e = Env(
+        "busy",
+        models,
+        redis_server,
+        redis_client,
+        tmp_path,
+        tail_extra=["--static-cache", "--slots", "2", "--max-len", "256"],
+        head_extra=("--concurrency", "5"),
+    )
+    try:
+        prompts = _prompts(8)
+        reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=12) for p in prompts]
+        ids = e.client.enqueue(reqs).job_ids
+        views = e.client.wait(ids, timeout=300)
+        for p, v in zip(prompts, views, strict=True):
+            assert v.status == "finished", v
+            assert v.result["token_ids"] == reference(hf_models["qwen2"], tokenizers["qwen2"], p, 12), p
+            assert v.result["replays"] == 0  # waiting for room is no replay
+        assert _most_in_flight(e, ids) > 2  # more sessions than the tail could hold were under way at once
+        assert e.r.xlen(Keys(e.prefix).dead_letters) == 0  # "busy" is an answer, not a refused packet
     finally:
         e.close()

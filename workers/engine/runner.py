@@ -227,11 +227,14 @@ class Engine:
         scratch = self.step_tokens + self.max_draft  # a draft's extra steps may run past max_len
         return KVPool.for_shard(self.shard, slots=slots, max_len=self.max_len, scratch=scratch)
 
-    def acquire(self) -> Cache:
-        """A cache for one sequence: a slot of the pool (or of a one-slot spare pool), or a dynamic cache."""
+    def acquire(self, overflow: bool = True) -> Cache | None:
+        """A cache for one sequence: a slot of the pool (or, with `overflow`, of a one-slot spare pool), or a
+        dynamic cache; None when the pool is full and `overflow` is off."""
         if self.pool is None:
             return KVCache()
         cache = self.pool.acquire()
+        if cache is None and not overflow:
+            return None
         if cache is None:
             try:
                 cache = self._spare.pop().acquire()  # list.pop is atomic for threads sharing the engine

@@ -10,7 +10,7 @@ import redis
 import torch
 
 from relay_broker.streams import ReplyReader, close_session
-from schemas.errors import PacketError, RemoteError, ReplyTimeout, ShardFlowError
+from schemas.errors import PacketError, RemoteError, ReplyTimeout, ShardFlowError, TailBusy
 from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
@@ -145,11 +145,19 @@ class RoundLoop:
             replay=self.replay_next,
         )
         _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
-        try:
-            verdict = self._await(rid, fields, draft.tokens, remaining)
-        except (ReplyTimeout, RemoteError) as e:
-            self._replay(e)
-            return None
+        busy = 0  # a full tail answered "busy": the same round again after a wait (no replay spent)
+        while True:
+            try:
+                verdict = self._await(rid, fields, draft.tokens, remaining)
+                break
+            except TailBusy as e:
+                wait = min(self.settings.tail_busy_wait_s * 2**busy, self.settings.tail_busy_max_s)
+                log.debug("session %s: %s; round %d again in %.2fs", self.sid, e, rid, wait)
+                busy += 1
+                time.sleep(wait)
+            except (ReplyTimeout, RemoteError) as e:
+                self._replay(e)
+                return None
         self.replay_next = False
         self._account(draft, verdict, (work.draft_s, work.head_s, time.perf_counter() - t0))
         return self._commit(verdict, start)
@@ -177,6 +185,8 @@ class RoundLoop:
         while True:
             msg = self._reply_to(rid, reply, drafts, remaining)
             if isinstance(msg, ErrorReply):
+                if msg.busy and rid == msg.round_id and not self.pinned:  # only a new session's round: no cache
+                    raise TailBusy(f"tail {msg.tail_id or '?'} is full: {msg.error}")
                 if msg.retryable:  # the tail lost this session (restarted under the same name, say)
                     raise ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}")
                 raise RemoteError(f"tail {msg.tail_id or '?'} failed round {rid}: {msg.error}")

@@ -23,7 +23,7 @@ import torch
 
 from relay_broker.retry import ride_out
 from relay_broker.streams import GroupReader, Reply
-from schemas.errors import PacketError, SessionError, ShardFlowError, TransportError
+from schemas.errors import PacketError, SessionError, ShardFlowError, TailBusy, TransportError
 from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
@@ -249,7 +249,12 @@ class TailWorker:
         if sess is not None and p.round_id <= sess.last_round:
             return None  # duplicate or late
         if p.start_pos == 0:  # a new session, or one replayed onto this tail
-            return self.sessions.open(p.session_id, self.engine.acquire())
+            if sess is not None:
+                self.sessions.drop(p.session_id)  # a replay onto this tail: its old cache goes back first
+            cache = self.engine.acquire(overflow=False)  # a full pool: busy (caches never outgrow memory)
+            if cache is None:
+                raise TailBusy(f"all {self.engine.slots} caches of tail {self.tail_id} are in use")
+            return self.sessions.open(p.session_id, cache)
         if sess is None:
             raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
         if p.start_pos != sess.cache.length:
@@ -265,7 +270,13 @@ class TailWorker:
         vocab = self.shard.config.vocab_size
         if max(msg.input_ids + msg.draft_ids) >= vocab:
             raise PacketError(f"token ids must be below the vocabulary size {vocab}")
-        sess = self._session_for(msg)
+        try:
+            sess = self._session_for(msg)
+        except TailBusy as e:  # the head waits and sends the round again: nothing to dead-letter
+            busy = ErrorReply(
+                session_id=msg.session_id, round_id=msg.round_id, error=str(e), tail_id=self.tail_id, busy=True
+            )
+            return Reply(self.names.reply(msg.session_id), encode_message(busy), self.settings.final_reply_ttl_s)
         if sess is None:  # duplicate or late: answer again with the verdict already sent, if it was the last one
             dup = self.sessions.get(msg.session_id)
             last = dup.last_reply if dup is not None and dup.last_round == msg.round_id else None
