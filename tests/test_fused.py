@@ -214,7 +214,7 @@ def test_batched_rounds_of_a_7b_shard_stay_fused():
 def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
     """A worker captures its graphs before its first job: one per batch bucket, shape and attended length up
     to graph_capture_len, each only once; a batch attends over the smallest length that holds its rows."""
-    from workers.engine import runner
+    from workers.engine import runner, sizing
 
     made: list[tuple] = []
     monkeypatch.setattr(runner, "BatchGraph", lambda shard, run, pool, *key: made.append(key) or made)
@@ -222,7 +222,7 @@ def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
     engine = Engine(shard, static=True, slots=6, max_len=3000, step_tokens=3, max_draft=5)
     engine.graphs = True  # as on CUDA
     full = engine.pool.index.shape[0]
-    assert runner.attended_lengths(engine.pool) == [512, 1024, 2048, full]
+    assert sizing.attended_lengths(engine.pool) == [512, 1024, 2048, full]
     assert [engine.attended(engine.pool, n) for n in (1, 512, 513, 2049)] == [512, 512, 1024, full]
     assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 24 and engine.capture([(3, 0, 0)]) == 0
     want = [(b, t, p, s, n) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)) for n in (512, 1024, 2048)]
@@ -246,7 +246,7 @@ def test_slots_are_sized_from_the_memory_a_worker_may_fill(models, monkeypatch):
     """With no --slots, a CUDA worker's caches get what gpu_memory leaves after its weights and what other
     processes hold, less graph_reserve, in whole slots from 1 to max_slots (a CPU worker: cpu_slots)."""
     from schemas.settings import Settings
-    from workers.engine import runner
+    from workers.engine import sizing
 
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib))
@@ -254,10 +254,10 @@ def test_slots_are_sized_from_the_memory_a_worker_may_fill(models, monkeypatch):
     free = {"now": 90 * gib}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free["now"], 100 * gib))
     cfg = Settings(gpu_memory=0.5, graph_reserve=0.2, max_slots=64)
-    assert runner.fit_slots(torch.device("cuda:0"), gib, cfg) == 32  # (50 - 10) * 0.8 GiB, 1 GiB a slot
+    assert sizing.fit_slots(torch.device("cuda:0"), gib, cfg) == 32  # (50 - 10) * 0.8 GiB, 1 GiB a slot
     free["now"] = 20 * gib  # another process holds most of the device
-    assert runner.fit_slots(torch.device("cuda:0"), gib, cfg) == 16
-    assert runner.fit_slots(torch.device("cuda:0"), gib // 8, cfg.model_copy(update={"gpu_memory": 30.0})) == 64
-    assert runner.fit_slots(torch.device("cuda:0"), 1000 * gib, cfg) == 1
+    assert sizing.fit_slots(torch.device("cuda:0"), gib, cfg) == 16
+    assert sizing.fit_slots(torch.device("cuda:0"), gib // 8, cfg.model_copy(update={"gpu_memory": 30.0})) == 64
+    assert sizing.fit_slots(torch.device("cuda:0"), 1000 * gib, cfg) == 1
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
     assert Engine(shard, static=True, max_len=64, settings=Settings(cpu_slots=5)).slots == 5

@@ -28,8 +28,9 @@ from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
 from workers.engine.kvcache import KVPool
-from workers.engine.runner import Engine, cache_len, cache_modes, fit_slots
+from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
+from workers.engine.sizing import cache_len, cache_modes, fit_slots
 from workers.head.batching import Batcher
 from workers.head.prompts import encode_prompt
 from workers.head.rounds import RoundLoop
