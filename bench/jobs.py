@@ -26,7 +26,6 @@ from __future__ import annotations
 import _thread
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,7 @@ from bench.jobs_report import (
     write_outputs,
 )
 from producer.client import Client, Followed, JobEnded, TextChunk
-from producer.local import wait_for_tails
+from producer.local import stop_processes, wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis, child_setup
 from schemas.keys import Keys
@@ -71,7 +70,7 @@ def draft_dict(kind: str, k: int, alpha: float | None = None, ref: list[int] | N
     return {"kind": "synthetic", "k": k, "options": {"alpha": alpha, "reference_ids": ref}}
 
 
-def plugin_args(role: str, synthetic: bool, random_target: bool) -> list[str]:
+def plugin_args(synthetic: bool, random_target: bool) -> list[str]:
     """Worker flags the synthetic drafter and random targets need (none otherwise)."""
     return ["--plugin", "bench.synthetic"] if synthetic or random_target else []
 
@@ -93,18 +92,6 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
             start_new_session=True,
             preexec_fn=child_setup(True),
         )
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
 
 
 class Watchdog(threading.Thread):
@@ -158,10 +145,10 @@ def start_workers(
     common = ["--target", model.target, "--prefix", prefix, "--dtype", cfg.dtype]
     random_target, synthetic = model.target.startswith("random:"), cfg.alpha is not None
     tail_args = ["tail", *common, "--layers", f"{model.split}:{model.layers}", "--redis-url", urls[0]]
-    tail_args += ["--device", cfg.tail_device, *plugin_args("tail", synthetic, random_target), *extra[1]]
+    tail_args += ["--device", cfg.tail_device, *plugin_args(synthetic, random_target), *extra[1]]
     head_args = ["head", *common, "--layers", f"0:{model.split}", "--redis-url", urls[1], "--queue", prefix]
     head_args += ["--device", cfg.head_device, *(["--draft", model.draft] if model.draft else [])]
-    head_args += [*plugin_args("head", synthetic, random_target), *extra[0]]
+    head_args += [*plugin_args(synthetic, random_target), *extra[0]]
     for args in (tail_args, head_args):
         say(f"variant {name}: shardflow {' '.join(shlex.quote(a) for a in args)}")
     tail = spawn(tail_args, logs / f"{name}-tail.log")
@@ -186,7 +173,7 @@ def start_workers(
         raise
     finally:
         dog.done.set()
-        stop([head, tail])
+        stop_processes([head, tail], 20.0)
 
 
 def run_batch(client: Client, reqs: list[GenerationRequest], timeout: float, label: str) -> BatchRun:

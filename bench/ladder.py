@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -30,6 +29,7 @@ import click
 import torch
 
 from bench.delay_proxy import spawn_proxy
+from bench.jobs_report import process_memory_gb
 from bench.synthetic import preset_of, registry
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
@@ -76,7 +76,7 @@ def run_row(
     split = {f: sum(getattr(x.timings, f) for x in results) / rounds for f in FIELDS}
     cuda = runtime.shard.device.type == "cuda"
     dev = runtime.shard.device
-    mem = torch.cuda.max_memory_allocated(dev) if cuda else process_memory_gb(os.getpid(), False) * 1e9
+    mem = torch.cuda.max_memory_allocated(dev) if cuda else (process_memory_gb(os.getpid(), False) or 0.0) * 1e9
     return {
         "row": name,
         "in_flight": in_flight,
@@ -90,27 +90,6 @@ def run_row(
         "equal_to_reference": f"{same}/{len(results)}",
         "outputs": [x.token_ids for x in results],
     }
-
-
-def process_memory_gb(pid: int, gpu: bool) -> float:
-    """A worker process's memory: GPU memory it holds (nvidia-smi; the caching allocator keeps its peak),
-    or its peak resident set (VmHWM) on CPU. 0.0 when it cannot be read."""
-    try:
-        if gpu:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            ).stdout
-            rows = [line.split(",") for line in out.splitlines() if "," in line]
-            mib = sum(float(used) for owner, used in rows if int(owner) == pid)
-            return mib * 2**20 / 1e9
-        status = Path(f"/proc/{pid}/status").read_text()
-        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
-        return kib * 1024 / 1e9
-    except (OSError, ValueError, StopIteration, subprocess.SubprocessError):
-        return 0.0
 
 
 def ping_ms(r) -> float:
@@ -275,7 +254,7 @@ def main(
                         in_flight,
                     )
                 )
-                table[-1]["tail_mem_gb"] = process_memory_gb(tails[mode][0].pid, tail_device.startswith("cuda"))
+                table[-1]["tail_mem_gb"] = process_memory_gb(tails[mode][0].pid, tail_device.startswith("cuda")) or 0.0
                 click.echo(json.dumps({k: v for k, v in table[-1].items() if k != "outputs"}))
                 write_outputs(Path(out), meta, table)  # after every row: a cut-short run still reports
             write_outputs(Path(out), meta, table)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -78,7 +77,7 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
 def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> None:
     from producer.cli_jobs import show_follow
     from producer.client import Client
-    from producer.local import interrupt_on_termination, layer_count, wait_for_tails
+    from producer.local import interrupt_on_termination, layer_count, stop_processes, wait_for_tails
     from relay_broker.connection import connect
     from relay_broker.embedded import EmbeddedRedis
     from schemas.requests import DraftSettings, GenerationRequest
@@ -126,11 +125,4 @@ def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> 
         except KeyboardInterrupt:
             click.echo("\ninterrupted; stopping workers", err=True)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+            stop_processes(procs)

@@ -5,6 +5,7 @@ Used by `shardflow local`, the tests and the CPU bench.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -59,6 +60,19 @@ def spawn_tail(
 
     setup = child_setup(True) if die_with_parent else None
     return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT if log_path else None, preexec_fn=setup)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:
+    """SIGTERM each child's process group (workers finish warm), SIGKILL what is still there after grace_s."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
 
 
 def wait_for_tails(
