@@ -46,6 +46,7 @@ from bench.jobs_report import (
     build_prompts,
     git_state,
     hf_references,
+    memory_parts,
     process_memory_gb,
     resolve_model,
     say,
@@ -129,6 +130,7 @@ class Workers:
     client: Client
     head: subprocess.Popen
     tail: subprocess.Popen
+    logs: dict[str, Path]  # each worker's log file
 
 
 def request(prompt: list[int], new: int, draft: dict) -> GenerationRequest:
@@ -166,7 +168,7 @@ def start_workers(
         if view.status != "finished":
             raise click.ClickException(f"warm-up job {view.status}: {view.error}")
         say(f"variant {name}: workers ready")
-        yield Workers(client, head, tail)
+        yield Workers(client, head, tail, {"head": logs / f"{name}-head.log", "tail": logs / f"{name}-tail.log"})
     except KeyboardInterrupt:
         if dog.died:
             raise click.ClickException(f"{dog.died} (see {logs})") from None
@@ -232,6 +234,7 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
     row = {"variant": name, **summarize(run_batch(w.client, reqs, cfg.timeout, f"N={n}"), refs)}
     gpu = {"head": cfg.head_device.startswith("cuda"), "tail": cfg.tail_device.startswith("cuda")}
     row["memory_gb"] = {role: process_memory_gb(p.pid, gpu[role]) for role, p in (("head", w.head), ("tail", w.tail))}
+    row["memory_parts_gb"] = {role: memory_parts(path) for role, path in w.logs.items()}
     lat, ttft = row["latency_s"], row["ttft_s"]
     say(
         f"variant {name}: N={n}: {row['aggregate_tokens_per_s']} tok/s aggregate, per-job p50 "

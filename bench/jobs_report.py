@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -304,6 +305,22 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
     return row
 
 
+MEMORY_LINE = re.compile(r"ready \(.*memory: weights ([\d.]+) GB, caches ([\d.]+) GB, graphs ([\d.]+) GB")
+
+
+def memory_parts(log_file: Path) -> dict[str, float] | None:
+    """A worker's weights, KV caches and CUDA-graph memory in GB as its "ready" line in its log says (graphs
+    captured later, at first use, show in the process's memory)."""
+    try:
+        text = log_file.read_text(errors="replace")
+    except OSError:
+        return None
+    found = MEMORY_LINE.findall(text)
+    if not found:
+        return None
+    return {part: float(v) for part, v in zip(("weights", "caches", "graphs"), found[-1], strict=True)}
+
+
 def _f(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -324,6 +341,24 @@ def markdown(rows: list[dict]) -> str:
             f"{_f(ttft['p50'], '.3f')} / {_f(ttft['p95'], '.3f')} | {_f(x['tokens_per_round'])} | "
             f"{_f(x['rounds_batched_per_forward'])} | {_f(mem.get('head'))} / {_f(mem.get('tail'))} | {mism} |"
         )
+    parts = [x for x in rows if x.get("memory_parts_gb")]
+    if parts:
+        lines += [
+            "",
+            "Memory per worker, GB (weights / KV caches / CUDA graphs as the worker logs them; process: nvidia-smi):",
+            "",
+        ]
+        lines += [
+            "| variant | N | head: weights / caches / graphs / process | tail: weights / caches / graphs / process |"
+        ]
+        lines += ["|---|---|---|---|"]
+        for x in parts:
+            cells = []
+            for role in ("head", "tail"):
+                m = x["memory_parts_gb"].get(role) or {}
+                proc = x.get("memory_gb", {}).get(role)
+                cells.append(" / ".join(_f(v) for v in (m.get("weights"), m.get("caches"), m.get("graphs"), proc)))
+            lines.append(f"| {x['variant']} | {x['n']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 

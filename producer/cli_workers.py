@@ -179,11 +179,12 @@ def tail(
             names=Keys(prefix),
             tail_id=name,
             settings=settings,
-            engine=Engine(shard, static=static, graphs=graphs, settings=settings),
+            engine=Engine(shard, static=static, graphs=graphs, settings=settings, label="tail"),
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
-    click.echo(f"tail {worker.tail_id} ready (layers {layers[0]}:{layers[1]})", err=True)
+    memory = Engine.memory_note([worker.engine])
+    click.echo(f"tail {worker.tail_id} ready (layers {layers[0]}:{layers[1]}; memory: {memory})", err=True)
     try:
         worker.serve()
     except KeyboardInterrupt:
@@ -213,6 +214,13 @@ def tail(
     default=None,
     help="Most generations in flight at once (default: what the batch slots hold, --slots).",
 )
+@click.option(
+    "--groups",
+    type=click.IntRange(1),
+    default=None,
+    help="Groups the generations in flight run in, their rounds interleaved (default: picked from measured "
+    "compute and link times, up to 4).",
+)
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
 @connection_options
 @device_opt
@@ -226,6 +234,7 @@ def head(
     draft: str | None,
     burst: bool,
     concurrency: int | None,
+    groups: int | None,
     name: str | None,
     queue: str,
     redis_url: str,
@@ -243,13 +252,14 @@ def head(
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
     from relay_broker.connection import connect
     from schemas.jobs import ModelInfo
+    from workers.engine.runner import Engine
     from workers.head.rq_worker import HeadWorker
     from workers.head.runtime import HeadRuntime
 
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
     settings = worker_settings(
-        batch_slots=slots, gpu_memory=gpu_memory, queue=queue, prefix=prefix, redis_url=redis_url
+        batch_slots=slots, gpu_memory=gpu_memory, queue=queue, prefix=prefix, redis_url=redis_url, head_groups=groups
     )
     runtime = HeadRuntime.load(
         target,
@@ -276,9 +286,10 @@ def head(
     r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=2 * capacity + 16))
     level = logging.getLevelName(logging.getLogger().level)
     worker = HeadWorker([queue], runtime, r, names=Keys(prefix), model_info=info, name=name, capacity=capacity)
+    engines = [runtime.engine, *([runtime.draft_model.engine] if runtime.draft_model is not None else [])]
     click.echo(
         f"head {worker.name} ready (layers {layers[0]}:{layers[1]}, queue {queue}, "
-        f"{worker.dispatcher.capacity} in flight)",
+        f"{worker.dispatcher.capacity} in flight; memory: {Engine.memory_note(engines)})",
         err=True,
     )
     worker.work(burst=burst, with_scheduler=True, logging_level=level)

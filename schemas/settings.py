@@ -61,9 +61,15 @@ class Settings(BaseSettings):
         "1); the KV caches get what the weights leave of it, less graph_reserve. Lower it when workers share a GPU.",
     )
     graph_reserve: float = Field(
-        0.2, ge=0, lt=1, description="Share of the memory left after the weights kept for CUDA graphs and activations."
+        0.1,
+        ge=0,
+        lt=1,
+        description="Share of the memory left after the weights kept for what is not counted per slot (prefills, "
+        "workspaces, fragmentation); each slot is counted with its keys/values and its rows of the CUDA graphs.",
     )
-    max_slots: int = Field(64, ge=1, description="Most sequences a worker holds when its caches are sized from memory.")
+    max_slots: int = Field(
+        256, ge=1, description="Most sequences a worker holds when its caches are sized from memory."
+    )
     cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
     static_cache_len: int = Field(
         8192, description="Positions a static KV cache holds unless --max-len says (capped by the model's limit)."
@@ -72,6 +78,17 @@ class Settings(BaseSettings):
         2048,
         description="A worker captures its CUDA graphs for batches attending up to this many positions when it "
         "starts; batches of longer sequences capture theirs at first use.",
+    )
+    head_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Groups a head's generations in flight run in, their rounds interleaved; None: picked from "
+        "measured compute and link times (workers/head/groups.py), up to 4.",
+    )
+    prefill_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Prompts of sequences in flight run as batched forwards of up to this many (padded) tokens.",
     )
     fused_layers: bool = Field(
         True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/engine/fused.py)."

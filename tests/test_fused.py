@@ -165,6 +165,7 @@ def test_graph_wrapper_pads_and_replays(models, monkeypatch):
         "Stream": lambda: SimpleNamespace(wait_stream=lambda *_: None),
         "current_stream": lambda: SimpleNamespace(wait_stream=lambda *_: None),
         "CUDAGraph": _FakeGraph,
+        "graph_pool_handle": lambda: (0, 0),
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
@@ -217,7 +218,7 @@ def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
     from workers.engine import runner, sizing
 
     made: list[tuple] = []
-    monkeypatch.setattr(runner, "BatchGraph", lambda shard, run, pool, *key: made.append(key) or made)
+    monkeypatch.setattr(runner, "BatchGraph", lambda shard, run, pool, *key: made.append(key[:5]) or made)
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
     engine = Engine(shard, static=True, slots=6, max_len=3000, step_tokens=3, max_draft=5)
     engine.graphs = True  # as on CUDA

@@ -7,137 +7,36 @@
   token each) as one batched forward over their slots;
 - static + graphs (default on CUDA): each batched step replays a CUDA graph captured once per
   (pool, batch bucket, step size), with inputs padded to the bucket (rows) and to `step_tokens`
-  (with pad=False: one graph per step size, as the drafter uses). Padded tokens sit after a row's
-  real ones, so causal masking keeps them out of every real token; padding rows write into the
-  pool's pad slot. Sequences beyond the pool's slots get a one-slot pool of their own.
+  (with pad=False: one graph per step size, as the drafter uses; workers/engine/graphs.py). Padded
+  tokens sit after a row's real ones, so causal masking keeps them out of every real token; padding
+  rows write into the pool's pad slot. Sequences beyond the pool's slots get a one-slot pool of their
+  own. A result of a graph stays valid until the engine's next replay.
 Longer steps (a prompt's prefill) run eagerly over the sequence's slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
+import logging
+from collections.abc import Sequence
 
 import torch
 import torch._dynamo
 
 from schemas.settings import Settings
+from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVCache, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
-from workers.engine.sizing import attended_lengths, cache_len, cache_modes, fit_slots
+from workers.engine.sizing import attended_lengths, cache_len, cache_modes, fit_slots, slot_cost
+
+log = logging.getLogger("shardflow.engine")
+GB = 1e9
 
 Logits = int | Sequence[int]  # rows of logits wanted per sequence (0: hidden states)
 
 
-def buckets(limit: int) -> list[int]:
-    """Batch sizes graphs are captured for: powers of two up to `limit`, and `limit` itself."""
-    out = [1]
-    while out[-1] * 2 < limit:
-        out.append(out[-1] * 2)
-    return sorted({*out, limit})
-
-
-def greedy_steps(
-    run: Callable[..., torch.Tensor],
-    pool: KVPool,
-    rows: torch.Tensor,
-    x: torch.Tensor,
-    pos: torch.Tensor,
-    pick: torch.Tensor,
-    k: int,
-    length: int | None = None,
-) -> torch.Tensor:
-    """k greedy draft tokens per row [b, k], each fed back on the device: the first from the row's token
-    at `pick` after running x, the rest one position further each (capturable as one graph); attention
-    over the first `length` positions of each slot (see BatchView)."""
-    cur = run(x, pos, BatchView(pool, rows, pos, length), pick)[:, -1].argmax(-1)
-    out = [cur]
-    last, zero = pos.gather(1, pick), torch.zeros_like(pick)
-    limit = pool.index.shape[0] - 1  # padding rows stay on their scratch positions
-    for _ in range(1, k):
-        last = (last + 1).clamp(max=limit)
-        cur = run(cur[:, None], last, BatchView(pool, rows, last, length), zero)[:, -1].argmax(-1)
-        out.append(cur)
-    return torch.stack(out, dim=1)
-
-
-def _draft_body(
-    run: Callable[..., torch.Tensor],
-    pool: KVPool,
-    rows: torch.Tensor,
-    pick: torch.Tensor,
-    steps: int,
-    length: int | None,
-    x: torch.Tensor,
-    pos: torch.Tensor,
-    _view: BatchView,
-    _pick: object,
-) -> torch.Tensor:
-    return greedy_steps(run, pool, rows, x, pos, pick, steps, length)
-
-
-class BatchGraph:
-    """One captured forward of `b` rows × `t` tokens over one pool (logits of `p` rows each, or hidden),
-    or with `steps` > 0 a whole greedy draft of that many tokens (`greedy_steps`; p = 1), attending over
-    the first `length` positions of each slot (None: all)."""
-
-    def __init__(
-        self,
-        shard: Shard,
-        run: Callable[..., torch.Tensor],
-        pool: KVPool,
-        b: int,
-        t: int,
-        p: int,
-        steps: int = 0,
-        length: int | None = None,
-    ) -> None:
-        dev = shard.device
-        self.pool = pool
-        self.rows = torch.full((b,), pool.pad_slot, dtype=torch.long, device=dev)
-        self.x = (
-            torch.zeros(b, t, dtype=torch.long, device=dev)
-            if shard.embed is not None
-            else torch.zeros(b, t, shard.config.hidden_size, dtype=shard.dtype, device=dev)
-        )
-        self.pad_pos = pool.index[-t:]  # warm-up and capture write only scratch positions of the pad slot
-        self.pos = self.pad_pos.expand(b, t).clone()
-        self.pick = torch.arange(t - p, t, device=dev).expand(b, p).clone() if p else None
-        view = BatchView(pool, self.rows, self.pos, length)
-        self.forward = run
-        if steps:
-            self.pick = torch.full((b, 1), t - 1, dtype=torch.long, device=dev)
-            self.forward = partial(_draft_body, run, pool, self.rows, self.pick, steps, length)
-        run = self.forward
-        with torch.cuda.device(dev):  # capture on the shard's GPU, not the process's current one
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the capture
-                    run(self.x, self.pos, view, self.pick)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            # A private memory pool: with a shared one, a graph captured later may keep its output in memory
-            # an earlier graph uses for intermediates, and replaying that one clobbers the output.
-            # Captured on a stream of the shard's GPU: torch.cuda.graph's default capture stream is made once per
-            # process, on whichever GPU was current, and a graph of another GPU's work captured there is empty.
-            with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
-                self.out = run(self.x, self.pos, view, self.pick)
-
-    def __call__(
-        self, rows: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, pick: torch.Tensor | None
-    ) -> torch.Tensor:
-        n = rows.shape[0]
-        with torch.cuda.device(self.x.device):
-            self.rows[:n].copy_(rows, non_blocking=True)
-            self.rows[n:].fill_(self.pool.pad_slot)
-            self.x[:n].copy_(x, non_blocking=True)
-            self.pos[:n].copy_(pos, non_blocking=True)
-            self.pos[n:].copy_(self.pad_pos.expand_as(self.pos[n:]))
-            if pick is not None and self.pick is not None:
-                self.pick[:n].copy_(pick, non_blocking=True)
-            self.graph.replay()
-        return self.out[:n]
+def pick_last(m: int, p: int) -> list[int]:
+    """The last p of a row's m rows (the first repeated where m < p: the row wants fewer)."""
+    return [max(m - p + j, 0) for j in range(p)]
 
 
 class Engine:
@@ -156,12 +55,15 @@ class Engine:
         compile: bool = False,
         max_draft: int = 0,
         settings: Settings | None = None,
+        label: str = "shard",
     ) -> None:
         """max_len (default settings.static_cache_len, capped by the model's limit): positions a static cache
         holds; step_tokens (default settings.draft_k + 1): tokens a round feeds per sequence; slots (default
         settings.batch_slots, else sized from the device's memory, `fit_slots`, or settings.cpu_slots):
-        sequences of one batched forward; max_draft: longest whole-draft graph."""
+        sequences of one batched forward; max_draft: longest whole-draft graph; label: the engine's name in
+        its memory log lines ("head", "draft", "tail")."""
         settings = settings or Settings()
+        self.label = label
         step_tokens = settings.draft_k + 1 if step_tokens is None else step_tokens
         cuda = shard.device.type == "cuda"
         self.shard = shard
@@ -179,15 +81,18 @@ class Engine:
             )
         self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
         self.capture_len = settings.graph_capture_len  # graphs of longer attended lengths: at first use
+        self.prefill_tokens = settings.prefill_tokens  # padded tokens of one batch of prompts
         self.max_draft = max_draft  # longest greedy draft run as one graph (`draft_many`)
         self._buckets = buckets(self.slots)
-        self._graphs: dict[tuple[int, int, int, int, int], BatchGraph] = {}
+        self._graphs: dict[tuple[int, int, int, int, int, int | None], BatchGraph] = {}
+        self.graph_memory = GraphMemory(self.slots)  # one memory pool and output buffers for all graphs
+        self.graph_bytes = 0  # device memory the captures reserved (the pool and the output buffers)
         self.pool = self._new_pool(self.slots) if self.static else None
         self._spare: list[KVPool] = []  # one-slot pools for sequences beyond the main pool
 
     def slot_bytes(self, shard: Shard, step_tokens: int, max_draft: int) -> int:
-        """Bytes a slot of this engine's pool takes."""
-        return KVPool.slot_bytes(shard, self.max_len, step_tokens + max_draft)
+        """Bytes a slot of this engine takes: its keys/values and its share of the graphs' memory."""
+        return slot_cost(shard, self.max_len, step_tokens, step_tokens + max_draft)
 
     def _new_pool(self, slots: int) -> KVPool:
         scratch = self.step_tokens + self.max_draft  # a draft's extra steps may run past max_len
@@ -238,24 +143,54 @@ class Engine:
         for cache, x, start in zip(caches, xs, starts, strict=True):  # check every row before any runs
             self.check(cache, start, x.shape[0])
         out: list[torch.Tensor | None] = [None] * n
-        groups: dict[int, list[int]] = {}
+        steps: dict[int, list[int]] = {}  # round-sized steps per pool: graph batches
+        longs: dict[int, list[int]] = {}  # longer ones (prompts): eager batches
         for i, (cache, x) in enumerate(zip(caches, xs, strict=True)):
-            if isinstance(cache, StaticKVCache) and 0 < x.shape[0] <= self.step_tokens:
-                groups.setdefault(id(cache.pool), []).append(i)
+            if isinstance(cache, StaticKVCache) and 0 < x.shape[0]:
+                (steps if x.shape[0] <= self.step_tokens else longs).setdefault(id(cache.pool), []).append(i)
             else:
                 out[i] = self.shard(x, starts[i], cache, wants[i])
-        for idx in groups.values():
-            for at in range(0, len(idx), self.slots):
-                part = idx[at : at + self.slots]
+        for idx in longs.values():
+            for part in self._prefill_parts(idx, caches, xs, starts):
                 got = self._batch(
                     [caches[i] for i in part],  # type: ignore[misc]
                     [xs[i] for i in part],
                     [starts[i] for i in part],
                     [wants[i] for i in part],
+                    eager=True,
                 )
                 for i, o in zip(part, got, strict=True):
                     out[i] = o
+        parts = [idx[at : at + self.slots] for idx in steps.values() for at in range(0, len(idx), self.slots)]
+        for n_part, part in enumerate(parts):
+            got = self._batch(
+                [caches[i] for i in part],  # type: ignore[misc]
+                [xs[i] for i in part],
+                [starts[i] for i in part],
+                [wants[i] for i in part],
+            )
+            for i, o in zip(part, got, strict=True):  # a graph's result lives until the next replay
+                out[i] = o.clone() if self.graphs and n_part < len(parts) - 1 else o
         return out  # type: ignore[return-value]
+
+    def _prefill_parts(
+        self, idx: list[int], caches: Sequence[Cache], xs: Sequence[torch.Tensor], starts: Sequence[int]
+    ) -> list[list[int]]:
+        """Batches of long steps of one pool (prompts): up to `prefill_tokens` padded tokens each. Rows are
+        padded to their batch's longest step, after their own tokens (masked out, overwritten later); a row
+        whose padding would run past its slot runs alone."""
+        longest = max(xs[i].shape[0] for i in idx)
+        room = caches[idx[0]].pool.index.shape[0]  # type: ignore[union-attr]
+        alone = [[i] for i in idx if starts[i] + longest > room]
+        parts: list[list[int]] = []
+        for i in idx:
+            if starts[i] + longest > room:
+                continue
+            if parts and len(parts[-1]) < self.slots and (len(parts[-1]) + 1) * longest <= self.prefill_tokens:
+                parts[-1].append(i)
+            else:
+                parts.append([i])
+        return parts + alone
 
     def check(self, cache: Cache, start: int, m: int) -> None:
         """Raise ValueError unless `cache` holds exactly `start` positions and has room for m more."""
@@ -265,12 +200,20 @@ class Engine:
             raise ValueError(f"sequence of {start + m} positions exceeds the static cache of {self.max_len}")
 
     def _batch(
-        self, caches: list[StaticKVCache], xs: list[torch.Tensor], starts: list[int], wants: list[int]
+        self,
+        caches: list[StaticKVCache],
+        xs: list[torch.Tensor],
+        starts: list[int],
+        wants: list[int],
+        eager: bool = False,
     ) -> list[torch.Tensor]:
+        """One batched forward of these rows: through a graph (rows padded to step_tokens, logits of 0, 1 or all
+        rows), or with `eager` (prompts) padded to the longest and the logits of each row's last max(wants)."""
         dev, pool = self.shard.device, caches[0].pool
         sizes = [x.shape[0] for x in xs]
-        t = self.step_tokens if self.graphs and self.pad else max(sizes)
-        p = 0 if max(wants) == 0 else (1 if max(wants) == 1 else t)
+        graph = self.graphs and not eager
+        t = self.step_tokens if graph and self.pad else max(sizes)
+        p = (0 if max(wants) == 0 else (1 if max(wants) == 1 else t)) if graph else max(wants)
         length = self.attended(pool, max(s + m for s, m in zip(starts, sizes, strict=True)))
         if min(sizes) == t:
             x = torch.stack(list(xs))
@@ -279,21 +222,24 @@ class Engine:
             for b, xb in enumerate(xs):
                 x[b, : sizes[b]] = xb
         meta = [
-            [c.slot, *range(s, s + t), *([m - 1] if p == 1 else range(t - p, t))]
+            [c.slot, *range(s, s + t), *([m - 1] if p == 1 else range(t - p, t) if graph else pick_last(m, p))]
             for c, s, m in zip(caches, starts, sizes, strict=True)
         ]
         meta_t = torch.tensor(meta, dtype=torch.long).to(dev, non_blocking=True)
         rows, pos, pick = meta_t[:, 0], meta_t[:, 1 : 1 + t], (meta_t[:, 1 + t :] if p else None)
-        if self.graphs:
+        if graph:
             out = self._graph(pool, len(caches), t, p, length=length)(rows, x, pos, pick)
-        else:
-            out = self.run_batch(x, pos, BatchView(pool, rows, pos, length), pick)
+        else:  # prompts never through torch.compile: their lengths vary
+            run = self.shard.run_batch if eager else self.run_batch
+            out = run(x, pos, BatchView(pool, rows, pos, length), pick)
         for cache, start, m in zip(caches, starts, sizes, strict=True):
             cache.advance(start + m)
         if p == 0:
             return [out[b, :m] for b, m in enumerate(sizes)]
         if p == 1:
             return [out[b] for b in range(len(sizes))]
+        if not graph:  # each row's picks are its last p rows
+            return [out[b, p - w : p] for b, w in enumerate(wants)]
         return [out[b, m - w : m] for b, (m, w) in enumerate(zip(sizes, wants, strict=True))]
 
     def draft_many(
@@ -348,11 +294,39 @@ class Engine:
         before = len(self._graphs)
         lengths = [n for n in attended_lengths(self.pool) if n <= self.capture_len] or attended_lengths(self.pool)[:1]
         with torch.inference_mode():  # as rounds run (else autograd would keep every intermediate alive)
-            for size in self._buckets:
+            for size in reversed(self._buckets):  # largest first: smaller graphs fit in the memory it freed
                 for t, p, steps in shapes:
-                    for n in lengths:
-                        self._graph(self.pool, size, t, p, steps, n)
+                    for n in reversed(lengths):
+                        self._graph(self.pool, size, t, p, steps, n, log_it=False)
+        self.log_memory()
         return len(self._graphs) - before
+
+    def memory(self) -> dict[str, float]:
+        """GB this engine holds on its device: weights, KV caches (main and spare pools), CUDA graphs."""
+        tensors = {t.data_ptr(): t for t in (*self.shard.parameters(), *self.shard.buffers())}
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        pools = [self.pool, *self._spare] if self.pool is not None else []
+        caches = sum(t.numel() * t.element_size() for p in pools for t in (*p.keys.values(), *p.values.values()))
+        return {"weights": weights / GB, "caches": caches / GB, "graphs": self.graph_bytes / GB}
+
+    @staticmethod
+    def memory_note(engines: Sequence[Engine]) -> str:
+        """What these engines hold together, as worker logs say it."""
+        parts = [e.memory() for e in engines]
+        total = {k: sum(p[k] for p in parts) for k in ("weights", "caches", "graphs")}
+        return "weights {weights:.2f} GB, caches {caches:.2f} GB, graphs {graphs:.2f} GB".format(**total)
+
+    def log_memory(self) -> None:
+        m = self.memory()
+        log.info(
+            "%s memory: weights %.2f GB, caches %.2f GB, graphs %.2f GB (%d graphs, %d slots)",
+            self.label,
+            m["weights"],
+            m["caches"],
+            m["graphs"],
+            len(self._graphs),
+            self.slots,
+        )
 
     @staticmethod
     def attended(pool: KVPool, need: int) -> int:
@@ -360,11 +334,18 @@ class Engine:
         `attended_lengths` that holds them (a few lengths, so a few graphs per shape)."""
         return next((n for n in attended_lengths(pool) if n >= need), pool.index.shape[0])
 
-    def _graph(self, pool: KVPool, b: int, t: int, p: int, steps: int = 0, length: int | None = None) -> BatchGraph:
+    def _graph(
+        self, pool: KVPool, b: int, t: int, p: int, steps: int = 0, length: int | None = None, log_it: bool = True
+    ) -> BatchGraph:
         size = next(s for s in self._buckets if s >= b) if pool is self.pool else 1
         key = (id(pool), size, t, p, steps, length)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = BatchGraph(self.shard, self.run_batch, pool, size, t, p, steps, length)
+            dev = self.shard.device
+            before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+            graph = BatchGraph(self.shard, self.run_batch, pool, size, t, p, steps, length, self.graph_memory)
             self._graphs[key] = graph
+            self.graph_bytes += (torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0) - before
+            if log_it:  # a capture at first use (a longer attended length, a spare pool)
+                self.log_memory()
         return graph

@@ -1,12 +1,13 @@
-"""How big a worker's caches are: static or growing, positions per slot, slots from the device's memory, and
-the lengths a batch attends over (so graphs come in a few sizes)."""
+"""How big a worker's caches are: static or growing, positions per slot, slots from the device's memory (a
+slot costs its keys/values plus what one more row of a batched forward takes), and the lengths a batch
+attends over (so graphs come in a few sizes)."""
 
 from __future__ import annotations
 
 import torch
 
 from schemas.settings import Settings
-from workers.engine.kvcache import KVPool
+from workers.engine.kvcache import BatchView, KVPool
 from workers.engine.shard import Shard
 
 
@@ -25,9 +26,54 @@ def cache_len(shard: Shard, max_len: int | None, settings: Settings) -> int:
     return min(max_len or settings.static_cache_len, limit)
 
 
+def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int) -> int:
+    """Bytes one more sequence costs a static engine on a CUDA device: its slot of keys/values and what one more
+    row adds to a batched forward of `step_tokens` attending over the whole slot (the graph memory pool holds
+    the largest such batch) and to the graphs' output buffer."""
+    kv = KVPool.slot_bytes(shard, max_len, scratch)
+    if shard.device.type != "cuda":
+        return kv
+    p = step_tokens if shard.lm_head is not None else 0
+    out = step_tokens * (p * shard.config.vocab_size if p else shard.config.hidden_size)
+    return kv + row_bytes(shard, step_tokens, p, max_len + scratch) + out * shard.dtype.itemsize
+
+
+@torch.inference_mode()
+def row_bytes(shard: Shard, t: int, p: int, length: int) -> int:
+    """Device memory a batched forward (t tokens a row, logits of p rows, attention over `length` positions)
+    takes per row, measured: the peak of 8 rows less that of 4, over 4. Run without the fused layers, whose
+    attention is used only while the whole batch's scores stay under a fixed cap."""
+    dev = shard.device
+    pool = KVPool.for_shard(shard, slots=1, max_len=length, scratch=t)
+    fused, shard.fused = shard.fused, None
+    peaks = []
+    try:
+        for b in (4, 8):
+            pos = pool.index[-t:].expand(b, t).clone()
+            rows = torch.zeros(b, dtype=torch.long, device=dev)
+            x = (
+                torch.zeros(b, t, dtype=torch.long, device=dev)
+                if shard.embed is not None
+                else torch.zeros(b, t, shard.config.hidden_size, dtype=shard.dtype, device=dev)
+            )
+            pick = torch.arange(t - p, t, device=dev).expand(b, p) if p else None
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            y = shard.run_batch(x, pos, BatchView(pool, rows, pos, length), pick)
+            torch.cuda.synchronize(dev)
+            peaks.append(torch.cuda.max_memory_allocated(dev) - base)
+            del y
+    finally:
+        shard.fused = fused
+        del pool
+    return max(peaks[1] - peaks[0], 0) // 4
+
+
 def fit_slots(device: torch.device, slot_bytes: int, settings: Settings) -> int:
-    """Slots of `slot_bytes` each that fit what the worker may still fill of a CUDA device (settings.gpu_memory,
-    less what is allocated and what other processes hold, less graph_reserve); 1 to max_slots."""
+    """Slots of `slot_bytes` each (`slot_cost`) that fit what the worker may still fill of a CUDA device
+    (settings.gpu_memory, less what is allocated and what other processes hold, less graph_reserve for what
+    is not counted per slot: prefills, workspaces, fragmentation); 1 to max_slots."""
     total = torch.cuda.get_device_properties(device).total_memory
     allowed = settings.gpu_memory * total if settings.gpu_memory <= 1 else settings.gpu_memory * 2**30
     free, _ = torch.cuda.mem_get_info(device)

@@ -6,13 +6,15 @@ runs everything queued by then as one batch: the model drafts of all of them, gr
 together per draft model (`propose_many`: one batched draft-model forward per draft position, or for an
 all-greedy batch the whole draft as one graph replay; plugin sessions around a model session get their
 inner model's draft, then `finish` it), n-gram proposals run in one call (`propose_ngram_many`), and the
-lower shard runs once over every sequence's round. Other drafters propose one by one. If a batch fails,
+lower shard runs once over every sequence's round. Other drafters propose one by one. Generations in flight
+are split into groups whose rounds interleave (workers/head/groups.py). If a batch fails,
 each of its generations is retried alone (its caches rolled back to where the round started, a sampled
 draft's generator to its state as submitted), so one bad sequence fails only itself.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from schemas.requests import SamplingParams
 from workers.engine.isolate import run_isolated
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache
+from workers.head.groups import GroupPlan
 from workers.spec.drafters import (
     Draft,
     DraftSession,
@@ -80,26 +83,42 @@ def _fail(w: HeadWork, e: Exception) -> None:
 
 
 class Batcher:
-    """Runs submitted rounds in batches on one engine (the head shard's)."""
+    """Runs submitted rounds in batches on one engine (the head shard's), a group at a time.
 
-    def __init__(self, engine: Engine, lock: threading.RLock) -> None:
+    A submitting thread computes when no other is computing (holding the runtime's lock for the batch); it takes
+    the oldest queued rounds, at most one group's worth (`GroupPlan`: about live / G rounds), so while one group
+    computes, the rounds of the last one go out on the wire. Threads whose rounds another thread computed
+    return as soon as that batch ends."""
+
+    def __init__(self, engine: Engine, lock: threading.RLock, plan: GroupPlan | None = None) -> None:
         self.engine, self.lock = engine, lock
+        self.plan = plan or GroupPlan()
         self._queue: list[HeadWork] = []
-        self._queue_lock = threading.Lock()
+        self._cv = threading.Condition()  # guards the queue, `_busy` and `live`; notified when a batch ends
+        self._busy = False  # a thread is computing (or waiting for the runtime's lock to)
+        self.live = 0  # generations in flight (`enter` / `leave`)
         self.batches = self.rounds = 0  # counters: how well rounds batch
+
+    def enter(self) -> None:
+        with self._cv:
+            self.live += 1
+
+    def leave(self) -> None:
+        with self._cv:
+            self.live = max(self.live - 1, 0)
 
     def run(self, work: HeadWork) -> HeadWork:
         """Compute `work` (possibly inside another thread's batch); raise its error if it failed."""
-        with self._queue_lock:
+        with self._cv:
             self._queue.append(work)
         try:
-            with self.lock:
-                if not work.finished.is_set():
-                    with self._queue_lock:
-                        batch, self._queue = self._queue, []
-                    self._compute(batch)
+            while not work.finished.is_set():
+                if not self._compute_next():
+                    with self._cv:
+                        while self._busy and not work.finished.is_set():
+                            self._cv.wait()
         finally:  # interrupted while waiting (a job timeout, say): never leave the round to another batch
-            with self._queue_lock:
+            with self._cv:
                 queued = work in self._queue
                 if queued:
                     self._queue.remove(work)
@@ -108,6 +127,27 @@ class Batcher:
         if work.error is not None:
             raise work.error
         return work
+
+    def _compute_next(self) -> bool:
+        """Compute the next group of queued rounds, unless another thread is computing (False)."""
+        with self._cv:
+            if self._busy:
+                return False
+            self._busy = True
+        try:
+            with self.lock:
+                with self._cv:
+                    size = math.ceil(max(self.live, len(self._queue), 1) / self.plan.groups(self.live))
+                    batch, self._queue = self._queue[:size], self._queue[size:]
+                if batch:
+                    t0 = time.perf_counter()
+                    self._compute(batch)
+                    self.plan.note_batch(len(batch), time.perf_counter() - t0)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+        return True
 
     def _compute(self, batch: list[HeadWork]) -> None:
         """The batch as one forward; if that fails, each item alone (`run_isolated`): only an item that

@@ -72,6 +72,7 @@ class RoundLoop:
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
         self.length = DraftLength(req.draft.k)  # this generation's draft length (adapted if asked)
+        runtime.batcher.enter()  # counted in flight until `_close`: the batcher's groups are sized from it
 
     def run(self) -> GenerationResult:
         start = time.perf_counter()
@@ -159,7 +160,10 @@ class RoundLoop:
                 self._replay(e)
                 return None
         self.replay_next = False
-        self._account(draft, verdict, (work.draft_s, work.head_s, time.perf_counter() - t0))
+        wait_s = time.perf_counter() - t0
+        if not busy:  # the link and the tail, without waits for a full tail
+            self.rt.batcher.plan.note_wait(wait_s)
+        self._account(draft, verdict, (work.draft_s, work.head_s, wait_s))
         return self._commit(verdict, start)
 
     def _replay(self, why: ReplyTimeout | RemoteError) -> None:
@@ -268,6 +272,7 @@ class RoundLoop:
     def _close(self) -> None:
         """Free this generation's slots; unless the tail ended the session itself (a final verdict: the
         usual end, which then costs no round trip), tell it to drop the session and delete the replies."""
+        self.rt.batcher.leave()
         self.rt.engine.release(self.cache)
         if self.drafter is not None:
             self.drafter.close()

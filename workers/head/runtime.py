@@ -27,11 +27,11 @@ from schemas.errors import InvalidRequest
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
-from workers.engine.kvcache import KVPool
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
-from workers.engine.sizing import cache_len, cache_modes, fit_slots
+from workers.engine.sizing import cache_len, cache_modes, fit_slots, slot_cost
 from workers.head.batching import Batcher
+from workers.head.groups import GroupPlan
 from workers.head.prompts import encode_prompt
 from workers.head.rounds import RoundLoop
 from workers.plugins import DrafterContext, Registry
@@ -70,7 +70,7 @@ class HeadRuntime:
     def __post_init__(self) -> None:
         if self.engine is None:
             self.engine = Engine(self.shard, settings=self.settings)
-        self.batcher = Batcher(self.engine, self.lock)
+        self.batcher = Batcher(self.engine, self.lock, GroupPlan(fixed=self.settings.head_groups))
 
     @classmethod
     def load(
@@ -105,9 +105,11 @@ class HeadRuntime:
         opts = dict(static=static, graphs=graphs, max_len=max_len, settings=settings, slots=slots)
         drafter = None
         if dshard is not None:
-            dengine = Engine(dshard, step_tokens=2, pad=False, compile=compile_draft, max_draft=k, **opts)  # type: ignore[arg-type]
+            dengine = Engine(
+                dshard, step_tokens=2, pad=False, compile=compile_draft, max_draft=k, label="draft", **opts
+            )  # type: ignore[arg-type]
             drafter = ModelDrafter(dshard, dengine)
-        engine = Engine(shard, **opts)  # type: ignore[arg-type]
+        engine = Engine(shard, label="head", **opts)  # type: ignore[arg-type]
         source = plugins.source(target)
         if source is not None:  # a plugin's model: its tokenizer and EOS ids
             tok, eos = source.tokenizer, list(source.eos_token_ids)
@@ -175,9 +177,9 @@ def _joint_slots(
     if cfg.batch_slots is not None or shard.device.type != "cuda" or not cache_modes(shard, static, graphs)[0]:
         return None
     k = cfg.draft_k
-    need = KVPool.slot_bytes(shard, cache_len(shard, max_len, cfg), k + 1)
+    need = slot_cost(shard, cache_len(shard, max_len, cfg), k + 1, k + 1)
     if dshard is not None:
-        need += KVPool.slot_bytes(dshard, cache_len(dshard, max_len, cfg), 2 + k)
+        need += slot_cost(dshard, cache_len(dshard, max_len, cfg), 2, 2 + k)
     return fit_slots(shard.device, need, cfg)
 
 

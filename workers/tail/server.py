@@ -112,7 +112,7 @@ class TailWorker:
             raise ValueError("a tail shard needs the final norm and LM head")
         self.settings = cfg = settings or Settings()
         self.shard, self.r, self.max_packet_bytes = shard, r, cfg.max_packet_bytes
-        self.engine = engine or Engine(shard, settings=cfg)
+        self.engine = engine or Engine(shard, settings=cfg, label="tail")
         self.names = names or Keys()
         self.tail_id = tail_id or default_tail_id()
         if not TAIL_ID.fullmatch(self.tail_id):
