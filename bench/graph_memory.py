@@ -16,6 +16,7 @@ import click
 import torch
 
 from bench.synthetic import load_shard, preset_of
+from workers.engine.graphs import buckets
 from workers.engine.runner import Engine
 from workers.engine.sizing import attended_lengths, row_bytes
 
@@ -32,13 +33,13 @@ def report(label: str, engine: Engine, shapes: list[tuple[int, int, int]], row: 
     lengths = [n for n in attended_lengths(engine.pool) if n <= engine.capture_len]
     before = torch.cuda.memory_reserved(dev)
     with torch.inference_mode():
-        for size in reversed(engine._buckets):
+        for size in reversed(buckets(engine.pool.slots)):
             for t, p, steps in shapes:
                 for n in reversed(lengths):
                     r0 = torch.cuda.memory_reserved(dev)
                     engine._graph(engine.pool, size, t, p, steps, n, log_it=False)
                     grew = torch.cuda.memory_reserved(dev) - r0
-                    if grew or size == engine._buckets[-1]:
+                    if grew or size == engine.pool.slots:
                         click.echo(f"  {label}: graph b={size} t={t} p={p} steps={steps} len={n}: +{_gb(grew)}")
     m = engine.memory()
     click.echo(

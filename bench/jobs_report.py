@@ -275,10 +275,14 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
         "ttft_text_s": dist([run.first_seen[j] - run.t0 for j in run.job_ids if j in run.first_seen]),
         "tokens_per_round": round(completion / rounds, 3) if rounds else None,
         "mean_accepted_per_round": dist([float(x.get("mean_accepted", 0.0)) for x in results]),
-        # Rounds batched per forward: the head's Batcher counts batches and rounds (workers/head/batching.py
-        # `Batcher.batches` / `.rounds`), and so does nothing else, but neither a result, the job meta nor a
-        # log line exports them, so the job path cannot measure it: null until the product exposes it.
-        "rounds_batched_per_forward": None,
+        # rounds per batched forward as a round sees it: the size of the head's / tail's batch that computed
+        # each round (RoundTimings.head_batch_rounds / tail_batch_rounds), averaged over rounds
+        "rounds_batched_per_forward": {
+            side: round(sum(int(x.get("timings", {}).get(f"{side}_batch_rounds", 0)) for x in results) / rounds, 1)
+            if rounds
+            else None
+            for side in ("head", "tail")
+        },
         # where a round's time goes, summed over every job's rounds (the result's RoundTimings)
         "stage_ms_per_round": {
             k: round(sum(float(x.get("timings", {}).get(k, 0.0)) for x in results) / rounds, 2) if rounds else None
@@ -321,6 +325,10 @@ def memory_parts(log_file: Path) -> dict[str, float] | None:
     return {part: float(v) for part, v in zip(("weights", "caches", "graphs"), found[-1], strict=True)}
 
 
+def _batched(x: dict | None) -> str:  # head / tail rounds per batched forward
+    return f"{_f(x.get('head'), '.1f')} / {_f(x.get('tail'), '.1f')}" if isinstance(x, dict) else "—"
+
+
 def _f(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -329,7 +337,7 @@ def markdown(rows: list[dict]) -> str:
     """The report's table: one line per (variant, N)."""
     lines = [
         "| variant | N | done | aggregate tok/s | per-job tok/s p50 | latency p50 / p95 s | TTFT p50 / p95 s | "
-        "tok/round | rounds/forward | head / tail mem GB | mismatches |",
+        "tok/round | rounds/forward head / tail | head / tail mem GB | mismatches |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:
@@ -339,7 +347,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {x['variant']} | {x['n']} | {x['finished']}/{x['n']} | {_f(x['aggregate_tokens_per_s'])} | "
             f"{_f(x['per_job_tokens_per_s']['p50'])} | {_f(lat['p50'])} / {_f(lat['p95'])} | "
             f"{_f(ttft['p50'], '.3f')} / {_f(ttft['p95'], '.3f')} | {_f(x['tokens_per_round'])} | "
-            f"{_f(x['rounds_batched_per_forward'])} | {_f(mem.get('head'))} / {_f(mem.get('tail'))} | {mism} |"
+            f"{_batched(x['rounds_batched_per_forward'])} | {_f(mem.get('head'))} / {_f(mem.get('tail'))} | {mism} |"
         )
     parts = [x for x in rows if x.get("memory_parts_gb")]
     if parts:

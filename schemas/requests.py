@@ -117,6 +117,8 @@ class RoundTimings(BaseModel):
     tail_forward_ms: float = 0.0
     verify_ms: float = 0.0
     total_ms: float = 0.0
+    head_batch_rounds: int = 0  # rounds in the head's batches that computed this generation's rounds, summed
+    tail_batch_rounds: int = 0  # the same for the tail's batches
 
 
 class GenerationResult(BaseModel):

@@ -70,6 +70,15 @@ class Settings(BaseSettings):
     max_slots: int = Field(
         256, ge=1, description="Most sequences a worker holds when its caches are sized from memory."
     )
+    short_cache_len: int = Field(
+        2048,
+        ge=0,
+        description="Positions of a short KV slot: a worker sized from memory keeps slots this long for sequences "
+        "whose prompt and new tokens fit (most jobs), beside full-length ones; 0: full-length slots only.",
+    )
+    long_slots_share: float = Field(
+        0.25, gt=0, le=1, description="Share of the KV memory for full-length slots when there are short ones."
+    )
     cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
     static_cache_len: int = Field(
         8192, description="Positions a static KV cache holds unless --max-len says (capped by the model's limit)."

@@ -26,7 +26,15 @@ from schemas.settings import Settings
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVCache, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
-from workers.engine.sizing import attended_lengths, cache_len, cache_modes, fit_slots, slot_cost
+from workers.engine.sizing import (
+    SlotPlan,
+    attended_lengths,
+    cache_len,
+    cache_modes,
+    plan_slots,
+    short_len_of,
+    slot_cost,
+)
 
 log = logging.getLogger("shardflow.engine")
 GB = 1e9
@@ -51,21 +59,20 @@ class Engine:
         max_len: int | None = None,
         step_tokens: int | None = None,
         pad: bool = True,
-        slots: int | None = None,
+        slots: int | SlotPlan | None = None,
         compile: bool = False,
         max_draft: int = 0,
         settings: Settings | None = None,
         label: str = "shard",
     ) -> None:
         """max_len (default settings.static_cache_len, capped by the model's limit): positions a static cache
-        holds; step_tokens (default settings.draft_k + 1): tokens a round feeds per sequence; slots (default
-        settings.batch_slots, else sized from the device's memory, `fit_slots`, or settings.cpu_slots):
-        sequences of one batched forward; max_draft: longest whole-draft graph; label: the engine's name in
-        its memory log lines ("head", "draft", "tail")."""
+        holds; step_tokens (default settings.draft_k + 1): tokens a round feeds per sequence; slots: sequences
+        of full length, or a `SlotPlan` with short slots too (default: settings.batch_slots, else what the
+        device's memory holds, `plan_slots`, or settings.cpu_slots); max_draft: longest whole-draft graph;
+        label: the engine's name in its memory log lines ("head", "draft", "tail")."""
         settings = settings or Settings()
         self.label = label
         step_tokens = settings.draft_k + 1 if step_tokens is None else step_tokens
-        cuda = shard.device.type == "cuda"
         self.shard = shard
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
@@ -73,44 +80,58 @@ class Engine:
             self.run_batch = torch.compile(shard.run_batch)  # shapes seen twice become dynamic
         self.static, self.graphs = cache_modes(shard, static, graphs)
         self.max_len = cache_len(shard, max_len, settings)  # static caches hold this many positions
-        if slots is None:  # as settings say, or what the device's memory leaves room for
-            slots = settings.batch_slots or (
-                fit_slots(shard.device, self.slot_bytes(shard, step_tokens, max_draft), settings)
-                if self.static and cuda
-                else settings.cpu_slots
-            )
-        self.step_tokens, self.pad, self.slots = step_tokens, pad, max(slots, 1)
+        self.step_tokens, self.pad, self.max_draft = step_tokens, pad, max_draft  # max_draft: see `draft_many`
+        plan = slots if isinstance(slots, SlotPlan) else SlotPlan(slots) if slots else self._plan(settings)
+        self.slots = max(plan.total, 1)  # sequences held at once (both lengths)
         self.capture_len = settings.graph_capture_len  # graphs of longer attended lengths: at first use
         self.prefill_tokens = settings.prefill_tokens  # padded tokens of one batch of prompts
-        self.max_draft = max_draft  # longest greedy draft run as one graph (`draft_many`)
-        self._buckets = buckets(self.slots)
         self._graphs: dict[tuple[int, int, int, int, int, int | None], BatchGraph] = {}
-        self.graph_memory = GraphMemory(self.slots)  # one memory pool and output buffers for all graphs
         self.graph_bytes = 0  # device memory the captures reserved (the pool and the output buffers)
-        self.pool = self._new_pool(self.slots) if self.static else None
-        self._spare: list[KVPool] = []  # one-slot pools for sequences beyond the main pool
+        self.pool = self._new_pool(max(plan.slots, 1)) if self.static else None  # full-length slots
+        self.short_pool = self._new_pool(plan.short, plan.short_len) if self.static and plan.short else None
+        self.graph_memory = GraphMemory(max(p.slots for p in self.pools) if self.pools else 1)
+        self._spare: list[KVPool] = []  # one-slot pools for sequences beyond the main pools
 
-    def slot_bytes(self, shard: Shard, step_tokens: int, max_draft: int) -> int:
-        """Bytes a slot of this engine takes: its keys/values and its share of the graphs' memory."""
-        return slot_cost(shard, self.max_len, step_tokens, step_tokens + max_draft)
+    def _plan(self, settings: Settings) -> SlotPlan:
+        """Slots as settings say, or from the device's memory (full-length and short ones), or cpu_slots."""
+        if settings.batch_slots or not self.static or self.shard.device.type != "cuda":
+            return SlotPlan(settings.batch_slots or settings.cpu_slots)
+        short = short_len_of(self.max_len, settings)
+        costs = [self.slot_bytes(self.shard, self.step_tokens, self.max_draft, n) for n in (self.max_len, short)]
+        return plan_slots(self.shard.device, costs[0], costs[1] if short else 0, short, settings)
 
-    def _new_pool(self, slots: int) -> KVPool:
+    @property
+    def pools(self) -> list[KVPool]:
+        """The static pools, short slots first."""
+        return [p for p in (self.short_pool, self.pool) if p is not None]
+
+    def slot_bytes(self, shard: Shard, step_tokens: int, max_draft: int, max_len: int | None = None) -> int:
+        """Bytes a slot of this engine takes (of max_len positions, default the engine's): its keys/values and
+        its share of the graphs' memory."""
+        return slot_cost(shard, max_len or self.max_len, step_tokens, step_tokens + max_draft)
+
+    def _new_pool(self, slots: int, max_len: int | None = None) -> KVPool:
         scratch = self.step_tokens + self.max_draft  # a draft's extra steps may run past max_len
-        return KVPool.for_shard(self.shard, slots=slots, max_len=self.max_len, scratch=scratch)
+        return KVPool.for_shard(self.shard, slots=slots, max_len=max_len or self.max_len, scratch=scratch)
 
-    def acquire(self, overflow: bool = True) -> Cache | None:
-        """A cache for one sequence: a slot of the pool (or, with `overflow`, of a one-slot spare pool), or a
-        dynamic cache; None when the pool is full and `overflow` is off."""
+    def acquire(self, overflow: bool = True, need: int | None = None) -> Cache | None:
+        """A cache for one sequence that will hold up to `need` positions (None: up to max_len): a short slot if
+        it fits one, else a full-length slot; with `overflow`, a one-slot spare pool when those are taken; or a
+        dynamic cache; None when the pools are full and `overflow` is off."""
         if self.pool is None:
             return KVCache()
-        cache = self.pool.acquire()
+        pools = [p for p in self.pools if need is not None and need <= p.max_len] or [self.pool]
+        cache = next((c for p in pools if (c := p.acquire()) is not None), None)
         if cache is None and not overflow:
             return None
         if cache is None:
-            try:
-                cache = self._spare.pop().acquire()  # list.pop is atomic for threads sharing the engine
-            except IndexError:
-                cache = self._new_pool(1).acquire()
+            length = min(p.max_len for p in pools)
+            try:  # list.pop and list.remove are atomic for threads sharing the engine
+                spare = next(p for p in reversed(self._spare) if p.max_len >= length)
+                self._spare.remove(spare)
+            except (StopIteration, ValueError):
+                spare = self._new_pool(1, length)
+            cache = spare.acquire()
         assert cache is not None
         return cache
 
@@ -119,7 +140,7 @@ class Engine:
         At most `slots` one-slot spare pools are kept; others are freed with their graphs."""
         if isinstance(cache, StaticKVCache):
             cache.pool.release(cache)
-            if cache.pool is self.pool:
+            if cache.pool in self.pools:
                 return
             if len(self._spare) < self.slots:
                 self._spare.append(cache.pool)
@@ -161,7 +182,8 @@ class Engine:
                 )
                 for i, o in zip(part, got, strict=True):
                     out[i] = o
-        parts = [idx[at : at + self.slots] for idx in steps.values() for at in range(0, len(idx), self.slots)]
+        sizes = {pool: caches[idx[0]].pool.slots for pool, idx in steps.items()}  # type: ignore[union-attr]
+        parts = [idx[at : at + sizes[k]] for k, idx in steps.items() for at in range(0, len(idx), sizes[k])]
         for n_part, part in enumerate(parts):
             got = self._batch(
                 [caches[i] for i in part],  # type: ignore[misc]
@@ -180,13 +202,14 @@ class Engine:
         padded to their batch's longest step, after their own tokens (masked out, overwritten later); a row
         whose padding would run past its slot runs alone."""
         longest = max(xs[i].shape[0] for i in idx)
-        room = caches[idx[0]].pool.index.shape[0]  # type: ignore[union-attr]
+        pool: KVPool = caches[idx[0]].pool  # type: ignore[union-attr]
+        room = pool.index.shape[0]
         alone = [[i] for i in idx if starts[i] + longest > room]
         parts: list[list[int]] = []
         for i in idx:
             if starts[i] + longest > room:
                 continue
-            if parts and len(parts[-1]) < self.slots and (len(parts[-1]) + 1) * longest <= self.prefill_tokens:
+            if parts and len(parts[-1]) < pool.slots and (len(parts[-1]) + 1) * longest <= self.prefill_tokens:
                 parts[-1].append(i)
             else:
                 parts.append([i])
@@ -196,8 +219,8 @@ class Engine:
         """Raise ValueError unless `cache` holds exactly `start` positions and has room for m more."""
         if cache.length != start:
             raise ValueError(f"cache holds {cache.length} positions, round starts at {start}")
-        if isinstance(cache, StaticKVCache) and start + m > self.max_len:
-            raise ValueError(f"sequence of {start + m} positions exceeds the static cache of {self.max_len}")
+        if isinstance(cache, StaticKVCache) and start + m > cache.max_len:
+            raise ValueError(f"sequence of {start + m} positions exceeds the static cache of {cache.max_len}")
 
     def _batch(
         self,
@@ -260,7 +283,8 @@ class Engine:
             not self.static
             or max(ks) > self.max_draft
             or min(ks) < 1
-            or len(caches) > self.slots
+            or pool is None
+            or len(caches) > pool.slots
             or max(sizes) > self.step_tokens
         ):
             return None
@@ -285,19 +309,20 @@ class Engine:
         return out
 
     def capture(self, shapes: Sequence[tuple[int, int, int]]) -> int:
-        """Capture, for every batch bucket of the pool and every attended length up to capture_len, the
+        """Capture, for every batch bucket of each pool and every attended length up to capture_len, the
         graphs of these (tokens, picked rows, draft steps) shapes now rather than at their first use (a
         capture takes tens of milliseconds, and the first jobs of a worker would pay for dozens); the number
         of graphs captured. Nothing without CUDA graphs."""
         if not self.graphs or self.pool is None:
             return 0
         before = len(self._graphs)
-        lengths = [n for n in attended_lengths(self.pool) if n <= self.capture_len] or attended_lengths(self.pool)[:1]
         with torch.inference_mode():  # as rounds run (else autograd would keep every intermediate alive)
-            for size in reversed(self._buckets):  # largest first: smaller graphs fit in the memory it freed
-                for t, p, steps in shapes:
-                    for n in reversed(lengths):
-                        self._graph(self.pool, size, t, p, steps, n, log_it=False)
+            for pool in sorted(self.pools, key=lambda q: -q.slots):  # largest batches first: the rest reuse memory
+                lengths = [n for n in attended_lengths(pool) if n <= self.capture_len] or attended_lengths(pool)[:1]
+                for size in reversed(buckets(pool.slots)):
+                    for t, p, steps in shapes:
+                        for n in reversed(lengths):
+                            self._graph(pool, size, t, p, steps, n, log_it=False)
         self.log_memory()
         return len(self._graphs) - before
 
@@ -305,7 +330,7 @@ class Engine:
         """GB this engine holds on its device: weights, KV caches (main and spare pools), CUDA graphs."""
         tensors = {t.data_ptr(): t for t in (*self.shard.parameters(), *self.shard.buffers())}
         weights = sum(t.numel() * t.element_size() for t in tensors.values())
-        pools = [self.pool, *self._spare] if self.pool is not None else []
+        pools = [*self.pools, *self._spare]
         caches = sum(t.numel() * t.element_size() for p in pools for t in (*p.keys.values(), *p.values.values()))
         return {"weights": weights / GB, "caches": caches / GB, "graphs": self.graph_bytes / GB}
 
@@ -337,7 +362,7 @@ class Engine:
     def _graph(
         self, pool: KVPool, b: int, t: int, p: int, steps: int = 0, length: int | None = None, log_it: bool = True
     ) -> BatchGraph:
-        size = next(s for s in self._buckets if s >= b) if pool is self.pool else 1
+        size = next(s for s in buckets(pool.slots) if s >= b)
         key = (id(pool), size, t, p, steps, length)
         graph = self._graphs.get(key)
         if graph is None:

@@ -4,6 +4,8 @@ attends over (so graphs come in a few sizes)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from schemas.settings import Settings
@@ -70,15 +72,50 @@ def row_bytes(shard: Shard, t: int, p: int, length: int) -> int:
     return max(peaks[1] - peaks[0], 0) // 4
 
 
-def fit_slots(device: torch.device, slot_bytes: int, settings: Settings) -> int:
-    """Slots of `slot_bytes` each (`slot_cost`) that fit what the worker may still fill of a CUDA device
-    (settings.gpu_memory, less what is allocated and what other processes hold, less graph_reserve for what
-    is not counted per slot: prefills, workspaces, fragmentation); 1 to max_slots."""
+@dataclass(frozen=True)
+class SlotPlan:
+    """A static engine's slots: `slots` of the full cache length, and `short` slots of `short_len` positions
+    for sequences whose prompt and new tokens fit them (none when short is 0)."""
+
+    slots: int
+    short: int = 0
+    short_len: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.slots + self.short
+
+
+def budget(device: torch.device, settings: Settings) -> float:
+    """Bytes the worker may still fill of a CUDA device: settings.gpu_memory less what is allocated and what
+    other processes hold, less graph_reserve for what is not counted per slot (prefills, workspaces,
+    fragmentation)."""
     total = torch.cuda.get_device_properties(device).total_memory
     allowed = settings.gpu_memory * total if settings.gpu_memory <= 1 else settings.gpu_memory * 2**30
     free, _ = torch.cuda.mem_get_info(device)
-    left = min(allowed - torch.cuda.memory_allocated(device), free) * (1 - settings.graph_reserve)
-    return max(1, min(settings.max_slots, int(left // max(slot_bytes, 1))))
+    return min(allowed - torch.cuda.memory_allocated(device), free) * (1 - settings.graph_reserve)
+
+
+def fit_slots(device: torch.device, slot_bytes: int, settings: Settings) -> int:
+    """Slots of `slot_bytes` each (`slot_cost`) that fit the device's `budget`; 1 to max_slots."""
+    return max(1, min(settings.max_slots, int(budget(device, settings) // max(slot_bytes, 1))))
+
+
+def plan_slots(device: torch.device, cost: int, short_cost: int, short_len: int, settings: Settings) -> SlotPlan:
+    """Slots that fit the device's `budget`: full-length ones (`cost` bytes each) in long_slots_share of it,
+    short ones (`short_cost` bytes, `short_len` positions) in the rest; at most max_slots in all, at least one
+    full-length. Only full-length slots without a short length."""
+    left = budget(device, settings)
+    if not short_len:
+        return SlotPlan(max(1, min(settings.max_slots, int(left // max(cost, 1)))))
+    full = max(1, min(settings.max_slots, int(left * settings.long_slots_share // max(cost, 1))))
+    short = max(0, min(settings.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
+    return SlotPlan(full, short, short_len)
+
+
+def short_len_of(max_len: int, settings: Settings) -> int:
+    """Positions of a short slot: settings.short_cache_len when shorter than the full length, else 0 (none)."""
+    return settings.short_cache_len if 0 < settings.short_cache_len < max_len else 0
 
 
 def attended_lengths(pool: KVPool) -> list[int]:

@@ -52,6 +52,7 @@ class HeadWork:
     hidden: torch.Tensor | None = None
     draft_s: float = 0.0
     head_s: float = 0.0
+    batch: int = 0  # rounds in the batch that computed it
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
     gen_state: torch.Tensor | None = field(default=None, init=False)  # a sampled draft's generator, as submitted
@@ -175,7 +176,7 @@ class Batcher:
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         for w, d, h in zip(batch, drafts, hidden, strict=True):
-            w.draft, w.hidden, w.draft_s, w.head_s = d, h, t1 - t0, t2 - t1
+            w.draft, w.hidden, w.draft_s, w.head_s, w.batch = d, h, t1 - t0, t2 - t1, len(batch)
         return [None] * len(batch)
 
     @staticmethod

@@ -57,7 +57,8 @@ class RoundLoop:
         self.replay_next = bool(self.generated)
         self.drafter = runtime.drafter_for(req, len(prompt))
         try:
-            self.cache = runtime.engine.acquire()
+            # the shard's cache holds committed tokens and a round's drafts: a short slot when they fit one
+            self.cache = runtime.engine.acquire(need=len(prompt) + req.max_new_tokens + req.draft.k + 1)
         except BaseException:
             if self.drafter is not None:
                 self.drafter.close()  # give the drafter's slot back
@@ -163,6 +164,7 @@ class RoundLoop:
         wait_s = time.perf_counter() - t0
         if not busy:  # the link and the tail, without waits for a full tail
             self.rt.batcher.plan.note_wait(wait_s)
+        self.t.head_batch_rounds += work.batch
         self._account(draft, verdict, (work.draft_s, work.head_s, wait_s))
         return self._commit(verdict, start)
 
@@ -240,6 +242,8 @@ class RoundLoop:
         self.t.head_forward_ms += head_s * 1000
         self.t.tail_forward_ms += tail_ms
         self.t.verify_ms += verify_ms
+        batch = v.timings.get("batch", 0.0)  # written by the tail: counted only if it is a plausible size
+        self.t.tail_batch_rounds += int(batch) if 0 <= batch <= 1 << 20 else 0
         self.t.relay_ms += max(wait_s * 1000 - tail_ms - verify_ms, 0.0)
         self.drafted += len(draft.tokens)
         self.accepted += v.accepted

@@ -29,7 +29,7 @@ from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
-from workers.engine.sizing import cache_len, cache_modes, fit_slots, slot_cost
+from workers.engine.sizing import SlotPlan, cache_len, cache_modes, plan_slots, short_len_of, slot_cost
 from workers.head.batching import Batcher
 from workers.head.groups import GroupPlan
 from workers.head.prompts import encode_prompt
@@ -155,11 +155,12 @@ class HeadRuntime:
         """The draft session a request asks for ('model' falls back to n-gram without a draft model)."""
         if req.draft.kind == "none" or req.draft.k == 0:
             return None
+        need = prompt_len + req.max_new_tokens + req.draft.k + 1  # positions the draft cache may hold
         if req.draft.kind == "model" and self.draft_model is not None:
-            return self.draft_model.new_session()
+            return self.draft_model.new_session(need)
         if req.draft.kind in ("model", "ngram"):
             return NgramDrafter(req.draft.ngram_max, req.draft.ngram_min)
-        inner = self.draft_model.new_session() if self.draft_model is not None else None
+        inner = self.draft_model.new_session(need) if self.draft_model is not None else None
         ctx = DrafterContext(prompt_len, self.shard.config.vocab_size, inner)
         try:
             return self.plugins.drafter(req.draft.kind, dict(req.draft.options), ctx)
@@ -171,16 +172,20 @@ class HeadRuntime:
 
 def _joint_slots(
     shard: Shard, dshard: Shard | None, static: bool | None, graphs: bool | None, max_len: int | None, cfg: Settings
-) -> int | None:
-    """Slots for the lower shard's and the draft model's caches together, sized from the device's memory
-    when the settings name none and the caches are static on a CUDA device (None: each engine decides)."""
+) -> SlotPlan | None:
+    """Slots for the lower shard's and the draft model's caches together (full-length and short ones, each
+    costing both models' slots), sized from the device's memory when the settings name none and the caches
+    are static on a CUDA device (None: each engine decides)."""
     if cfg.batch_slots is not None or shard.device.type != "cuda" or not cache_modes(shard, static, graphs)[0]:
         return None
-    k = cfg.draft_k
-    need = slot_cost(shard, cache_len(shard, max_len, cfg), k + 1, k + 1)
-    if dshard is not None:
-        need += slot_cost(dshard, cache_len(dshard, max_len, cfg), 2, 2 + k)
-    return fit_slots(shard.device, need, cfg)
+    k, full = cfg.draft_k, cache_len(shard, max_len, cfg)
+    short = short_len_of(full, cfg)
+
+    def cost(n: int) -> int:
+        need = slot_cost(shard, n, k + 1, k + 1)
+        return need + (slot_cost(dshard, n, 2, 2 + k) if dshard is not None else 0)
+
+    return plan_slots(shard.device, cost(full), cost(short) if short else 0, short, cfg)
 
 
 def generate(

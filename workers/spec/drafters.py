@@ -70,13 +70,14 @@ class ModelDrafter:
         self.shard = shard
         self.engine = engine or Engine(shard, step_tokens=2, pad=False, max_draft=max_draft)
 
-    def new_session(self) -> ModelDraftSession:
-        return ModelDraftSession(self.engine)
+    def new_session(self, need: int | None = None) -> ModelDraftSession:
+        """A session whose cache holds up to `need` positions (None: the engine's full length)."""
+        return ModelDraftSession(self.engine, need)
 
 
 class ModelDraftSession:
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.cache = engine, engine.acquire()
+    def __init__(self, engine: Engine, need: int | None = None) -> None:
+        self.engine, self.cache = engine, engine.acquire(need=need)
         self.tokens: list[int] = []  # what the cache holds
 
     def close(self) -> None:
@@ -188,14 +189,37 @@ class _Sampler:
 
 def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[int]], ks: list[int]) -> list[Draft]:
     """Greedy drafts for several sessions of one draft model at once: with CUDA graphs, the whole draft as
-    one graph replay (`Engine.draft_many`); otherwise one batched forward per draft position (rows whose
-    k is reached drop out). One host sync at the end."""
+    one graph replay per pool of slots (`Engine.draft_many`); otherwise one batched forward per draft
+    position (rows whose k is reached drop out). One host sync per pool."""
     engine = sessions[0].engine
     plans = [s.plan(c) for s, c in zip(sessions, contexts, strict=True)]
+    rows: list[list[int]] = [[] for _ in sessions]
     with torch.inference_mode():
         caches = [s.cache for s in sessions]
-        drafts = engine.draft_many(caches, [f for f, _ in plans], [k for _, k in plans], ks)
-        rows = drafts.tolist() if drafts is not None else _draft_steps(engine, caches, plans, contexts, ks, _argmax)
+        by_pool: dict[int, list[int]] = {}  # one whole-draft graph per pool (short and full-length slots)
+        for i, c in enumerate(caches):
+            by_pool.setdefault(id(getattr(c, "pool", None)), []).append(i)
+        rest = []
+        for idx in by_pool.values():
+            got = engine.draft_many(
+                [caches[i] for i in idx], [plans[i][0] for i in idx], [plans[i][1] for i in idx], [ks[i] for i in idx]
+            )
+            if got is None:
+                rest += idx
+                continue
+            for i, row in zip(idx, got.tolist(), strict=True):  # read before the next replay reuses its output
+                rows[i] = row
+        if rest:
+            stepped = _draft_steps(
+                engine,
+                [caches[i] for i in rest],
+                [plans[i] for i in rest],
+                [contexts[i] for i in rest],
+                [ks[i] for i in rest],
+                _argmax,
+            )
+            for i, row in zip(rest, stepped, strict=True):
+                rows[i] = row
     out = []
     for s, c, k, row in zip(sessions, contexts, ks, rows, strict=True):
         s.tokens = list(c) + row[: max(k - 1, 0)]

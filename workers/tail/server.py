@@ -251,9 +251,10 @@ class TailWorker:
         if p.start_pos == 0:  # a new session, or one replayed onto this tail
             if sess is not None:
                 self.sessions.drop(p.session_id)  # a replay onto this tail: its old cache goes back first
-            cache = self.engine.acquire(overflow=False)  # a full pool: busy (caches never outgrow memory)
+            need = len(p.input_ids) + p.max_new + len(p.draft_ids) + 1  # positions the session may hold
+            cache = self.engine.acquire(overflow=False, need=need)  # full: busy (caches never outgrow memory)
             if cache is None:
-                raise TailBusy(f"all {self.engine.slots} caches of tail {self.tail_id} are in use")
+                raise TailBusy(f"the caches of tail {self.tail_id} that hold {need} positions are all in use")
             return self.sessions.open(p.session_id, cache)
         if sess is None:
             raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
@@ -323,7 +324,7 @@ class TailWorker:
         out: list[Reply | None] = []
         for p, lg in zip(batch, logits, strict=True):
             try:
-                out.append(self._verify(p, lg, forward_ms))
+                out.append(self._verify(p, lg, forward_ms, len(batch)))
             except Exception as e:
                 out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields))
         return out
@@ -342,7 +343,7 @@ class TailWorker:
         if not ok:
             raise SessionError(f"replay of session {p.session_id} does not reproduce its last committed token")
 
-    def _verify(self, prep: Prepared, logits: torch.Tensor, forward_ms: float) -> Reply:
+    def _verify(self, prep: Prepared, logits: torch.Tensor, forward_ms: float, batch: int = 1) -> Reply:
         """Accept a prefix of the drafts, roll the cache back to the committed prefix, build the verdict.
         A final verdict ends the session here: the tail drops it, and the reply stream expires soon after
         (its head, which reads the verdict at once, sends no close and deletes nothing)."""
@@ -369,7 +370,7 @@ class TailWorker:
             next_token=nxt if len(tokens) == accepted + 1 else None,
             finish_reason=finish,
             tail_id=self.tail_id,
-            timings={"tail_forward_ms": forward_ms, "verify_ms": (time.perf_counter() - t1) * 1000},
+            timings={"tail_forward_ms": forward_ms, "verify_ms": (time.perf_counter() - t1) * 1000, "batch": batch},
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict)
         stream = self.names.reply(p.session_id)

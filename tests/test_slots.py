@@ -1,0 +1,102 @@
+"""KV slots in two lengths (workers/engine/sizing.py `plan_slots`, Engine's short and full-length pools): a
+sequence that fits a short slot takes one, others a full-length one; both run batched and compute what they
+compute alone; the plan splits the device's memory between the two."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from schemas.settings import Settings
+from workers.engine import sizing
+from workers.engine.kvcache import KVCache
+from workers.engine.runner import Engine
+from workers.engine.shard import load_shard
+from workers.engine.sizing import SlotPlan
+from workers.spec.drafters import ModelDrafter, propose_greedy_many
+
+
+def _engine(models) -> Engine:
+    shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
+    return Engine(shard, static=True, max_len=64, step_tokens=4, slots=SlotPlan(2, short=3, short_len=32))
+
+
+def test_a_sequence_takes_the_shortest_slot_it_fits(models):
+    engine = _engine(models)
+    assert engine.slots == 5 and [p.max_len for p in engine.pools] == [32, 64]
+    assert engine.short_pool is not None and engine.pool is not None
+    short = [engine.acquire(need=20) for _ in range(3)]
+    assert all(c.pool is engine.short_pool for c in short)
+    spill = engine.acquire(need=20)  # short slots taken: a full-length one
+    assert spill.pool is engine.pool
+    long = engine.acquire(need=40)
+    assert long.pool is engine.pool
+    assert engine.acquire(overflow=False, need=20) is None and engine.acquire(overflow=False) is None
+    extra = engine.acquire(need=20)  # beyond every slot: a one-slot spare pool of the length it needs
+    assert extra.pool not in engine.pools and extra.pool.max_len == 32
+    engine.release(short[0])
+    assert engine.acquire(overflow=False, need=30).pool is engine.short_pool
+    assert engine.acquire(overflow=False, need=33) is None  # too long for the free short slot
+    engine.release(long)
+    assert engine.acquire(overflow=False).pool is engine.pool  # no need given: full length
+
+
+@torch.inference_mode()
+def test_short_and_full_slots_run_as_alone(models):
+    """Sequences in both pools, prompts then a round each: every output equals the sequence run alone."""
+    engine = _engine(models)
+    v = engine.shard.config.vocab_size
+    lengths, needs = [10, 20, 7, 15], [20, 50, 30, 60]
+    tokens = [torch.arange(5 * i + 1, 5 * i + 1 + n) % v for i, n in enumerate(lengths)]
+    caches = [engine.acquire(need=n) for n in needs]
+    assert [c.pool.max_len for c in caches] == [32, 64, 32, 64]
+    first = engine.forward_many(caches, [x[:-3] for x in tokens], [0] * 4, 2)
+    later = engine.forward_many(caches, [x[-3:] for x in tokens], [n - 3 for n in lengths], 3)
+    for x, a, b in zip(tokens, first, later, strict=True):
+        ref = KVCache()
+        assert torch.allclose(a, engine.shard(x[:-3], 0, ref, 2), atol=1e-4, rtol=1e-4)
+        assert torch.allclose(b, engine.shard(x[-3:], x.shape[0] - 3, ref, 3), atol=1e-4, rtol=1e-4)
+
+
+def test_the_plan_splits_memory_between_lengths(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (90 * gib, 100 * gib))
+    cfg = Settings(gpu_memory=0.5, graph_reserve=0.1, max_slots=256, long_slots_share=0.25)
+    dev = torch.device("cuda:0")
+    # (50 - 10) * 0.9 = 36 GiB: 9 full-length slots of 1 GiB in a quarter, 108 short ones of 0.25 GiB in the rest
+    assert sizing.plan_slots(dev, gib, gib // 4, 2048, cfg) == SlotPlan(9, 108, 2048)
+    assert sizing.plan_slots(dev, gib, gib // 64, 2048, cfg) == SlotPlan(9, 247, 2048)  # at most max_slots in all
+    assert sizing.plan_slots(dev, gib, 0, 0, cfg) == SlotPlan(36)  # no short length: full-length slots only
+    assert sizing.short_len_of(8192, cfg) == 2048 and sizing.short_len_of(2048, cfg) == 0
+    assert sizing.short_len_of(8192, cfg.model_copy(update={"short_cache_len": 0})) == 0
+
+
+@torch.inference_mode()
+def test_greedy_drafts_across_both_lengths_equal_drafts_alone(models):
+    """Sessions in short and full-length slots drafted together (one whole draft per pool) propose what each
+    proposes alone with a growing cache."""
+    shard = load_shard(models["qwen2"].drafter, None, embed=True, head=True)
+    tiers = Engine(shard, static=True, max_len=64, step_tokens=2, pad=False, max_draft=4, slots=SlotPlan(2, 2, 32))
+    alone = Engine(shard, static=False, max_len=64, step_tokens=2, pad=False, max_draft=4)
+    v = shard.config.vocab_size
+    contexts = [[(7 * i + j) % v for j in range(n)] for i, n in enumerate((9, 14, 6, 11))]
+    needs, ks = [20, 50, 25, 60], [4, 3, 4, 2]
+    sessions = [ModelDrafter(shard, tiers).new_session(n) for n in needs]
+    assert [s.cache.pool.max_len for s in sessions] == [32, 64, 32, 64]
+    got = propose_greedy_many(sessions, contexts, ks)
+    for c, k, d in zip(contexts, ks, got, strict=True):
+        want = propose_greedy_many([ModelDrafter(shard, alone).new_session()], [c], [k])[0]
+        assert d.tokens == want.tokens
+    # the next round feeds one or two new tokens: the whole draft per pool (`Engine.draft_many`)
+    later = [c + d.tokens[:1] + [5] for c, d in zip(contexts, got, strict=True)]
+    calls = []
+    run = tiers.draft_many
+    tiers.draft_many = lambda caches, *a: calls.append(len(caches)) or run(caches, *a)  # type: ignore[method-assign]
+    got = propose_greedy_many(sessions, later, ks)
+    assert calls == [2, 2]  # one per pool
+    for c, k, d in zip(later, ks, got, strict=True):
+        want = propose_greedy_many([ModelDrafter(shard, alone).new_session()], [c], [k])[0]
+        assert d.tokens == want.tokens
