@@ -218,8 +218,8 @@ def tail(
     "--groups",
     type=click.IntRange(1),
     default=None,
-    help="Groups the generations in flight run in, their rounds interleaved (default: picked from measured "
-    "compute and link times, up to 4).",
+    help="Groups the generations in flight run in, their rounds interleaved (default: on CUDA picked from "
+    "measured compute and link times, up to 4; one on a CPU).",
 )
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
 @connection_options

@@ -205,8 +205,8 @@ def worker_settings(**flags: object):
 
 
 def engine_options(fn: Callable) -> Callable:
-    """--static-cache / --graphs / --slots / --gpu-memory: how shards run (default: static + graphs on CUDA, off on
-    CPU)."""
+    """--static-cache / --graphs / --slots / --gpu-memory: how shards run (default: static caches, + graphs on
+    CUDA)."""
     fn = click.option(
         "--slots",
         type=click.IntRange(1),
@@ -230,7 +230,8 @@ def engine_options(fn: Callable) -> Callable:
         "--static-cache/--dynamic-cache",
         "static",
         default=None,
-        help="Preallocated KV caches rolled back in place, instead of growing ones.",
+        help="Preallocated KV caches rolled back in place, run batched (the default), or growing ones, run one "
+        "sequence at a time.",
     )(fn)
 
 

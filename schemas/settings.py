@@ -80,6 +80,13 @@ class Settings(BaseSettings):
         0.25, gt=0, le=1, description="Share of the KV memory for full-length slots when there are short ones."
     )
     cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
+    batch_linger_ms: float | None = Field(
+        None,
+        ge=0,
+        description="How long a worker about to run a batch waits for more rounds of the generations in flight "
+        "(each within this of the last, at most 4x in all): the rounds of one batch reach the other side one by "
+        "one. None: 5 on a CPU, where a batched forward costs little more than one sequence's; 0 on CUDA.",
+    )
     static_cache_len: int = Field(
         8192, description="Positions a static KV cache holds unless --max-len says (capped by the model's limit)."
     )
@@ -91,8 +98,8 @@ class Settings(BaseSettings):
     head_groups: int | None = Field(
         None,
         ge=1,
-        description="Groups a head's generations in flight run in, their rounds interleaved; None: picked from "
-        "measured compute and link times (workers/head/groups.py), up to 4.",
+        description="Groups a head's generations in flight run in, their rounds interleaved; None: on CUDA picked "
+        "from measured compute and link times (workers/head/groups.py), up to 4; one on a CPU.",
     )
     prefill_tokens: int = Field(
         8192,

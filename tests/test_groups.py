@@ -108,3 +108,22 @@ def test_a_fixed_number_of_groups_is_kept() -> None:
     plan = GroupPlan(fixed=2)
     assert plan.groups(64) == 2 and plan.groups(1) == 1
     assert plan_with({64: 0.06, 32: 0.03}, 0.1).groups(64) == 4 and GroupPlan(fixed=1).groups(64) == 1
+
+
+def test_a_lingering_batch_waits_for_its_group(tiny: Tiny) -> None:
+    """With a linger (CPU heads), a batch that holds fewer rounds than its group waits for the rest (here the
+    second of two generations, submitted while the first waits) and runs them as one batch."""
+    head, ref = Head(tiny, True), Head(tiny, True)
+    head.batcher.linger_s = 0.5  # at most 2 s: far longer than the second submission takes
+    head.batcher.plan = GroupPlan(fixed=1)
+    head.batcher.enter()
+    head.batcher.enter()
+    specs = [Spec(c, "model", 3) for c in CTX[:2]]
+    works = [head.work(s) for s in specs]
+    calls = spy(head.engine, "forward_many")
+    first = submit(head.batcher, works[0])
+    second = submit(head.batcher, works[1])
+    join([first, second])
+    assert [len(c.caches) for c in calls] == [2]
+    for spec, w in zip(specs, works, strict=True):
+        assert_same_round(w, ref.alone(spec), True)

@@ -1,8 +1,8 @@
 """Static KV caches, batched forwards and CUDA-graph replay for a shard's fixed-size steps.
 
 `Engine(shard, static=..., graphs=...)` is how workers run a shard over sequences' caches:
-- dynamic (default on CPU): a growing `KVCache` per sequence, eager forwards, one at a time;
-- static: each sequence holds a slot of a preallocated `KVPool`, rolled back in place, and
+- dynamic (`--dynamic-cache`): a growing `KVCache` per sequence, eager forwards, one at a time;
+- static (the default): each sequence holds a slot of a preallocated `KVPool`, rolled back in place, and
   `forward_many` runs the steps of several sequences (a round's [last token, drafts], or one drafter
   token each) as one batched forward over their slots;
 - static + graphs (default on CUDA): each batched step replays a CUDA graph captured once per
@@ -33,6 +33,7 @@ from workers.engine.sizing import (
     attended_lengths,
     cache_len,
     cache_modes,
+    cpu_plan,
     plan_slots,
     short_len_of,
     slot_cost,
@@ -96,7 +97,9 @@ class Engine:
 
     def _plan(self, settings: Settings) -> SlotPlan:
         """Slots as settings say, or from the device's memory (full-length and short ones), or cpu_slots."""
-        if settings.batch_slots or not self.static or self.shard.device.type != "cuda":
+        if self.shard.device.type != "cuda":
+            return cpu_plan(self.max_len, settings)
+        if settings.batch_slots or not self.static:
             return SlotPlan(settings.batch_slots or settings.cpu_slots)
         short = short_len_of(self.max_len, settings)
         costs = [self.slot_bytes(self.shard, self.step_tokens, self.max_draft, n) for n in (self.max_len, short)]

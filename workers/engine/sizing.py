@@ -14,12 +14,20 @@ from workers.engine.shard import Shard
 
 
 def cache_modes(shard: Shard, static: bool | None, graphs: bool | None) -> tuple[bool, bool]:
-    """(static caches, CUDA graphs) as asked, by default both on a CUDA device and neither elsewhere."""
+    """(static caches, CUDA graphs) as asked; by default static caches everywhere (the rounds of the sequences
+    in flight run as one batched forward: on a CPU too, where 8 sequences' rounds cost about 3x one's, where
+    growing caches cost 8x) and CUDA graphs on a CUDA device."""
     cuda = shard.device.type == "cuda"
     graphs = cuda if graphs is None else graphs
     if graphs and not cuda:
         raise ValueError("CUDA graphs need a CUDA device")
-    return graphs or (cuda if static is None else static), graphs
+    return graphs or (True if static is None else static), graphs
+
+
+def linger_s(shard: Shard, settings: Settings) -> float:
+    """Seconds a batch waits for stragglers: settings.batch_linger_ms, by default 5 ms on a CPU and 0 on CUDA."""
+    ms = settings.batch_linger_ms
+    return (ms if ms is not None else 0.0 if shard.device.type == "cuda" else 5.0) / 1000
 
 
 def cache_len(shard: Shard, max_len: int | None, settings: Settings) -> int:
@@ -111,6 +119,18 @@ def plan_slots(device: torch.device, cost: int, short_cost: int, short_len: int,
     full = max(1, min(settings.max_slots, int(left * settings.long_slots_share // max(cost, 1))))
     short = max(0, min(settings.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
     return SlotPlan(full, short, short_len)
+
+
+def cpu_plan(max_len: int, settings: Settings) -> SlotPlan:
+    """A CPU worker's slots: settings.batch_slots full-length ones if given, else settings.cpu_slots, of which
+    long_slots_share full-length (at least one) and the rest short."""
+    if settings.batch_slots:
+        return SlotPlan(settings.batch_slots)
+    short = short_len_of(max_len, settings)
+    if not short:
+        return SlotPlan(settings.cpu_slots)
+    full = max(1, round(settings.cpu_slots * settings.long_slots_share))
+    return SlotPlan(full, max(settings.cpu_slots - full, 0), short)
 
 
 def short_len_of(max_len: int, settings: Settings) -> int:

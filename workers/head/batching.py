@@ -91,8 +91,10 @@ class Batcher:
     computes, the rounds of the last one go out on the wire. Threads whose rounds another thread computed
     return as soon as that batch ends."""
 
-    def __init__(self, engine: Engine, lock: threading.RLock, plan: GroupPlan | None = None) -> None:
-        self.engine, self.lock = engine, lock
+    def __init__(
+        self, engine: Engine, lock: threading.RLock, plan: GroupPlan | None = None, linger_s: float = 0.0
+    ) -> None:
+        self.engine, self.lock, self.linger_s = engine, lock, linger_s
         self.plan = plan or GroupPlan()
         self._queue: list[HeadWork] = []
         self._cv = threading.Condition()  # guards the queue, `_busy` and `live`; notified when a batch ends
@@ -112,6 +114,7 @@ class Batcher:
         """Compute `work` (possibly inside another thread's batch); raise its error if it failed."""
         with self._cv:
             self._queue.append(work)
+            self._cv.notify_all()  # a lingering batch may be waiting for it
         try:
             while not work.finished.is_set():
                 if not self._compute_next():
@@ -137,6 +140,7 @@ class Batcher:
             self._busy = True
         try:
             with self.lock:
+                self._linger()
                 with self._cv:
                     size = math.ceil(max(self.live, len(self._queue), 1) / self.plan.groups(self.live))
                     batch, self._queue = self._queue[:size], self._queue[size:]
@@ -149,6 +153,21 @@ class Batcher:
                 self._busy = False
                 self._cv.notify_all()
         return True
+
+    def _linger(self) -> None:
+        """With `linger_s` (a CPU head): while fewer rounds are queued than a group's worth, wait for the rest,
+        at most a round's measured wait for its verdict (4 * linger_s before one is measured). On a CPU a
+        batched forward costs little more than one sequence's, so generations that fell out of step (the first
+        of a batch run alone, the rest after it) cost more than one wait that puts them back in step."""
+        if self.linger_s <= 0:
+            return
+        deadline = time.monotonic() + max(4 * self.linger_s, self.plan.wait or 0.0)
+        with self._cv:
+            while len(self._queue) < math.ceil(max(self.live, 1) / self.plan.groups(self.live)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(left)
 
     def _compute(self, batch: list[HeadWork]) -> None:
         """The batch as one forward; if that fails, each item alone (`run_isolated`): only an item that

@@ -29,7 +29,7 @@ from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
-from workers.engine.sizing import SlotPlan, cache_len, cache_modes, plan_slots, short_len_of, slot_cost
+from workers.engine.sizing import SlotPlan, cache_len, cache_modes, linger_s, plan_slots, short_len_of, slot_cost
 from workers.head.batching import Batcher
 from workers.head.groups import GroupPlan
 from workers.head.prompts import encode_prompt
@@ -70,7 +70,10 @@ class HeadRuntime:
     def __post_init__(self) -> None:
         if self.engine is None:
             self.engine = Engine(self.shard, settings=self.settings)
-        self.batcher = Batcher(self.engine, self.lock, GroupPlan(fixed=self.settings.head_groups))
+        # a CPU head and its tail usually share their cores: a split would leave nothing idle to fill
+        groups = self.settings.head_groups or (None if self.shard.device.type == "cuda" else 1)
+        plan = GroupPlan(fixed=groups)
+        self.batcher = Batcher(self.engine, self.lock, plan, linger_s(self.shard, self.settings))
 
     @classmethod
     def load(

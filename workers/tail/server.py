@@ -40,6 +40,7 @@ from schemas.settings import Settings
 from workers.engine.isolate import run_isolated
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
+from workers.engine.sizing import linger_s
 from workers.spec.sampling import decode_q, round_generator, warp
 from workers.spec.stopping import cut_at_stops
 from workers.spec.verify import verify_greedy, verify_sampling
@@ -122,6 +123,8 @@ class TailWorker:
                 f"max_sessions ({cfg.max_sessions}) must be at least the batch slots ({self.engine.slots})"
             )
         self.sessions = SessionStore(cfg.max_sessions, cfg.session_ttl_s, release=self.engine.release)
+        wait_s = linger_s(shard, cfg)
+        self.linger_ms = max(1, round(wait_s * 1000)) if wait_s > 0 else 0  # a Redis BLOCK time: whole ms
         t = self.engine.step_tokens  # a padded round, logits of every row or of the last (no drafts)
         if captured := self.engine.capture([(t, t, 0), (t, 1, 0)]):
             log.info("tail captured %d CUDA graphs", captured)
@@ -183,13 +186,27 @@ class TailWorker:
         if self._regroup:
             self.reader.reset()
             self._regroup = False
-        entries = self.reader.read(count=self.engine.slots)
+        entries = self._gather(self.reader.read(count=self.engine.slots))
         if entries:
             replies = self.handle_many([fields for _, _, fields in entries])
             done = [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(entries, replies, strict=True)]
             where = {id(fields): (stream, entry_id) for stream, entry_id, fields in entries}
             dead = [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
             self.reader.ack_many(done, dead_letters=dead)  # replies, acks and dead letters: one round trip
+
+    def _gather(self, entries: list) -> list:
+        """With a linger (a CPU tail): while fewer rounds are read than sessions are open, read more as long as
+        they keep coming, each within the linger of the last (at most 4 reads): a head's threads publish the
+        rounds of one batch one by one, and without the wait the first would run alone and the rest after it."""
+        slots = self.engine.slots
+        for _ in range(4):
+            if not entries or self.linger_ms <= 0 or len(entries) >= min(len(self.sessions), slots):
+                break
+            more = self.reader.read(count=slots - len(entries), block_ms=self.linger_ms)
+            if not more:
+                break
+            entries = entries + more
+        return entries
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """Packets refused since the last call (each with its reason), for the dead-letter stream."""
