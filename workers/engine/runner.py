@@ -358,11 +358,14 @@ class Engine:
             self.slots,
         )
 
-    @staticmethod
-    def attended(pool: KVPool, need: int) -> int:
-        """The attended length of a batch whose rows use positions below `need`: the smallest of
-        `attended_lengths` that holds them (a few lengths, so a few graphs per shape)."""
-        return next((n for n in attended_lengths(pool) if n >= need), pool.index.shape[0])
+    def attended(self, pool: KVPool, need: int) -> int:
+        """The attended length of a batch whose rows use positions below `need`: with graphs the smallest of
+        `attended_lengths` that holds them (a few lengths, so a few graphs per shape), else `need` rounded up
+        to 64 (eager batches gather and attend over no more than they use)."""
+        full = pool.index.shape[0]
+        if not self.graphs:
+            return min(-(-need // 64) * 64, full)
+        return next((n for n in attended_lengths(pool) if n >= need), full)
 
     def _graph(
         self, pool: KVPool, b: int, t: int, p: int, steps: int = 0, length: int | None = None, log_it: bool = True
