@@ -156,12 +156,13 @@ class Batcher:
 
     def _linger(self) -> None:
         """With `linger_s` (a CPU head): while fewer rounds are queued than a group's worth, wait for the rest,
-        at most a round's measured wait for its verdict (4 * linger_s before one is measured). On a CPU a
+        at most a round's measured wait for its verdict (4 * linger_s before one is measured; never more than
+        50 * linger_s, for a generation that does not come back soon, waiting on a busy tail, say). On a CPU a
         batched forward costs little more than one sequence's, so generations that fell out of step (the first
         of a batch run alone, the rest after it) cost more than one wait that puts them back in step."""
         if self.linger_s <= 0:
             return
-        deadline = time.monotonic() + max(4 * self.linger_s, self.plan.wait or 0.0)
+        deadline = time.monotonic() + min(max(4 * self.linger_s, self.plan.wait or 0.0), 50 * self.linger_s)
         with self._cv:
             while len(self._queue) < math.ceil(max(self.live, 1) / self.plan.groups(self.live)):
                 left = deadline - time.monotonic()
