@@ -8,7 +8,8 @@ through RQ's scheduler, abandoned-job cleanup by heartbeat expiry) and changes h
 - **dequeue**: as many jobs as there are free slots, `LMOVE`d to the queue's intermediate list in one
   pipelined round trip (`BLMOVE` with a short timeout only when the queue was empty);
 - **fetch + start**: one pipeline reads the records, one transaction starts them all (execution records,
-  started registry, status, the worker's state);
+  started registry, status, the worker's state), sent while the jobs begin to compute (a job records its
+  end only after that transaction);
 - **run**: each job on a thread of its own (`generate` batches every generation's rounds on the GPU);
 - **finish**: one transaction per job (result, finished registry, execution cleanup, worker counters);
   a failure goes through RQ's `handle_job_failure` (retries, failed registry);
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -45,6 +46,7 @@ class Running:
     job: Job
     queue: Queue
     execution: Execution
+    recorded: threading.Event = field(default_factory=threading.Event)  # its start transaction has run
 
 
 class Dispatcher:
@@ -153,14 +155,20 @@ class Dispatcher:
                 tx.lrem(queue.intermediate_queue_key, 1, jid)
             if started:
                 w.set_state(WorkerStatus.BUSY, pipeline=tx)
-            tx.execute()
-        with self.cond:
-            for run in started:
-                w.executions[run.execution.id] = run.execution
-                self.running[run.job.id] = run
-        for run in started:  # daemon threads: a cold shutdown (a second stop signal) does not wait for them
-            log.info("job %s started (%d in flight)", run.job.id, len(self.running))
-            threading.Thread(target=self._run, args=(run,), daemon=True, name=f"job-{run.job.id}").start()
+            with self.cond:
+                for run in started:
+                    w.executions[run.execution.id] = run.execution
+                    self.running[run.job.id] = run
+            # the jobs start computing while their start transaction travels (their first round needs a round
+            # trip of its own anyway); each records how it ended only after that transaction has run
+            for run in started:  # daemon threads: a cold shutdown (a second stop signal) does not wait for them
+                log.info("job %s started (%d in flight)", run.job.id, len(self.running))
+                threading.Thread(target=self._run, args=(run,), daemon=True, name=f"job-{run.job.id}").start()
+            try:
+                tx.execute()
+            finally:
+                for run in started:
+                    run.recorded.set()
 
     # --- run, finish ------------------------------------------------------------------------------------
     def _run(self, run: Running) -> None:
@@ -171,9 +179,11 @@ class Dispatcher:
                 with w.death_penalty_class(timeout, JobTimeoutException, job_id=job.id):
                     value = job.perform()
                 job.ended_at = now()
+                run.recorded.wait()
                 self._finish(run, value)
             except BaseException:
                 job.ended_at = job.ended_at or now()
+                run.recorded.wait()
                 self._fail(run, sys.exc_info())
         except BaseException:  # the failure could not be recorded either: heartbeat expiry retries it
             log.exception("job %s: could not record how it ended", job.id)
