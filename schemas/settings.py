@@ -83,9 +83,10 @@ class Settings(BaseSettings):
     batch_linger_ms: float | None = Field(
         None,
         ge=0,
-        description="How long a worker about to run a batch waits for more rounds of the generations in flight "
-        "(each within this of the last, at most 4x in all): the rounds of one batch reach the other side one by "
-        "one. None: 5 on a CPU, where a batched forward costs little more than one sequence's; 0 on CUDA.",
+        description="How long a worker about to run a batch waits for more rounds of the generations in flight: "
+        "a head for the rest of its group (at most a round's measured wait, within 4x to 50x this), a tail while "
+        "a head batch's rounds keep coming (each within this of the last, at most 4 reads). None: 5 on a CPU, "
+        "where a batched forward costs little more than one sequence's; 0 on CUDA.",
     )
     static_cache_len: int = Field(
         8192, description="Positions a static KV cache holds unless --max-len says (capped by the model's limit)."

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from workers.engine.kvcache import BatchView, KVPool
-from workers.engine.shard import Shard
+from workers.engine.shard import Shard, blank_input
 
 
 class GraphMemory:
@@ -123,11 +123,7 @@ class BatchGraph:
         dev = shard.device
         self.pool = pool
         self.rows = torch.full((b,), pool.pad_slot, dtype=torch.long, device=dev)
-        self.x = (
-            torch.zeros(b, t, dtype=torch.long, device=dev)
-            if shard.embed is not None
-            else torch.zeros(b, t, shard.config.hidden_size, dtype=shard.dtype, device=dev)
-        )
+        self.x = blank_input(shard, b, t)
         self.pad_pos = pool.index[-t:]  # warm-up and capture write only scratch positions of the pad slot
         self.pos = self.pad_pos.expand(b, t).clone()
         self.pick = torch.arange(t - p, t, device=dev).expand(b, p).clone() if p else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch._dynamo
@@ -34,8 +35,7 @@ from workers.engine.sizing import (
     cache_len,
     cache_modes,
     cpu_plan,
-    plan_slots,
-    short_len_of,
+    memory_plan,
     slot_cost,
 )
 
@@ -71,7 +71,7 @@ class Engine:
         """max_len (default settings.static_cache_len, capped by the model's limit): positions a static cache
         holds; step_tokens (default settings.draft_k + 1): tokens a round feeds per sequence; slots: sequences
         of full length, or a `SlotPlan` with short slots too (default: settings.batch_slots, else what the
-        device's memory holds, `plan_slots`, or settings.cpu_slots); max_draft: longest whole-draft graph;
+        device's memory holds, `memory_plan`, or settings.cpu_slots); max_draft: longest whole-draft graph;
         label: the engine's name in its memory log lines ("head", "draft", "tail")."""
         settings = settings or Settings()
         self.label = label
@@ -101,9 +101,8 @@ class Engine:
             return cpu_plan(self.max_len, settings)
         if settings.batch_slots or not self.static:
             return SlotPlan(settings.batch_slots or settings.cpu_slots)
-        short = short_len_of(self.max_len, settings)
-        costs = [self.slot_bytes(self.shard, self.step_tokens, self.max_draft, n) for n in (self.max_len, short)]
-        return plan_slots(self.shard.device, costs[0], costs[1] if short else 0, short, settings)
+        cost = partial(self.slot_bytes, self.shard, self.step_tokens, self.max_draft)
+        return memory_plan(self.shard.device, cost, self.max_len, settings)
 
     @property
     def pools(self) -> list[KVPool]:
@@ -209,16 +208,14 @@ class Engine:
         longest = max(xs[i].shape[0] for i in idx)
         pool: KVPool = caches[idx[0]].pool  # type: ignore[union-attr]
         room = pool.index.shape[0]
-        alone = [[i] for i in idx if starts[i] + longest > room]
+        fits = [i for i in idx if starts[i] + longest <= room]
         parts: list[list[int]] = []
-        for i in idx:
-            if starts[i] + longest > room:
-                continue
+        for i in fits:
             if parts and len(parts[-1]) < pool.slots and (len(parts[-1]) + 1) * longest <= self.prefill_tokens:
                 parts[-1].append(i)
             else:
                 parts.append([i])
-        return parts + alone
+        return parts + [[i] for i in idx if i not in fits]
 
     def check(self, cache: Cache, start: int, m: int) -> None:
         """Raise ValueError unless `cache` holds exactly `start` positions and has room for m more."""

@@ -179,6 +179,14 @@ class Shard(nn.Module):
         return h
 
 
+def blank_input(shard: Shard, b: int, t: int) -> torch.Tensor:
+    """Zeros shaped as a batch of b rows x t tokens this shard takes: token ids, or hidden states without an
+    embedding."""
+    if shard.embed is not None:
+        return torch.zeros(b, t, dtype=torch.long, device=shard.device)
+    return torch.zeros(b, t, shard.config.hidden_size, dtype=shard.dtype, device=shard.device)
+
+
 def sliding_window(config: PretrainedConfig) -> int | None:
     """The attention window a config turns on (Mistral's `sliding_window`, Qwen2's sliding layers), or None."""
     windowed = "sliding_attention" in (getattr(config, "layer_types", None) or [])

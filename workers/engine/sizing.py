@@ -4,13 +4,14 @@ attends over (so graphs come in a few sizes)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from schemas.settings import Settings
 from workers.engine.kvcache import BatchView, KVPool
-from workers.engine.shard import Shard
+from workers.engine.shard import Shard, blank_input
 
 
 def cache_modes(shard: Shard, static: bool | None, graphs: bool | None) -> tuple[bool, bool]:
@@ -61,11 +62,7 @@ def row_bytes(shard: Shard, t: int, p: int, length: int) -> int:
         for b in (4, 8):
             pos = pool.index[-t:].expand(b, t).clone()
             rows = torch.zeros(b, dtype=torch.long, device=dev)
-            x = (
-                torch.zeros(b, t, dtype=torch.long, device=dev)
-                if shard.embed is not None
-                else torch.zeros(b, t, shard.config.hidden_size, dtype=shard.dtype, device=dev)
-            )
+            x = blank_input(shard, b, t)
             pick = torch.arange(t - p, t, device=dev).expand(b, p) if p else None
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
@@ -113,9 +110,9 @@ def plan_slots(device: torch.device, cost: int, short_cost: int, short_len: int,
     """Slots that fit the device's `budget`: full-length ones (`cost` bytes each) in long_slots_share of it,
     short ones (`short_cost` bytes, `short_len` positions) in the rest; at most max_slots in all, at least one
     full-length. Only full-length slots without a short length."""
-    left = budget(device, settings)
     if not short_len:
-        return SlotPlan(max(1, min(settings.max_slots, int(left // max(cost, 1)))))
+        return SlotPlan(fit_slots(device, cost, settings))
+    left = budget(device, settings)
     full = max(1, min(settings.max_slots, int(left * settings.long_slots_share // max(cost, 1))))
     short = max(0, min(settings.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
     return SlotPlan(full, short, short_len)
@@ -131,6 +128,13 @@ def cpu_plan(max_len: int, settings: Settings) -> SlotPlan:
         return SlotPlan(settings.cpu_slots)
     full = max(1, round(settings.cpu_slots * settings.long_slots_share))
     return SlotPlan(full, max(settings.cpu_slots - full, 0), short)
+
+
+def memory_plan(device: torch.device, cost: Callable[[int], int], max_len: int, settings: Settings) -> SlotPlan:
+    """`plan_slots` for caches of max_len positions (and short ones, `short_len_of`), `cost(positions)` being
+    what one slot of that length costs."""
+    short = short_len_of(max_len, settings)
+    return plan_slots(device, cost(max_len), cost(short) if short else 0, short, settings)
 
 
 def short_len_of(max_len: int, settings: Settings) -> int:

@@ -29,7 +29,7 @@ from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
-from workers.engine.sizing import SlotPlan, cache_len, cache_modes, linger_s, plan_slots, short_len_of, slot_cost
+from workers.engine.sizing import SlotPlan, cache_len, cache_modes, linger_s, memory_plan, slot_cost
 from workers.head.batching import Batcher
 from workers.head.groups import GroupPlan
 from workers.head.prompts import encode_prompt
@@ -181,14 +181,13 @@ def _joint_slots(
     are static on a CUDA device (None: each engine decides)."""
     if cfg.batch_slots is not None or shard.device.type != "cuda" or not cache_modes(shard, static, graphs)[0]:
         return None
-    k, full = cfg.draft_k, cache_len(shard, max_len, cfg)
-    short = short_len_of(full, cfg)
+    k = cfg.draft_k
 
     def cost(n: int) -> int:
         need = slot_cost(shard, n, k + 1, k + 1)
         return need + (slot_cost(dshard, n, 2, 2 + k) if dshard is not None else 0)
 
-    return plan_slots(shard.device, cost(full), cost(short) if short else 0, short, cfg)
+    return memory_plan(shard.device, cost, cache_len(shard, max_len, cfg), cfg)
 
 
 def generate(
