@@ -53,6 +53,7 @@ from bench.jobs_report import (
     summarize,
     write_outputs,
 )
+from bench.jobs_singles import merge_singles
 from producer.client import Client, Followed, JobEnded, TextChunk
 from producer.local import stop_processes, wait_for_tails
 from relay_broker.connection import connect
@@ -123,6 +124,7 @@ class Config:
     head_device: str
     tail_device: str
     timeout: float
+    singles: int  # prompts the N=1 row runs one job at a time
 
 
 @dataclass
@@ -225,13 +227,23 @@ def parse_variants(variants: tuple[str, ...], head_args: str, tail_args: str) ->
 
 
 def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: list | None, synth: list | None) -> dict:
-    """One batch of N jobs on a variant's workers: its report row."""
+    """One batch of N jobs on a variant's workers: its report row. N=1 runs `cfg.singles` prompts one job at a
+    time and reports them as one row (bench/jobs_singles.py)."""
     reqs = [
         request(prompts[i], cfg.new, draft_dict(cfg.kind, cfg.k, cfg.alpha, synth[i] if synth else None))
-        for i in range(n)
+        for i in range(max(n, cfg.singles if n == 1 else n))
     ]
-    say(f"variant {name}: N={n} ...")
-    row = {"variant": name, **summarize(run_batch(w.client, reqs, cfg.timeout, f"N={n}"), refs)}
+    say(f"variant {name}: N={n} ..." + (f" ({len(reqs)} prompts, one job at a time)" if len(reqs) > n else ""))
+    if n == 1:
+        singles = []
+        for i, req in enumerate(reqs):
+            one = summarize(run_batch(w.client, [req], cfg.timeout, f"N=1 #{i}"), refs[i : i + 1] if refs else None)
+            for d in one.get("mismatch_detail", []):
+                d["index"] = i
+            singles.append(one)
+        row = {"variant": name, **merge_singles(singles)}
+    else:
+        row = {"variant": name, **summarize(run_batch(w.client, reqs, cfg.timeout, f"N={n}"), refs)}
     gpu = {"head": cfg.head_device.startswith("cuda"), "tail": cfg.tail_device.startswith("cuda")}
     row["memory_gb"] = {role: process_memory_gb(p.pid, gpu[role]) for role, p in (("head", w.head), ("tail", w.tail))}
     row["memory_parts_gb"] = {role: memory_parts(path) for role, path in w.logs.items()}
@@ -289,6 +301,12 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
     default=None,
     help="Distinct prompts, cycled over the jobs (default: each job its own); references are made once each.",
 )
+@click.option(
+    "--singles",
+    type=click.IntRange(1),
+    default=None,
+    help="Prompts the N=1 row runs one job at a time, reported as one row (default: min(8, largest N)).",
+)
 @click.option("--out", type=click.Path(file_okay=False), default="bench/out/jobs", show_default=True)
 def main(
     tiny: bool,
@@ -314,6 +332,7 @@ def main(
     timeout: float,
     seed: int,
     distinct: int | None,
+    singles: int | None,
     out: str,
 ) -> None:
     """Run the job-path benchmark (see the module docstring)."""
@@ -333,9 +352,10 @@ def main(
             raise click.UsageError("--check needs a checkpoint directory, not a random: target")
         kind = "synthetic" if alpha is not None else drafter
         kind = ("model" if model.draft else "ngram") if kind == "auto" else kind
-        cfg = Config(kind, k, alpha, new_tokens, dtype, head_device, tail_device, timeout)
-        say(f"{model.name}: split {model.split}/{model.layers - model.split}, drafter {kind}, N = {sizes}")
         jobs = max(sizes)
+        singles = min(jobs, 8) if singles is None else min(singles, jobs)
+        cfg = Config(kind, k, alpha, new_tokens, dtype, head_device, tail_device, timeout, singles)
+        say(f"{model.name}: split {model.split}/{model.layers - model.split}, drafter {kind}, N = {sizes}")
         base = build_prompts(model, min(distinct or jobs, jobs), prompt_tokens, seed)
         if len({tuple(p) for p in base}) != len(base):
             raise click.ClickException("the prompts built are not distinct; try another --seed")
@@ -350,7 +370,7 @@ def main(
             "new_tokens": new_tokens, "ns": sizes, "delay_ms": delay_ms, "head_device": head_device,
             "tail_device": tail_device, "dtype": dtype, "check": check, "check_device": check_device,
             "variants": [{"name": n, "head_args": h, "tail_args": t} for n, h, t in runs], "distinct": len(base),
-            "reference_source": "hf generate" if refs is not None else None,
+            "singles": singles, "reference_source": "hf generate" if refs is not None else None,
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "commit": git_state(REPO),
         }  # fmt: skip
         doc: dict = {"command": [sys.executable, "-m", "bench.jobs", *sys.argv[1:]], "settings": settings, "rows": []}

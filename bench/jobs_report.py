@@ -343,8 +343,9 @@ def markdown(rows: list[dict]) -> str:
     for x in rows:
         lat, ttft, mem = x["latency_s"], x["ttft_s"], x.get("memory_gb", {})
         mism = "—" if x["mismatches"] is None else f"{x['mismatches']}/{x['checked']}"
+        n, jobs = x.get("n_label", x["n"]), x.get("one_at_a_time", x["n"])  # N=1: maybe jobs one at a time
         lines.append(
-            f"| {x['variant']} | {x['n']} | {x['finished']}/{x['n']} | {_f(x['aggregate_tokens_per_s'])} | "
+            f"| {x['variant']} | {n} | {x['finished']}/{jobs} | {_f(x['aggregate_tokens_per_s'])} | "
             f"{_f(x['per_job_tokens_per_s']['p50'])} | {_f(lat['p50'])} / {_f(lat['p95'])} | "
             f"{_f(ttft['p50'], '.3f')} / {_f(ttft['p95'], '.3f')} | {_f(x['tokens_per_round'])} | "
             f"{_batched(x['rounds_batched_per_forward'])} | {_f(mem.get('head'))} / {_f(mem.get('tail'))} | {mism} |"
@@ -366,7 +367,7 @@ def markdown(rows: list[dict]) -> str:
                 m = x["memory_parts_gb"].get(role) or {}
                 proc = x.get("memory_gb", {}).get(role)
                 cells.append(" / ".join(_f(v) for v in (m.get("weights"), m.get("caches"), m.get("graphs"), proc)))
-            lines.append(f"| {x['variant']} | {x['n']} | {cells[0]} | {cells[1]} |")
+            lines.append(f"| {x['variant']} | {x.get('n_label', x['n'])} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 

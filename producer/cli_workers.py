@@ -250,7 +250,7 @@ def head(
     plugins: tuple[str, ...],
 ) -> None:
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
-    from relay_broker.connection import connect
+    from relay_broker.connection import connect, warm_pool
     from schemas.jobs import ModelInfo
     from workers.engine.runner import Engine
     from workers.head.rq_worker import HeadWorker
@@ -284,6 +284,7 @@ def head(
     capacity = concurrency or runtime.capacity
     # generations in flight each hold a connection for their reply reads and one for progress, at most
     r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=2 * capacity + 16))
+    warm_pool(r, capacity)  # a burst of jobs finds a connection for each round's request ready
     level = logging.getLevelName(logging.getLogger().level)
     worker = HeadWorker([queue], runtime, r, names=Keys(prefix), model_info=info, name=name, capacity=capacity)
     engines = [runtime.engine, *([runtime.draft_model.engine] if runtime.draft_model is not None else [])]

@@ -36,6 +36,17 @@ QKind = Literal["none", "point", "sparse", "dense"]
 TailId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{0,64}$")]
 
 
+class HeadBatch(BaseModel):
+    """Which of the head's batched forwards computed a round, and how many of that forward's rounds were
+    sent to the same stream: a tail that has read some of them may wait briefly for the rest, to run them
+    as one forward too (a hint only: a tail never waits long for it, whatever it says)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(pattern=r"^[0-9a-f]{1,32}$")
+    size: int = Field(ge=1, le=1 << 16)
+
+
 class RoundPacket(BaseModel):
     """Head -> tail: hidden states of [input_ids, draft_ids] at positions start_pos.. to verify."""
 
@@ -53,6 +64,7 @@ class RoundPacket(BaseModel):
     max_new: int = Field(ge=1, description="Tokens this round may still commit before 'length'.")
     q_kind: QKind
     tensors: dict[str, TensorMeta] = Field(max_length=4)
+    head_batch: HeadBatch | None = None
     replay: bool = Field(
         False,
         description="A session resumed on a new tail: input_ids replay the whole committed sequence from 0; "
@@ -249,3 +261,22 @@ def peek_session(fields: object) -> tuple[str | None, int | None]:
         return sid, rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None
     except Exception:
         return None, None
+
+
+def peek_head_batch(fields: object) -> tuple[str, int] | None:
+    """Best-effort (id, size) of a round packet's `head_batch`, read before the packet is validated (a
+    malformed one reads as None and is refused later, by the full validation)."""
+    try:
+        tag = HeadBatch.model_validate(json.loads(fields[HEADER])["head_batch"])  # type: ignore[index]
+        return tag.id, tag.size
+    except Exception:
+        return None
+
+
+def head_batch_incomplete(entries: list[object]) -> bool:
+    """Whether some head batch has fewer rounds among these packets' fields than its hint says it sent."""
+    seen: dict[str, list[int]] = {}
+    for fields in entries:
+        if (tag := peek_head_batch(fields)) is not None:
+            seen.setdefault(tag[0], [0, tag[1]])[0] += 1
+    return any(n < size for n, size in seen.values())

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from relay_broker.streams import ReplyReader, publish
-from schemas.packets import HEADER, decode_tail_message, encode_round
+from schemas.packets import (
+    HEADER,
+    decode_head_message,
+    decode_tail_message,
+    encode_round,
+    head_batch_incomplete,
+    peek_head_batch,
+)
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from tests.conftest import PROMPTS
 from workers.head.runtime import HeadRuntime, generate
@@ -106,3 +113,19 @@ def test_bad_packets_get_clear_errors_while_others_run(guarded_tail, redis_clien
     text = log.read_text()
     assert text.count("bad packet") >= 3 * len(bad_packets())
     assert "packet has no header" in text and "header is not JSON" in text
+
+
+def test_head_batch_hint_is_read_defensively():
+    """A round's head-batch hint is validated like the rest of the header; a tail reads it before validation
+    only to decide how long to wait (never long), and a malformed one reads as no hint."""
+    tagged = [good_fields(f"s{i}", head_batch={"id": "ab12", "size": 3}) for i in range(2)]
+    assert peek_head_batch(tagged[0]) == ("ab12", 3)
+    assert head_batch_incomplete(tagged)  # 2 of 3 read
+    assert not head_batch_incomplete([*tagged, good_fields("s2", head_batch={"id": "ab12", "size": 3})])
+    assert not head_batch_incomplete([good_fields("plain")])  # no hint: nothing to wait for
+    for bad in ({"id": "NOT-HEX", "size": 3}, {"id": "ab", "size": 0}, {"id": "ab", "size": 1 << 20}, "x"):
+        fields = good_fields("bad")
+        fields[HEADER] = json.dumps({**json.loads(fields[HEADER]), "head_batch": bad}).encode()
+        assert peek_head_batch(fields) is None and not head_batch_incomplete([fields])
+        with pytest.raises(Exception, match="head_batch"):
+            decode_head_message(fields)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from relay_broker.connection import connect, transport_retry
+from relay_broker.connection import connect, transport_retry, warm_pool
 from relay_broker.embedded import EmbeddedRedis, free_port
 from relay_broker.streams import GroupReader, Reply, ReplyReader, add_reply, publish
 from schemas.errors import ReplyTimeout, TransportError
@@ -112,3 +112,12 @@ def test_group_reader_claims_what_a_dead_consumer_left(redis_client):
     assert fields == {b"h": b"stranded"}
     live.ack(stream, entry_id)
     assert redis_client.xpending(names.shared_requests, names.tail_group)["pending"] == 0
+
+
+def test_warm_pool_opens_connections_ahead(redis_server):
+    """A head opens its pool's connections at start, so a burst of jobs does not pay for new ones."""
+    client = connect(redis_server.url, max_connections=8)
+    before = int(client.info("clients")["connected_clients"])
+    assert warm_pool(client, 6) == 6
+    assert int(client.info("clients")["connected_clients"]) >= before + 5  # the one PING used may be reused
+    client.close()

@@ -15,8 +15,10 @@ draft's generator to its state as submitted), so one bad sequence fails only its
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +55,8 @@ class HeadWork:
     draft_s: float = 0.0
     head_s: float = 0.0
     batch: int = 0  # rounds in the batch that computed it
+    route: str = ""  # the stream its packet goes to
+    tag: tuple[str, int] | None = None  # (the batch's id, its rounds with the same route): the tail's hint
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
     gen_state: torch.Tensor | None = field(default=None, init=False)  # a sampled draft's generator, as submitted
@@ -100,11 +104,14 @@ class Batcher:
         self._cv = threading.Condition()  # guards the queue, `_busy` and `live`; notified when a batch ends
         self._busy = False  # a thread is computing (or waiting for the runtime's lock to)
         self.live = 0  # generations in flight (`enter` / `leave`)
+        self._entered = -math.inf  # when a generation last entered
         self.batches = self.rounds = 0  # counters: how well rounds batch
 
     def enter(self) -> None:
         with self._cv:
             self.live += 1
+            self._entered = time.monotonic()
+            self._cv.notify_all()  # a lingering batch waits while generations are still starting
 
     def leave(self) -> None:
         with self._cv:
@@ -157,18 +164,22 @@ class Batcher:
     def _linger(self) -> None:
         """With `linger_s` (a CPU head): while fewer rounds are queued than a group's worth, wait for the rest,
         at most a round's measured wait for its verdict (4 * linger_s before one is measured; never more than
-        50 * linger_s, for a generation that does not come back soon, waiting on a busy tail, say). On a CPU a
+        50 * linger_s, for a generation that does not come back soon, waiting on a busy tail, say), and while
+        generations keep entering within linger_s of each other (jobs started together). On a CPU a
         batched forward costs little more than one sequence's, so generations that fell out of step (the first
         of a batch run alone, the rest after it) cost more than one wait that puts them back in step."""
         if self.linger_s <= 0:
             return
         deadline = time.monotonic() + min(max(4 * self.linger_s, self.plan.wait or 0.0), 50 * self.linger_s)
         with self._cv:
-            while len(self._queue) < math.ceil(max(self.live, 1) / self.plan.groups(self.live)):
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while True:
+                now = time.monotonic()
+                starting = now - self._entered < self.linger_s  # jobs started together: wait for them all
+                if not starting and len(self._queue) >= math.ceil(max(self.live, 1) / self.plan.groups(self.live)):
                     return
-                self._cv.wait(left)
+                if now >= deadline:
+                    return
+                self._cv.wait(min(deadline - now, self.linger_s) if starting else deadline - now)
 
     def _compute(self, batch: list[HeadWork]) -> None:
         """The batch as one forward; if that fails, each item alone (`run_isolated`): only an item that
@@ -195,8 +206,10 @@ class Batcher:
                 hidden = list(torch.cat(hidden).cpu().split([h.shape[0] for h in hidden]))  # one device sync
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
+        batch_id, routes = secrets.token_hex(8), Counter(w.route for w in batch)
         for w, d, h in zip(batch, drafts, hidden, strict=True):
             w.draft, w.hidden, w.draft_s, w.head_s, w.batch = d, h, t1 - t0, t2 - t1, len(batch)
+            w.tag = (batch_id, routes[w.route])
         return [None] * len(batch)
 
     @staticmethod

@@ -6,7 +6,8 @@ job. `Dispatcher` keeps RQ's records and semantics (started/finished/failed regi
 through RQ's scheduler, abandoned-job cleanup by heartbeat expiry) and changes how they are written:
 
 - **dequeue**: as many jobs as there are free slots, `LMOVE`d to the queue's intermediate list in one
-  pipelined round trip (`BLMOVE` with a short timeout only when the queue was empty);
+  pipelined round trip (when the queue was empty, `BLMOVE` with a short timeout, pipelined with the
+  `LMOVE`s that take the rest of a batch enqueued at once);
 - **fetch + start**: one pipeline reads the records, one transaction starts them all (execution records,
   started registry, status, the worker's state), sent while the jobs begin to compute (a job records its
   end only after that transaction);
@@ -111,10 +112,15 @@ class Dispatcher:
                 return got
         if got or not block:
             return got
+        # the queue was empty: block for a job, and take the rest of its batch in the same round trip (an
+        # enqueue of many jobs is one transaction, so they are all there when the first wakes us)
         queue = self.w.queues[0]
         timeout = max(int(self.w.shardflow_settings.block_ms // 1000), 1)
-        jid = r.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT")
-        return [(_text(jid), queue)] if jid else []
+        pipe = r.pipeline(transaction=False)
+        pipe.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT")
+        for _ in range(n - 1):
+            pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+        return [(_text(x), queue) for x in pipe.execute() if x]
 
     def _start(self, taken: list[tuple[str, Queue]]) -> None:
         """Read the records (one round trip), start them all (one transaction), hand each to a thread."""

@@ -129,6 +129,7 @@ class RoundLoop:
         k = min(self.length.k, remaining - 1) if self.drafter is not None else 0
         gen = round_generator(self.req.sampling.seed or 0, rid, "draft", self.drafter.device) if k > 0 else None
         work = HeadWork(self.drafter, self.committed, k, self.req.sampling, gen, self.cache, self.pending, start)
+        work.route = self.stream
         self.rt.batcher.run(work)  # generations in flight share the models: their rounds run batched
         draft, hidden = work.draft, work.hidden
         assert draft is not None and hidden is not None
@@ -145,6 +146,7 @@ class RoundLoop:
             max_new=remaining,
             q_kind=q_kind,
             replay=self.replay_next,
+            head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
         )
         _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
         busy = 0  # a full tail answered "busy": the same round again after a wait (no replay spent)

@@ -33,6 +33,7 @@ from schemas.packets import (
     Verdict,
     decode_head_message,
     encode_message,
+    head_batch_incomplete,
     peek_session,
     raw_header,
 )
@@ -197,12 +198,24 @@ class TailWorker:
     def _gather(self, entries: list) -> list:
         """With a linger (a CPU tail): while fewer rounds are read than sessions are open, read more as long as
         they keep coming, each within the linger of the last (at most 4 reads): a head's threads publish the
-        rounds of one batch one by one, and without the wait the first would run alone and the rest after it."""
-        slots = self.engine.slots
-        for _ in range(4):
-            if not entries or self.linger_ms <= 0 or len(entries) >= min(len(self.sessions), slots):
+        rounds of one batch one by one, and without the wait the first would run alone and the rest after it.
+        While a head batch's hint (`head_batch`) says rounds of it are still to come (sent together, a large
+        batch's packets still arrive spread out), it waits for them; never more than 50 lingers in all (a
+        round of the batch that another tail took, or a hint that lies, costs that much at most)."""
+        slots, linger = self.engine.slots, self.linger_ms
+        if not entries or linger <= 0:
+            return entries
+        deadline, reads = time.monotonic() + 50 * linger / 1000, 0
+        while len(entries) < slots:
+            missing = head_batch_incomplete([fields for _, _, fields in entries])
+            if not missing and (reads >= 4 or len(entries) >= min(len(self.sessions), slots)):
                 break
-            more = self.reader.read(count=slots - len(entries), block_ms=self.linger_ms)
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms < 1:
+                break
+            block_ms = max(int(left_ms if missing else min(left_ms, linger)), 1)  # 0 would block for good
+            more = self.reader.read(count=slots - len(entries), block_ms=block_ms)
+            reads += 1
             if not more:
                 break
             entries = entries + more
