@@ -15,6 +15,7 @@ import redis
 from relay_broker.connection import transport_retry
 from schemas.errors import ReplyTimeout
 from schemas.keys import Keys
+from schemas.packets import head_batch_incomplete
 from schemas.settings import Settings
 
 Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)
@@ -102,6 +103,31 @@ class GroupReader:
         return self._flatten(
             self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"), count=count, block=block_ms)
         )
+
+    def gather(self, entries: list[Entry], *, slots: int, open_sessions: int, linger_ms: float) -> list[Entry]:
+        """With a linger (a CPU tail): while fewer rounds are read than sessions are open, read more as long as
+        they keep coming, each within the linger of the last (at most 4 reads): a head's threads publish the
+        rounds of one batch one by one, and without the wait the first would run alone and the rest after it.
+        While a head batch's hint (`head_batch`) says rounds of it are still to come (sent together, a large
+        batch's packets still arrive spread out), it waits for them; never more than 50 lingers in all (a
+        round of the batch that another tail took, or a hint that lies, costs that much at most)."""
+        if not entries or linger_ms <= 0:
+            return entries
+        deadline, reads = time.monotonic() + 50 * linger_ms / 1000, 0
+        while len(entries) < slots:
+            missing = head_batch_incomplete([fields for _, _, fields in entries])
+            if not missing and (reads >= 4 or len(entries) >= min(open_sessions, slots)):
+                break
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms < 1:
+                break
+            block_ms = max(int(left_ms if missing else min(left_ms, linger_ms)), 1)  # 0 would block for good
+            more = self.read(count=slots - len(entries), block_ms=block_ms)
+            reads += 1
+            if not more:
+                break
+            entries = entries + more
+        return entries
 
     def _claim(self, count: int) -> list[Entry]:
         """Entries that another consumer read but never acknowledged for claim_idle_ms (a dead tail's)."""

@@ -33,7 +33,6 @@ from schemas.packets import (
     Verdict,
     decode_head_message,
     encode_message,
-    head_batch_incomplete,
     peek_session,
     raw_header,
 )
@@ -187,39 +186,18 @@ class TailWorker:
         if self._regroup:
             self.reader.reset()
             self._regroup = False
-        entries = self._gather(self.reader.read(count=self.engine.slots))
+        entries = self.reader.gather(
+            self.reader.read(count=self.engine.slots),
+            slots=self.engine.slots,
+            open_sessions=len(self.sessions),
+            linger_ms=self.linger_ms,
+        )
         if entries:
             replies = self.handle_many([fields for _, _, fields in entries])
             done = [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(entries, replies, strict=True)]
             where = {id(fields): (stream, entry_id) for stream, entry_id, fields in entries}
             dead = [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
             self.reader.ack_many(done, dead_letters=dead)  # replies, acks and dead letters: one round trip
-
-    def _gather(self, entries: list) -> list:
-        """With a linger (a CPU tail): while fewer rounds are read than sessions are open, read more as long as
-        they keep coming, each within the linger of the last (at most 4 reads): a head's threads publish the
-        rounds of one batch one by one, and without the wait the first would run alone and the rest after it.
-        While a head batch's hint (`head_batch`) says rounds of it are still to come (sent together, a large
-        batch's packets still arrive spread out), it waits for them; never more than 50 lingers in all (a
-        round of the batch that another tail took, or a hint that lies, costs that much at most)."""
-        slots, linger = self.engine.slots, self.linger_ms
-        if not entries or linger <= 0:
-            return entries
-        deadline, reads = time.monotonic() + 50 * linger / 1000, 0
-        while len(entries) < slots:
-            missing = head_batch_incomplete([fields for _, _, fields in entries])
-            if not missing and (reads >= 4 or len(entries) >= min(len(self.sessions), slots)):
-                break
-            left_ms = (deadline - time.monotonic()) * 1000
-            if left_ms < 1:
-                break
-            block_ms = max(int(left_ms if missing else min(left_ms, linger)), 1)  # 0 would block for good
-            more = self.reader.read(count=slots - len(entries), block_ms=block_ms)
-            reads += 1
-            if not more:
-                break
-            entries = entries + more
-        return entries
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """Packets refused since the last call (each with its reason), for the dead-letter stream."""
