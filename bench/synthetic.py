@@ -69,6 +69,18 @@ RANDOM_PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         eos_token_id=151645,
     ),
+    "qwen2.5-14b": dict(
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        eos_token_id=151645,
+    ),
     "qwen2.5-0.5b": dict(
         vocab_size=152064,
         hidden_size=896,

@@ -17,6 +17,7 @@ from producer.options import (
     load_worker_plugins,
     plugins_opt,
     prefix_opt,
+    quant_opt,
     redis_opt,
     request_defaults,
     run_guarded,
@@ -131,6 +132,7 @@ worker_target_opt = click.option(
 @prefix_opt
 @device_opt
 @dtype_opt
+@quant_opt
 @threads_opt
 @engine_options
 @plugins_opt
@@ -146,6 +148,7 @@ def tail(
     prefix: str,
     device: str,
     dtype: str,
+    quant: str,
     threads: int | None,
     static: bool | None,
     graphs: bool | None,
@@ -168,7 +171,7 @@ def tail(
     )
     registry = run_guarded(lambda: load_worker_plugins(plugins))
     dtype_ = torch_setup(threads, dtype)
-    load = dict(embed=False, head=True, device=device, dtype=dtype_, fused=settings.fused_layers)
+    load = dict(embed=False, head=True, device=device, dtype=dtype_, fused=settings.fused_layers, quant=quant)
     shard = registry.load_shard(target, layers, **load)  # type: ignore[arg-type]
     if layers[1] != shard.config.num_hidden_layers:
         raise click.BadParameter(f"a tail must end at the last layer ({shard.config.num_hidden_layers})")
@@ -224,7 +227,18 @@ def tail(
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
 @connection_options
 @device_opt
+@click.option(
+    "--draft-device", default=None, help="Torch device of the draft model, e.g. cuda:1 (default: --device)."
+)
 @dtype_opt
+@quant_opt
+@click.option(
+    "--draft-quant",
+    type=click.Choice(["none", "int8", "4bit"]),
+    default="none",
+    show_default=True,
+    help="Weight-only quantization of the draft model's layers.",
+)
 @threads_opt
 @engine_options
 @plugins_opt
@@ -240,7 +254,10 @@ def head(
     redis_url: str,
     prefix: str,
     device: str,
+    draft_device: str | None,
     dtype: str,
+    quant: str,
+    draft_quant: str,
     threads: int | None,
     static: bool | None,
     graphs: bool | None,
@@ -272,6 +289,9 @@ def head(
         compile_draft=compile_draft,
         settings=settings,
         plugins=run_guarded(lambda: load_worker_plugins(plugins)),
+        quant=quant,
+        draft_quant=draft_quant,
+        draft_device=draft_device,
     )
     info = ModelInfo(
         target=str(target),

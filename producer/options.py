@@ -173,6 +173,16 @@ dtype_opt = click.option(
     show_default=True,
     help="Weight dtype; auto = the checkpoint's.",
 )
+quant_opt = click.option(
+    "--quant",
+    type=click.Choice(["none", "int8", "4bit"]),
+    default="none",
+    envvar="SHARDFLOW_QUANT",
+    show_envvar=True,
+    show_default=True,
+    help="Weight-only quantization of the shard's layers (bitsandbytes: int8, or 4-bit NF4); a checkpoint "
+    "saved quantized loads as stored.",
+)
 threads_opt = click.option(
     "--threads", type=click.IntRange(1), default=None, help="CPU threads for torch (default: torch's)."
 )

@@ -40,6 +40,11 @@ class SessionError(JobError):
     """A packet names a session the tail does not hold, or arrives out of order."""
 
 
+class NonFiniteError(JobError):
+    """A shard computed non-finite values (float16 overflow, broken weights): the generation fails, never as
+    text, and is not retried (the same inputs would overflow again)."""
+
+
 class RemoteError(JobError):
     """The tail answered a round with an error."""
 

@@ -131,6 +131,7 @@ class ErrorReply(BaseModel):
     tail_id: TailId = ""
     retryable: bool = Field(False, description="The tail lost the session: replay it instead of failing.")
     busy: bool = Field(False, description="The tail has no free cache for a new session: send the round again.")
+    non_finite: bool = Field(False, description="The tail's logits were not finite: fail the generation, no replay.")
 
 
 HeadMessage = Annotated[RoundPacket | ClosePacket, Field(discriminator="kind")]

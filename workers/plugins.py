@@ -104,11 +104,12 @@ class Registry:
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         fused: bool = True,
+        quant: str = "none",
     ) -> Shard:
         """engine.shard.load_shard, through a plugin's source when the target names a scheme."""
         src = self.source(target)
         weights = None if src is None else (src.config, src.weights)
-        opts = dict(embed=embed, head=head, device=device, dtype=dtype, fused=fused)
+        opts = dict(embed=embed, head=head, device=device, dtype=dtype, fused=fused, quant=quant)
         return load_shard(target, layers, **opts, source=weights)  # type: ignore[arg-type]
 
 

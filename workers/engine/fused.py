@@ -35,7 +35,8 @@ from torch import nn
 from torch.nn import functional as F
 
 KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer"}
-Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias)
+# (weight, bias), or a quantized linear module (workers/engine/quant.py), called as it is
+Linear = tuple[torch.Tensor, torch.Tensor | None] | nn.Module
 
 
 @dataclass
@@ -44,12 +45,12 @@ class FusedLayer:
     ln1: torch.Tensor
     eps1: float
     qkv: list[Linear]  # one concatenated (weight, bias), or q, k, v apart
-    w_o: torch.Tensor
+    w_o: torch.Tensor | nn.Module
     b_o: torch.Tensor | None
     ln2: torch.Tensor
     eps2: float
     gate_up: list[Linear]  # one concatenated (weight, None), or gate and up apart
-    w_down: torch.Tensor
+    w_down: torch.Tensor | nn.Module
 
 
 def _fuse(mods: list[nn.Linear]) -> Linear:
@@ -85,7 +86,7 @@ class FusedLayers:
 
     def __init__(self, layers: list[FusedLayer], heads: int, kv_heads: int, head_dim: int, scale: float) -> None:
         self.layers, self.heads, self.kv_heads, self.head_dim, self.scale = layers, heads, kv_heads, head_dim, scale
-        w = layers[0].w_o
+        w = layers[0].ln1  # the compute dtype and device (quantized weights are stored otherwise)
         self.wide_gemm = w.is_cuda and w.dtype != torch.float32 and wide_gemm_works(w.device, w.dtype)
         self.signs = rotate_half_signs(head_dim, w.dtype, w.device)  # made here: nothing is built in a capture
         sd = score_dtype(w)
@@ -129,18 +130,29 @@ class FusedLayers:
         v = qkv[:, hq + hkv :].view(b, t, hkv, d).transpose(1, 2)
         keys, values = cache.update(qk[:, :, hq:].transpose(1, 2), v, p.idx)  # type: ignore[attr-defined]
         o = attend(qk[:, :, :hq], keys, values, bias, self.scale, self.wide_gemm)  # [B * T, hq * d]
-        h2 = h.view(b * t, width)
-        h2 = torch.addmm(h2, o, p.w_o.t()) if p.b_o is None else h2 + F.linear(o, p.w_o, p.b_o)
+        h2 = _residual(h.view(b * t, width), o, p.w_o, p.b_o)
         x = F.rms_norm(h2, (width,), p.ln2, p.eps2)
         gate, up = _linear_cat(x, p.gate_up).chunk(2, dim=-1)
-        h2 = torch.addmm(h2, F.silu(gate) * up, p.w_down.t())
+        h2 = _residual(h2, F.silu(gate) * up, p.w_down, None)
         return h2.view(b, t, width)
+
+
+def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
+    # bitsandbytes' CPU 4-bit kernel reads its input as contiguous (a strided one gives wrong numbers)
+    return F.linear(x, *p) if isinstance(p, tuple) else p(x.contiguous())
 
 
 def _linear_cat(x: torch.Tensor, parts: list[Linear]) -> torch.Tensor:
     if len(parts) == 1:
-        return F.linear(x, *parts[0])
-    return torch.cat([F.linear(x, w, b) for w, b in parts], dim=-1)
+        return _linear(x, parts[0])
+    return torch.cat([_linear(x, p) for p in parts], dim=-1)
+
+
+def _residual(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | nn.Module, b: torch.Tensor | None) -> torch.Tensor:
+    """h + x @ w.T (+ b): one addmm for a plain weight without bias."""
+    if not isinstance(w, torch.Tensor):
+        return h + w(x.contiguous())
+    return torch.addmm(h, x, w.t()) if b is None else h + F.linear(x, w, b)
 
 
 def rotate_half_signs(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -246,22 +258,29 @@ def _apart(mods: list[nn.Linear]) -> list[Linear]:
 def fuse_layer(layer: nn.Module, concat: bool) -> FusedLayer:
     """One loaded layer's weights; with `concat`, q/k/v and gate/up concatenated (its HF modules then hold
     views of them). CPU workers keep them apart: their weights are views of the memory-mapped checkpoint,
-    and launches are cheap there."""
+    and launches are cheap there. A quantized layer's linears are called as the modules they are."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv_mods, gu_mods = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-    qkv, gate_up = ([_fuse(qkv_mods)], [_fuse(gu_mods)]) if concat else (_apart(qkv_mods), _apart(gu_mods))
-    o_bias = attn.o_proj.bias
+    w_o: torch.Tensor | nn.Module = attn.o_proj
+    w_down: torch.Tensor | nn.Module = mlp.down_proj
+    b_o = None
+    if type(attn.q_proj) is not nn.Linear:  # quantized (workers/engine/quant.py)
+        qkv, gate_up = list[Linear](qkv_mods), list[Linear](gu_mods)
+    else:
+        qkv, gate_up = ([_fuse(qkv_mods)], [_fuse(gu_mods)]) if concat else (_apart(qkv_mods), _apart(gu_mods))
+        w_o, w_down = attn.o_proj.weight.detach(), mlp.down_proj.weight.detach()
+        b_o = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
     return FusedLayer(
         idx=attn.layer_idx,
         ln1=layer.input_layernorm.weight.detach(),
         eps1=float(layer.input_layernorm.variance_epsilon),
         qkv=qkv,
-        w_o=attn.o_proj.weight.detach(),
-        b_o=o_bias.detach() if o_bias is not None else None,
+        w_o=w_o,
+        b_o=b_o,
         ln2=layer.post_attention_layernorm.weight.detach(),
         eps2=float(layer.post_attention_layernorm.variance_epsilon),
         gate_up=gate_up,
-        w_down=mlp.down_proj.weight.detach(),
+        w_down=w_down,
     )
 
 

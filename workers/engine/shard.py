@@ -21,6 +21,7 @@ from schemas.errors import ModelLoadError
 from workers.engine import attention
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
+from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
 
 Cache = KVCache | StaticKVCache
 # Steps whose float32 attention scores (batch x heads x tokens x cached positions) would take more than
@@ -84,6 +85,32 @@ def _materialise(
     module.load_state_dict(source(names, shapes, dtype, device), assign=True, strict=True)
 
 
+def _read_raw(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors as stored (a pre-quantized checkpoint's codes and statistics), on the CPU."""
+    missing = [n for n in names if n not in files]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks tensors {missing[:4]}")
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        with safe_open(str(files[n]), framework="pt", device="cpu") as f:
+            out[n] = f.get_tensor(n)
+    return out
+
+
+def _materialise_rest(module: nn.Module, prefix: str, source: Source, dtype: torch.dtype, device: str) -> None:
+    """Load what is still on the meta device under `module` (a pre-quantized layer's norms), by name."""
+    owners = {
+        f"{m_name}.{p_name}".lstrip("."): (mod, p_name)
+        for m_name, mod in module.named_modules()
+        for p_name, p in mod.named_parameters(recurse=False)
+        if p.is_meta
+    }
+    names = {k: f"{prefix}{k}" for k in owners}
+    tensors = source(names, {k: tuple(getattr(m, n).shape) for k, (m, n) in owners.items()}, dtype, device)
+    for k, (mod, p_name) in owners.items():
+        setattr(mod, p_name, nn.Parameter(tensors[k], requires_grad=False))
+
+
 def checkpoint_source(files: dict[str, Path]) -> Source:
     return lambda names, shapes, dtype, device: _read_tensors(files, names, dtype, device)
 
@@ -112,6 +139,8 @@ class Shard(nn.Module):
         self.config, self.layer_range = config, layer_range
         self.layers, self.rotary, self.embed, self.norm, self.lm_head = layers, rotary, embed, norm, lm_head
         self.fused: FusedLayers | None = None  # the lean forward of workers/engine/fused.py, when set (load_shard)
+        self.quant = "none"  # how its layers' linears are stored (workers/engine/quant.py), set by load_shard
+        self._dtype: torch.dtype | None = None  # the compute dtype (quantized weights are stored otherwise)
 
     @property
     def device(self) -> torch.device:
@@ -119,7 +148,14 @@ class Shard(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        if self._dtype is None:
+            self._dtype = next(p.dtype for p in self.parameters() if p.is_floating_point())
+        return self._dtype
+
+    def weight_bytes(self) -> int:
+        """Bytes its weights hold on its device (quantized linears' statistics included; tied tensors once)."""
+        tensors = {t.data_ptr(): t for t in (*self.parameters(), *self.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values()) + state_bytes(self)
 
     def forward(self, x: torch.Tensor, start_pos: int, cache: Cache, logits_last: int = 0) -> torch.Tensor:
         """Run the shard over x (token ids [n] with an embedding, else hidden states [n, h]).
@@ -203,19 +239,26 @@ def load_shard(
     dtype: torch.dtype | None = None,
     fused: bool = True,
     source: tuple[PretrainedConfig, Source] | None = None,
+    quant: str = "none",
 ) -> Shard:
     """Load layers [a, b) (None = all) of `model`, plus its embedding and/or norm + LM head.
 
     `model` is a local directory or hub id; `source` (config, weights) replaces it with weights from
     elsewhere (a plugin's model scheme, workers/plugins.py; `model` is then only its name). `fused`
     runs known layer layouts through workers/engine/fused.py instead
-    of the HF modules."""
+    of the HF modules; `quant` (workers/engine/quant.py) quantizes the layers' linears as each loads. A
+    checkpoint saved quantized by transformers' bitsandbytes integration loads as it is stored."""
+    files: dict[str, Path] = {}
     if source is not None:
         config, weights = source
     else:
         model_dir = resolve_model_dir(model)
         config = AutoConfig.from_pretrained(model_dir)
-        weights = checkpoint_source(weight_files(model_dir))
+        files = weight_files(model_dir)
+        weights = checkpoint_source(files)
+    stored = prequantized_scheme(config) if files else "none"
+    if stored != "none" and check_scheme(quant) not in ("none", stored):
+        raise ModelLoadError(f"the checkpoint is stored as {stored}: it cannot be loaded as {quant}")
     window = sliding_window(config)
     if window is not None and window < (getattr(config, "max_position_embeddings", None) or window + 1):
         raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported")
@@ -226,6 +269,8 @@ def load_shard(
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    if stored != "none":  # the skeleton is a plain model; its linears get the stored codes below
+        config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=attention.NAME)
     base = skeleton.get_decoder()
@@ -233,11 +278,19 @@ def load_shard(
         raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
     kept = nn.ModuleList(base.layers[a:b])
     fuse = fused and can_fuse(kept, config)
-    parts = []
+    parts, scheme = [], stored if stored != "none" else check_scheme(quant)
+    keys = set(files)
     for layer in kept:
-        _materialise(layer, _prefix_of(skeleton, layer), weights, dtype, device)
+        prefix = _prefix_of(skeleton, layer)
+        if stored != "none":
+            prequantized_layer(layer, prefix, stored, keys, lambda n: _read_raw(files, n), device, dtype)
+            _materialise_rest(layer, prefix, weights, dtype, device)
+        else:
+            _materialise(layer, prefix, weights, dtype, device)
+            if scheme != "none":  # as each layer loads: peak memory stays one full-width layer above
+                quantize_layer(layer, scheme, dtype)
         if fuse:  # concatenate as each layer loads: peak memory stays one layer above the shard's
-            parts.append(fuse_layer(layer, concat=torch.device(device).type != "cpu"))
+            parts.append(fuse_layer(layer, concat=torch.device(device).type != "cpu" and scheme == "none"))
     embed_mod = norm_mod = head_mod = None
     embed_name = f"{_prefix_of(skeleton, base.embed_tokens)}weight"
     if embed:
@@ -254,6 +307,7 @@ def load_shard(
             _materialise(head_mod, "", weights, dtype, device, {"weight": src})
     rotary = type(base.rotary_emb)(config=config).to(device)
     shard = Shard(config, (a, b), kept, rotary, embed_mod, norm_mod, head_mod).eval()
+    shard.quant, shard._dtype = scheme, dtype
     left = [n for n, p in shard.named_parameters() if p.is_meta] + [n for n, t in shard.named_buffers() if t.is_meta]
     if left:
         raise ModelLoadError(f"tensors left unloaded: {left[:4]}")

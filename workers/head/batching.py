@@ -25,6 +25,7 @@ import torch
 
 from schemas.requests import SamplingParams
 from workers.engine.isolate import run_isolated
+from workers.engine.numerics import finite_rows, non_finite_error
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache
 from workers.head.groups import GroupPlan
@@ -204,12 +205,16 @@ class Batcher:
             hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
             if dev.type == "cuda":  # copy out before the lock goes: the next batch replays the same graphs
                 hidden = list(torch.cat(hidden).cpu().split([h.shape[0] for h in hidden]))  # one device sync
+        finite = finite_rows(hidden)
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         batch_id, routes = secrets.token_hex(8), Counter(w.route for w in batch)
         for w, d, h in zip(batch, drafts, hidden, strict=True):
             w.draft, w.hidden, w.draft_s, w.head_s, w.batch = d, h, t1 - t0, t2 - t1, len(batch)
             w.tag = (batch_id, routes[w.route])
+        for w, ok in zip(batch, finite, strict=True):
+            if not ok:  # fails this generation (Batcher.submit raises it), never sent as a packet
+                w.error = non_finite_error("hidden states", self.engine.shard.layer_range, self.engine.shard.dtype)
         return [None] * len(batch)
 
     @staticmethod

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from rq import get_current_job
 from rq.job import Job
 
-from schemas.errors import InvalidRequest, JobError, ShardFlowError
+from schemas.errors import InvalidRequest, JobError, NonFiniteError, ShardFlowError
 from schemas.jobs import Checkpoint, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
@@ -217,8 +217,8 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
             )
         finally:
             progress.wait()  # no progress flush may land after what follows
-    except (InvalidRequest, JobCancelled) as e:
-        no_retry(job, str(e))
+    except (InvalidRequest, NonFiniteError, JobCancelled) as e:
+        no_retry(job, f"{type(e).__name__}: {e}" if isinstance(e, NonFiniteError) else str(e))
         raise
     except ShardFlowError as e:
         job.meta["error"] = f"{type(e).__name__}: {e}"

@@ -10,7 +10,7 @@ import redis
 import torch
 
 from relay_broker.streams import ReplyReader, close_session
-from schemas.errors import PacketError, RemoteError, ReplyTimeout, ShardFlowError, TailBusy
+from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeout, ShardFlowError, TailBusy
 from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
@@ -195,6 +195,8 @@ class RoundLoop:
             if isinstance(msg, ErrorReply):
                 if msg.busy and rid == msg.round_id and not self.pinned:  # only a new session's round: no cache
                     raise TailBusy(f"tail {msg.tail_id or '?'} is full: {msg.error}")
+                if msg.non_finite:  # the same inputs overflow again on any tail: no replay
+                    raise NonFiniteError(f"tail {msg.tail_id or '?'}: {msg.error}")
                 if msg.retryable:  # the tail lost this session (restarted under the same name, say)
                     raise ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}")
                 raise RemoteError(f"tail {msg.tail_id or '?'} failed round {rid}: {msg.error}")

@@ -90,17 +90,26 @@ class HeadRuntime:
         compile_draft: bool = False,
         settings: Settings | None = None,
         plugins: Registry | None = None,
+        quant: str = "none",
+        draft_quant: str = "none",
+        draft_device: str | None = None,
     ) -> HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
 
         static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices); compile_draft
         runs the draft model through torch.compile; `settings` (default: Settings()) gives K (draft_k),
         the batch slots, the cache length and fused layers; `plugins` may add drafter kinds and model
-        schemes (workers/plugins.py)."""
+        schemes (workers/plugins.py); quant / draft_quant: weight-only quantization of the shard's and the
+        draft model's layers (workers/engine/quant.py); draft_device: where the draft model runs (default:
+        the shard's device; drafts reach the shard as host ids, as they reach the packet, so another local
+        GPU costs no extra host sync)."""
         settings, plugins = settings or Settings(), plugins or Registry()
-        load = dict(device=device, dtype=dtype, fused=settings.fused_layers)
-        shard = plugins.load_shard(target, layers, embed=True, head=False, **load)  # type: ignore[arg-type]
-        dshard = plugins.load_shard(draft, None, embed=True, head=True, **load) if draft else None  # type: ignore[arg-type]
+        load = dict(dtype=dtype, fused=settings.fused_layers)
+        shard = plugins.load_shard(target, layers, embed=True, head=False, device=device, quant=quant, **load)  # type: ignore[arg-type]
+        dshard = None
+        if draft:
+            where = dict(device=draft_device or device, quant=draft_quant)
+            dshard = plugins.load_shard(draft, None, embed=True, head=True, **where, **load)  # type: ignore[arg-type]
         if dshard is not None and dshard.config.vocab_size < shard.config.vocab_size:
             raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
         k = settings.draft_k
@@ -181,13 +190,19 @@ def _joint_slots(
     are static on a CUDA device (None: each engine decides)."""
     if cfg.batch_slots is not None or shard.device.type != "cuda" or not cache_modes(shard, static, graphs)[0]:
         return None
-    k = cfg.draft_k
+    k, n_max = cfg.draft_k, cache_len(shard, max_len, cfg)
 
-    def cost(n: int) -> int:
-        need = slot_cost(shard, n, k + 1, k + 1)
-        return need + (slot_cost(dshard, n, 2, 2 + k) if dshard is not None else 0)
+    def head_cost(n: int) -> int:
+        return slot_cost(shard, n, k + 1, k + 1)
 
-    return memory_plan(shard.device, cost, cache_len(shard, max_len, cfg), cfg)
+    def draft_cost(n: int) -> int:
+        return slot_cost(dshard, n, 2, 2 + k) if dshard is not None else 0
+
+    if dshard is None or dshard.device == shard.device:
+        return memory_plan(shard.device, lambda n: head_cost(n) + draft_cost(n), n_max, cfg)
+    # the draft model on a GPU of its own: as many slots as both devices hold
+    a, b = memory_plan(shard.device, head_cost, n_max, cfg), memory_plan(dshard.device, draft_cost, n_max, cfg)
+    return SlotPlan(min(a.slots, b.slots), min(a.short, b.short), a.short_len)
 
 
 def generate(

@@ -23,7 +23,7 @@ import torch
 
 from relay_broker.retry import ride_out
 from relay_broker.streams import GroupReader, Reply
-from schemas.errors import PacketError, SessionError, ShardFlowError, TailBusy, TransportError
+from schemas.errors import NonFiniteError, PacketError, SessionError, ShardFlowError, TailBusy, TransportError
 from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
@@ -38,6 +38,7 @@ from schemas.packets import (
 )
 from schemas.settings import Settings
 from workers.engine.isolate import run_isolated
+from workers.engine.numerics import finite_rows, non_finite_error
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.engine.sizing import linger_s
@@ -247,7 +248,12 @@ class TailWorker:
             return None
         self.sessions.drop(sid)  # its cache may be half-updated
         msg = ErrorReply(
-            session_id=sid, round_id=rid, error=reason, tail_id=self.tail_id, retryable=isinstance(e, SessionError)
+            session_id=sid,
+            round_id=rid,
+            error=reason,
+            tail_id=self.tail_id,
+            retryable=isinstance(e, SessionError),
+            non_finite=isinstance(e, NonFiniteError),
         )
         # a head waiting on this session reads it at once; one that is gone leaves nothing for long
         return Reply(self.names.reply(sid), encode_message(msg), self.settings.final_reply_ttl_s)
@@ -328,10 +334,13 @@ class TailWorker:
         )
         if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
             torch.cuda.synchronize(logits[0].device)
+        finite = finite_rows(logits)  # the forward's one host sync on a CPU; after it on CUDA
         forward_ms = (time.perf_counter() - t0) * 1000
         out: list[Reply | None] = []
-        for p, lg in zip(batch, logits, strict=True):
+        for p, lg, ok in zip(batch, logits, finite, strict=True):
             try:
+                if not ok:
+                    raise non_finite_error("logits", self.shard.layer_range, self.shard.dtype)
                 out.append(self._verify(p, lg, forward_ms, len(batch)))
             except Exception as e:
                 out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields))

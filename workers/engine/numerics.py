@@ -1,0 +1,28 @@
+"""Non-finite checks where they are cheap: a half-precision shard that overflows must fail its generation
+with a clear error, never emit text (Qwen2.5 in float16 is known to overflow to inf/NaN).
+
+`finite_rows` checks a batch's outputs with one host sync (the tail: each round's logits; the head: the
+hidden states of a forward, on their way to the host anyway). `non_finite_error` names where it happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from schemas.errors import NonFiniteError
+
+
+def finite_rows(outputs: Sequence[torch.Tensor]) -> list[bool]:
+    """Per output: whether every value is finite (one device sync for all of them)."""
+    if not outputs:
+        return []
+    return torch.stack([torch.isfinite(o).all() for o in outputs]).tolist()
+
+
+def non_finite_error(what: str, layer_range: tuple[int, int], dtype: torch.dtype) -> NonFiniteError:
+    a, b = layer_range
+    name = str(dtype).removeprefix("torch.")
+    hint = " (float16 overflow: try --dtype bfloat16 or float32)" if dtype == torch.float16 else ""
+    return NonFiniteError(f"non-finite {what} after layers {a}:{b} in {name}{hint}")
