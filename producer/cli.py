@@ -4,6 +4,7 @@ Workers:   shardflow tail | head | redis          (producer/cli_workers.py)
 Jobs:      shardflow enqueue | status | results | retry | cancel | info   (producer/cli_jobs.py)
 Operators: shardflow dead-letters                 (producer/cli_admin.py)
 One-shot:  shardflow generate | local | demo
+Planning:  shardflow plan                         (producer/cli_plan.py)
 
 Every option has --help; defaults come from schemas/settings.py (environment: SHARDFLOW_*).
 Exit codes: 0 ok; 1 a job failed or was cancelled; 2 bad usage or invalid input (nothing enqueued; a
@@ -25,7 +26,7 @@ import logging
 
 import click
 
-from producer import cli_admin, cli_jobs, cli_workers
+from producer import cli_admin, cli_jobs, cli_plan, cli_workers
 from producer.options import GuardedGroup
 
 
@@ -51,6 +52,7 @@ COMMANDS: tuple[click.Command, ...] = (
     cli_workers.generate,
     cli_workers.local,
     cli_workers.demo,
+    cli_plan.plan,
 )
 for _command in COMMANDS:
     main.add_command(_command)

@@ -17,6 +17,7 @@ from producer.options import (
     load_worker_plugins,
     plugins_opt,
     prefix_opt,
+    preflight,
     quant_opt,
     redis_opt,
     request_defaults,
@@ -171,6 +172,7 @@ def tail(
     )
     registry = run_guarded(lambda: load_worker_plugins(plugins))
     dtype_ = torch_setup(threads, dtype)
+    preflight("tail", registry, [(target, layers, False, True, quant)], device, dtype_, settings)
     load = dict(embed=False, head=True, device=device, dtype=dtype_, fused=settings.fused_layers, quant=quant)
     shard = registry.load_shard(target, layers, **load)  # type: ignore[arg-type]
     if layers[1] != shard.config.num_hidden_layers:
@@ -278,17 +280,25 @@ def head(
     settings = worker_settings(
         batch_slots=slots, gpu_memory=gpu_memory, queue=queue, prefix=prefix, redis_url=redis_url, head_groups=groups
     )
+    registry, dtype_ = run_guarded(lambda: load_worker_plugins(plugins)), torch_setup(threads, dtype)
+    own = [(target, layers, True, False, quant)]
+    drafter = [(draft, None, True, True, draft_quant)] if draft else []
+    if draft_device and draft_device != device:  # each device's budget holds what runs there
+        preflight("head", registry, own, device, dtype_, settings)
+        preflight("head's drafter", registry, drafter, draft_device, dtype_, settings)
+    else:
+        preflight("head", registry, own + drafter, device, dtype_, settings)
     runtime = HeadRuntime.load(
         target,
         layers,
         draft=draft,
         device=device,
-        dtype=torch_setup(threads, dtype),
+        dtype=dtype_,
         static=static,
         graphs=graphs,
         compile_draft=compile_draft,
         settings=settings,
-        plugins=run_guarded(lambda: load_worker_plugins(plugins)),
+        plugins=registry,
         quant=quant,
         draft_quant=draft_quant,
         draft_device=draft_device,

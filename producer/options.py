@@ -254,6 +254,26 @@ def torch_setup(threads: int | None, dtype: str | None) -> Any:
     return None if dtype in (None, "auto") else getattr(torch, dtype)
 
 
+def preflight(
+    role: str, registry: Any, parts: list[tuple[str, Any, bool, bool, str]], device: str, dtype: Any, settings: Any
+) -> None:
+    """Before a worker loads anything: refuse a budget its parts (target, layers, embed, head, quant) cannot fit,
+    with the numbers, and cap its CUDA allocator at the budget (workers/engine/plan.py)."""
+    import torch
+
+    from workers.engine.plan import Part, check_worker, enforce_budget
+
+    def part(target: str, layers: Any, embed: bool, head: bool, quant: str) -> Part:
+        cfg = registry.config(target)
+        dt = dtype or getattr(cfg, "dtype", None) or torch.float32
+        dt = getattr(torch, dt) if isinstance(dt, str) else dt
+        return Part(cfg, tuple(layers or (0, cfg.num_hidden_layers)), embed, head, dt, quant)
+
+    dev = torch.device(device)
+    run_guarded(lambda: check_worker(role, [part(*p) for p in parts], dev, settings))
+    enforce_budget(dev, settings)
+
+
 def generation_options(fn: Callable) -> Callable:
     """Options shared by every command that builds GenerationRequests."""
     for opt in reversed(

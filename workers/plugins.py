@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import BUILTIN_DRAFTERS
@@ -93,6 +93,16 @@ class Registry:
                 raise ModelLoadError(f"model scheme {scheme!r} of {target!r} needs a plugin (--plugin)")
             return None
         return resolve(rest)
+
+    def config(self, target: str | Path) -> PretrainedConfig:
+        """A target's config without its weights: a plugin source's, a directory's, or a hub id's config.json."""
+        src = self.source(target)
+        if src is not None:
+            return src.config
+        try:
+            return AutoConfig.from_pretrained(str(target))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{target!r} is neither a local directory nor a reachable hub model: {e}") from None
 
     def load_shard(
         self,

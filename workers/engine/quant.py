@@ -26,7 +26,6 @@ from schemas.errors import ModelLoadError
 
 SCHEMES = ("none", "int8", "4bit")
 BLOCKSIZE = 64
-BITS = {"none": None, "int8": 8.0, "4bit": 4.0 + 32 / BLOCKSIZE}  # 4-bit codes + one float32 absmax a block
 
 
 def _bnb():
@@ -43,10 +42,15 @@ def check_scheme(scheme: str) -> str:
     return scheme
 
 
-def quantized_bytes(n_params: int, scheme: str, dtype_bytes: int) -> int:
-    """Bytes a linear's weight of n_params takes under `scheme` (full width: dtype_bytes a parameter)."""
-    bits = BITS[check_scheme(scheme)]
-    return n_params * dtype_bytes if bits is None else int(n_params * bits / 8)
+def quantized_bytes(rows: int, cols: int, scheme: str, dtype_bytes: int) -> int:
+    """Bytes a linear's [rows, cols] weight takes under `scheme`: full width (dtype_bytes a parameter); int8
+    codes + a float32 scale a row; 4-bit codes + a float32 absmax a block of 64 + the 16-value code book."""
+    n = rows * cols
+    if check_scheme(scheme) == "int8":
+        return n + 4 * rows
+    if scheme == "4bit":
+        return (n + 1) // 2 + 4 * -(-n // BLOCKSIZE) + 16 * 4
+    return n * dtype_bytes
 
 
 def _linears(module: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

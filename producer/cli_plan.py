@@ -1,0 +1,89 @@
+"""`shardflow plan`: how to split a model between a head and a tail on GPUs of given sizes, and what each
+worker's memory will hold, from the checkpoint's config alone (no weights are read).
+
+    shardflow plan --target Qwen/Qwen2.5-14B --gpus 15GiB,15GiB --draft Qwen/Qwen2.5-0.5B --quant 4bit
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import click
+
+from producer.options import dtype_opt, load_worker_plugins, plugins_opt, quant_opt, run_guarded, worker_settings
+
+UNITS = {"": 2**30, "gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'15GiB', '15 GB', '15000MiB' or '15' (GiB) in bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in UNITS or float(m.group(1)) <= 0:
+        raise click.BadParameter(f"{text!r} is not a size like 15GiB, 16GB or 15000MiB")
+    return int(float(m.group(1)) * UNITS[unit])
+
+
+def parse_gpus(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]:
+    sizes = [parse_size(s) for s in value.split(",") if s.strip()]
+    if len(sizes) not in (2, 3):
+        raise click.BadParameter("give 2 sizes (head, tail) or 3 (head, tail, the head's drafter)")
+    return sizes
+
+
+@click.command()
+@click.option("--target", required=True, help="Target model: local directory or hub id (only its config is read).")
+@click.option(
+    "--gpus",
+    required=True,
+    callback=parse_gpus,
+    help="Memory of the head's and the tail's GPU (and a third for the drafter), e.g. 15GiB,15GiB.",
+)
+@click.option("--draft", default=None, help="Draft model on the head (dir or hub id).")
+@dtype_opt
+@quant_opt
+@click.option(
+    "--draft-quant", type=click.Choice(["none", "int8", "4bit"]), default="none", show_default=True, help="Drafter's."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@plugins_opt
+def plan(
+    target: str,
+    gpus: list[int],
+    draft: str | None,
+    dtype: str,
+    quant: str,
+    draft_quant: str,
+    as_json: bool,
+    plugins: tuple[str, ...],
+) -> None:
+    """Print the split (head layers 0:S, tail S:L) that holds the most jobs in flight, and each worker's
+    expected memory: weights, KV cache slots, the total (the allocator's; add the CUDA context for
+    nvidia-smi). Exits 2 if a worker cannot hold one full-length slot."""
+    import torch
+
+    from producer.options import EXIT_BAD_INPUT, fail
+    from workers.engine.plan import plan_split, render
+
+    registry = run_guarded(lambda: load_worker_plugins(plugins))
+    config = run_guarded(lambda: registry.config(target))
+    dconfig = run_guarded(lambda: registry.config(draft)) if draft else None
+    dt = getattr(torch, dtype) if dtype != "auto" else getattr(config, "dtype", None) or torch.float32
+    dt = getattr(torch, dt) if isinstance(dt, str) else dt
+    settings = worker_settings()
+    result = run_guarded(
+        lambda: plan_split(
+            config,
+            gpus,
+            dtype=dt,
+            quant=quant,
+            draft=dconfig,
+            draft_quant=draft_quant,
+            settings=settings,
+            name=str(target),
+        )
+    )
+    click.echo(json.dumps(result.as_dict()) if as_json else render(result))
+    if not all(w.slots for w in result.workers):
+        fail("the model does not fit these GPUs", EXIT_BAD_INPUT)

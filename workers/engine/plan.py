@@ -1,0 +1,291 @@
+"""The memory plan: what a worker's weights and caches take, from a model's config and tensor shapes alone (the
+model is built on the meta device; no weight is read), how to split a model's layers between a head and a
+tail on GPUs of given sizes, and the check a worker makes before it loads anything.
+
+    plan = plan_split(config, gpus=[15 * GiB, 15 * GiB], dtype=torch.float16, quant="4bit", draft=draft_config)
+    print(render(plan))          # `shardflow plan` prints this
+
+A worker's budget (`--gpu-memory`) bounds everything it allocates: weights, then KV caches sized to fill
+what is left (less `graph_reserve` for workspaces and prefills), each slot counted with its rows of a batched
+forward. The split maximises the jobs the pair can hold in flight (the fewer of the head's and the tail's
+slots): layers go where memory is left, as the reference system's auto-partitioner gives layers in
+proportion to memory. Row costs are estimated here (workers measure theirs at start), so slot counts are
+estimates; weights are exact for the layouts `load_shard` loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from schemas.errors import ModelLoadError
+from schemas.settings import Settings
+from workers.engine.quant import quantized_bytes
+
+GiB = 1 << 30
+CUDA_CONTEXT = 0.5 * GiB  # what the CUDA context takes beside the allocator's memory (nvidia-smi shows it)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Bytes of a model's parts at one dtype and quantization (a layer: all of its tensors)."""
+
+    layers: int
+    layer: int
+    embed: int
+    norm: int
+    lm_head: int
+    kv_per_position: int  # keys + values of one layer, one position
+    hidden: int
+    intermediate: int
+    heads: int
+    vocab: int
+    tied: bool = False  # the LM head is the embedding (held once by a shard that has both)
+
+
+def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none") -> ModelShape:
+    """Sizes from the config: the model is built on the meta device, so shapes are the loader's own."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    base = model.get_decoder()
+    if not hasattr(base, "layers"):
+        raise ModelLoadError(f"{type(model).__name__} is not laid out like Qwen2/Llama")
+    size = torch.empty((), dtype=dtype).element_size()
+
+    def layer_bytes(layer: torch.nn.Module) -> int:
+        total = 0
+        for name, p in layer.named_parameters():
+            quantized = name.endswith("proj.weight") and p.dim() == 2
+            total += quantized_bytes(*p.shape, quant, size) if quantized else p.numel() * size
+        return total
+
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelShape(
+        layers=config.num_hidden_layers,
+        layer=layer_bytes(base.layers[0]),
+        embed=base.embed_tokens.weight.numel() * size,
+        norm=base.norm.weight.numel() * size,
+        lm_head=model.get_output_embeddings().weight.numel() * size,
+        kv_per_position=2 * kv_heads * head_dim * size,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        heads=config.num_attention_heads,
+        vocab=config.vocab_size,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+def shard_weights(shape: ModelShape, layers: tuple[int, int], *, embed: bool, head: bool) -> int:
+    a, b = layers
+    lm_head = 0 if shape.tied and embed else shape.lm_head
+    return (b - a) * shape.layer + (shape.embed if embed else 0) + (shape.norm + lm_head if head else 0)
+
+
+def row_bytes(shape: ModelShape, tokens: int, length: int, logits: bool, dtype_bytes: int) -> int:
+    """An estimate of what one more sequence adds to a batched forward of `tokens` tokens attending over `length`
+    positions: its activations, float32 scores and probabilities, and its logits (a tail)."""
+    acts = tokens * (6 * shape.hidden + 3 * shape.intermediate) * dtype_bytes
+    scores = shape.heads * tokens * length * (4 + dtype_bytes)
+    return acts + scores + (tokens * shape.vocab * (4 + dtype_bytes) if logits else 0)
+
+
+def slot_bytes(shape: ModelShape, n_layers: int, positions: int, tokens: int, logits: bool, dtype_bytes: int) -> int:
+    """Keys/values of one slot of `positions` (+ the step's scratch) over n_layers, plus its row of a forward."""
+    kv = n_layers * shape.kv_per_position * (positions + tokens)
+    return kv + row_bytes(shape, tokens, positions, logits, dtype_bytes)
+
+
+@dataclass
+class WorkerPlan:
+    """One worker's memory: weights, and the slots its budget leaves room for (full-length and short ones,
+    sized as workers size theirs: `sizing.plan_slots`), each costing `full_slot` / `short_slot` bytes."""
+
+    role: str
+    budget: int
+    layers: tuple[int, int]
+    weights: int
+    full_slot: int
+    short_slot: int
+    full: int = 0
+    short: int = 0
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def slots(self) -> int:
+        return self.full + self.short
+
+    @property
+    def caches(self) -> int:
+        return self.full * self.full_slot + self.short * self.short_slot
+
+    @property
+    def expected(self) -> int:
+        """What the allocator holds once caches and graphs are made: weights + slots (with their rows)."""
+        return self.weights + self.caches
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "slots": self.slots, "caches": self.caches, "expected": self.expected}
+
+
+@dataclass
+class Plan:
+    model: str
+    dtype: str
+    quant: str
+    full_len: int
+    short_len: int
+    workers: list[WorkerPlan]
+
+    @property
+    def in_flight(self) -> int:
+        return min(w.slots for w in self.workers)
+
+    def as_dict(self) -> dict:
+        head = {k: v for k, v in asdict(self).items() if k != "workers"}
+        return {**head, "in_flight": self.in_flight, "workers": [w.as_dict() for w in self.workers]}
+
+
+def fit(w: WorkerPlan, cfg: Settings, short_len: int) -> WorkerPlan:
+    """Fill w's budget as a worker does (`sizing.plan_slots`): long_slots_share of what the weights leave
+    (less graph_reserve) in full-length slots, at least one, the rest in short ones; none if even one
+    full-length slot does not fit."""
+    left = (w.budget - w.weights) * (1 - cfg.graph_reserve)
+    if left < w.full_slot:
+        w.full = w.short = 0
+        return w
+    share = cfg.long_slots_share if short_len else 1.0
+    w.full = max(1, min(cfg.max_slots, int(left * share // w.full_slot)))
+    if short_len:
+        w.short = max(0, min(cfg.max_slots - w.full, int((left - w.full * w.full_slot) // w.short_slot)))
+    return w
+
+
+def plan_split(
+    config: PretrainedConfig,
+    gpus: list[int],
+    *,
+    dtype: torch.dtype,
+    quant: str = "none",
+    draft: PretrainedConfig | None = None,
+    draft_quant: str = "none",
+    settings: Settings | None = None,
+    name: str = "",
+) -> Plan:
+    """The head/tail split (layers 0:s and s:L) that holds the most jobs in flight on GPUs of `gpus` bytes
+    (head, tail, and optionally the drafter's own GPU), and each worker's memory."""
+    if len(gpus) not in (2, 3):
+        raise ModelLoadError("a plan needs 2 GPUs (head, tail) or 3 (head, tail, the head's drafter)")
+    cfg = settings or Settings()
+    shape, size = model_shape(config, dtype, quant), torch.empty((), dtype=dtype).element_size()
+    full_len = min(cfg.static_cache_len, getattr(config, "max_position_embeddings", None) or cfg.static_cache_len)
+    short_len = cfg.short_cache_len if 0 < cfg.short_cache_len < full_len else 0
+    k, n = cfg.draft_k, shape.layers
+
+    def slots(sh: ModelShape, layers: int, tokens: int, logits: bool) -> tuple[int, int]:
+        one = [slot_bytes(sh, layers, p, tokens, logits, size) if p else 0 for p in (full_len, short_len)]
+        return one[0], one[1]
+
+    dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
+    dweights = shard_weights(dshape, (0, dshape.layers), embed=True, head=True) if dshape else 0
+    dslot = slots(dshape, dshape.layers, 2 + k, True) if dshape else (0, 0)
+
+    def workers(s: int) -> list[WorkerPlan]:
+        hw, hslot = shard_weights(shape, (0, s), embed=True, head=False), slots(shape, s, k + 1, False)
+        tw, tslot = shard_weights(shape, (s, n), embed=False, head=True), slots(shape, n - s, k + 1, True)
+        out = []
+        if len(gpus) == 2 or dshape is None:  # the drafter beside the head's layers
+            head = WorkerPlan("head", gpus[0], (0, s), hw + dweights, hslot[0] + dslot[0], hslot[1] + dslot[1])
+            head.parts = {"layers": hw, "draft": dweights}
+            out.append(fit(head, cfg, short_len))
+        else:
+            out.append(fit(WorkerPlan("head", gpus[0], (0, s), hw, *hslot), cfg, short_len))
+            out.append(fit(WorkerPlan("draft", gpus[2], (0, dshape.layers), dweights, *dslot), cfg, short_len))
+        return [*out, fit(WorkerPlan("tail", gpus[1], (s, n), tw, *tslot), cfg, short_len)]
+
+    best = max(range(1, n), key=lambda s: (min(w.slots for w in workers(s)), -abs(n - 2 * s)))
+    return Plan(name, str(dtype).removeprefix("torch."), quant, full_len, short_len, workers(best))
+
+
+def budget_bytes(device: torch.device, settings: Settings) -> int | None:
+    """A worker's memory budget in bytes: settings.gpu_memory as a share of its CUDA device or GiB; on a CPU only
+    a budget given in GiB (None: no budget)."""
+    g = settings.gpu_memory
+    if device.type == "cuda":
+        return int(g * torch.cuda.get_device_properties(device).total_memory if g <= 1 else g * GiB)
+    return int(g * GiB) if g > 1 else None
+
+
+def enforce_budget(device: torch.device, settings: Settings) -> None:
+    """Cap the CUDA caching allocator at the worker's budget (`torch.cuda.set_per_process_memory_fraction`), so
+    weights, caches, graph pools and workspaces together never pass it."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes(device, settings) or total) / total), device)
+
+
+@dataclass(frozen=True)
+class Part:
+    """What a worker loads of one model: its config, layers, embedding / LM head, dtype and quantization."""
+
+    config: PretrainedConfig
+    layers: tuple[int, int]
+    embed: bool
+    head: bool
+    dtype: torch.dtype
+    quant: str = "none"
+
+
+def worker_needs(parts: list[Part], settings: Settings) -> tuple[int, int]:
+    """(weights, one full-length slot) in bytes for a worker holding `parts` (a head: its layers and drafter)."""
+    weights = slot = 0
+    for i, p in enumerate(parts):
+        shape, size = model_shape(p.config, p.dtype, p.quant), torch.empty((), dtype=p.dtype).element_size()
+        weights += shard_weights(shape, p.layers, embed=p.embed, head=p.head)
+        n = min(settings.static_cache_len, getattr(p.config, "max_position_embeddings", None) or 1 << 30)
+        tokens = settings.draft_k + 1 if i == 0 else settings.draft_k + 2  # a round, or a drafter's feed + draft
+        slot += slot_bytes(shape, p.layers[1] - p.layers[0], n, tokens, p.head, size)
+    return weights, slot
+
+
+def check_worker(role: str, parts: list[Part], device: torch.device, settings: Settings) -> None:
+    """Refuse, before anything loads, a worker whose weights and one full-length cache slot do not fit its
+    budget (`budget_bytes`), with the numbers."""
+    budget = budget_bytes(device, settings)
+    if budget is None:
+        return
+    weights, slot = worker_needs(parts, settings)
+    if (budget - weights) * (1 - settings.graph_reserve) < slot:
+        raise ModelLoadError(
+            f"the {role} does not fit its memory budget: weights {gb(weights)} GiB + one cache slot of "
+            f"{settings.static_cache_len} positions {gb(slot)} GiB + graph_reserve {settings.graph_reserve:.0%} "
+            f"of the rest > budget {gb(budget)} GiB (raise --gpu-memory, quantize with --quant, or give this "
+            "worker fewer layers; `shardflow plan` shows a split)"
+        )
+
+
+def gb(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def render(plan: Plan) -> str:
+    """The plan as `shardflow plan` prints it."""
+    short = f" + short ones of {plan.short_len}" if plan.short_len else ""
+    lines = [
+        f"{plan.model or 'model'}: {plan.dtype}, layers quantized {plan.quant}; slots of {plan.full_len} "
+        f"positions{short}; {plan.in_flight} jobs in flight at most",
+        f"{'worker':<7}{'budget GiB':>11}{'layers':>8}{'weights GiB':>12}{'slot MiB full/short':>20}"
+        f"{'slots full+short':>17}{'caches GiB':>11}{'expected GiB':>13}{'+ CUDA ctx':>11}",
+    ]
+    for w in plan.workers:
+        a, b = w.layers
+        slot = f"{w.full_slot / 2**20:.1f}/{w.short_slot / 2**20:.1f}"
+        lines.append(
+            f"{w.role:<7}{gb(w.budget):>11}{f'{a}:{b}':>8}{gb(w.weights):>12}{slot:>20}{f'{w.full}+{w.short}':>17}"
+            f"{gb(w.caches):>11}{gb(w.expected):>13}{gb(w.expected + CUDA_CONTEXT):>11}"
+        )
+    if not all(w.slots for w in plan.workers):
+        lines.append("does not fit: a worker has no room for one full-length slot (quantize, or use more memory)")
+    return "\n".join(lines)
