@@ -6,6 +6,10 @@
 #   bench/device.sh profile   # profile_round only (no HF-layers row)
 #   bench/device.sh jobs      # the job path (bench/jobs.py): real tail + head processes, default flags (NS=1,4,...;
 #                             TAIL_DEVICE=cuda:0 on one GPU)
+#   bench/device.sh qparity   # gpu_parity with 4-bit and int8 shards (QUANTS=4bit,int8)
+#   bench/device.sh card7 card14   # the 16 GB card profile: fp16, every worker capped at 15 GiB (--gpu-memory 15),
+#                             7B-shaped split 14/14 (V7: variants) and 14B-shaped 4-bit split 24/24; NS=1,16
+#   bench/device.sh plan      # shardflow plan for both shapes
 #   bench/device.sh ladder:330 profile:230   # several parts in one call, each capped (seconds)
 # ROWS=... picks ladder rows; a capped part keeps what it wrote before the cap in $OUT.
 # Wheels the device image lacks travel in .whl/ (see the tool library's device README); logs go to $OUT.
@@ -36,6 +40,29 @@ case "${part%%:*}" in
       --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,4,16,64}" --distinct 16 --variant "default=" \
       ${VARIANT1:+--variant "$VARIANT1"} ${VARIANT2:+--variant "$VARIANT2"} \
       --out "$OUT/jobs" 2>&1 | quiet | tee "$OUT/jobs.log" | grep -v "^ " | tail -40
+    ;;
+  qparity)
+    for q in ${QUANTS//,/ }; do
+      timeout "$LIMIT" python3 -m bench.gpu_parity --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" \
+        --quant "$q" 2>&1 | quiet > "$OUT/qparity-$q.log"; tail -4 "$OUT/qparity-$q.log"
+    done
+    ;;
+  card7|card14)
+    if [ "${part%%:*}" = card7 ]; then model=(random:qwen2.5-7b --split 14); variants=("${V7:-fp16=}"); else
+      model=(random:qwen2.5-14b --split 24); variants=("${V14:-4bit=--quant 4bit | --quant 4bit}"); fi
+    vargs=(); IFS=';' read -ra vs <<< "${variants[0]}"; for v in "${vs[@]}"; do vargs+=(--variant "$v"); done
+    timeout "$LIMIT" python3 -m bench.jobs --target "${model[@]}" --draft random:qwen2.5-0.5b --synthetic 0.78 \
+      --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" --dtype float16 --delay-ms 43 \
+      --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,16}" --distinct 16 --singles "${SINGLES:-4}" \
+      --head-args "--gpu-memory 15" --tail-args "--gpu-memory 15" "${vargs[@]}" \
+      --out "$OUT/${part%%:*}" 2>&1 | quiet | tee "$OUT/${part%%:*}.log" | grep -v "^ " | tail -30
+    ;;
+  plan)
+    for m in "random:qwen2.5-7b --quant none" "random:qwen2.5-14b --quant 4bit"; do
+      # shellcheck disable=SC2086
+      python3 -m producer plan --plugin bench.synthetic --target $m --draft random:qwen2.5-0.5b --gpus 15GiB,15GiB \
+        --dtype float16
+    done
     ;;
   profile)
     timeout "$LIMIT" python3 -m bench.profile_round --device cuda:0 --tail-device cuda:1 --compile-draft \

@@ -1,6 +1,6 @@
 """Greedy parity on a GPU with static caches + CUDA graphs: the split speculative path equals HF `generate`.
 
-    python -m bench.gpu_parity --head-device cuda:0 --tail-device cuda:1
+    python -m bench.gpu_parity --head-device cuda:0 --tail-device cuda:1 [--quant 4bit]
 
 Builds the tiny test models (Qwen2-shaped untied, Llama-shaped tied) on disk, runs a tail process and
 the head with graphs on, for 20 prompts x K in {1, 4, 8} x {draft model, n-gram}, and prints mismatches.
@@ -31,8 +31,16 @@ from workers.tiny_models import PROMPTS, build_tokenizer, save_noisy_copy, save_
 @click.option("--head-device", default="cuda:0")
 @click.option("--tail-device", default="cuda:0")
 @click.option("--new", type=int, default=20)
-def main(head_device: str, tail_device: str, new: int) -> None:
+@click.option(
+    "--quant",
+    type=click.Choice(["none", "int8", "4bit"]),
+    default="none",
+    help="Quantized shards and drafter, against HF generate on the model transformers quantizes the same way.",
+)
+def main(head_device: str, tail_device: str, new: int, quant: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.engine.quant import exact_on_cpu, transformers_config
 
     bad = checked = 0
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis() as server:
@@ -42,13 +50,17 @@ def main(head_device: str, tail_device: str, new: int) -> None:
             target = save_tiny_model(Path(tmp) / family, family, tokenizer=tok0)
             draft = save_noisy_copy(target, Path(tmp) / f"{family}-d", 0.02)
             tok = AutoTokenizer.from_pretrained(target)
-            hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(head_device).eval()
+            qc = {"quantization_config": transformers_config(quant, torch.float32)} if quant != "none" else {}
+            hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, device_map=head_device, **qc).eval()
+            for m in hf.modules():
+                exact_on_cpu(m)  # (a CPU run: the kernel the workers use)
             names = Keys(f"gpu-{family}")
-            tail = spawn_tail(target, (2, 4), server.url, prefix=names.prefix, extra=["--device", tail_device])
+            extra = ["--device", tail_device, "--quant", quant]
+            tail = spawn_tail(target, (2, 4), server.url, prefix=names.prefix, extra=extra)
             try:
                 wait_for_tails(r, names, proc=tail, timeout_s=300)
-                rt = HeadRuntime.load(target, (0, 2), draft=draft, device=head_device)
-                assert rt.engine.graphs, "graphs should be on for CUDA"
+                rt = HeadRuntime.load(target, (0, 2), draft=draft, device=head_device, quant=quant, draft_quant=quant)
+                assert rt.engine.graphs or not head_device.startswith("cuda"), "graphs should be on for CUDA"
                 wants = []
                 for p in PROMPTS:
                     ids = torch.tensor([tok.encode(p)], device=head_device)
@@ -93,7 +105,7 @@ def main(head_device: str, tail_device: str, new: int) -> None:
             finally:
                 tail.terminate()
                 tail.wait(30)
-    click.echo(f"gpu parity: {checked - bad}/{checked} generations equal HF generate (graphs on)")
+    click.echo(f"gpu parity ({quant}): {checked - bad}/{checked} generations equal HF generate (graphs on)")
     sys.exit(1 if bad else 0)
 
 

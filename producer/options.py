@@ -246,8 +246,14 @@ def engine_options(fn: Callable) -> Callable:
 
 
 def torch_setup(threads: int | None, dtype: str | None) -> Any:
-    """Apply --threads and turn --dtype into a torch dtype (None = the checkpoint's)."""
+    """Apply --threads and turn --dtype into a torch dtype (None = the checkpoint's); before CUDA starts, let
+    its allocator grow segments in place (less fragmentation under a worker's --gpu-memory cap) unless
+    PYTORCH_CUDA_ALLOC_CONF says otherwise."""
+    import os
+
     import torch
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     if threads:
         torch.set_num_threads(threads)

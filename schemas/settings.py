@@ -60,6 +60,12 @@ class Settings(BaseSettings):
         description="What a worker may fill of its CUDA device: a share of its memory (up to 1) or GiB (above "
         "1); the KV caches get what the weights leave of it, less graph_reserve. Lower it when workers share a GPU.",
     )
+    cuda_context_gib: float = Field(
+        1.0,
+        ge=0,
+        description="GiB a CUDA worker's process holds outside its allocator (the CUDA context, library handles and "
+        "workspaces; 0.6-0.9 measured on an H200): gpu_memory bounds the whole process, the allocator gets the rest.",
+    )
     graph_reserve: float = Field(
         0.1,
         ge=0,

@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from producer.cli import main
 from producer.cli_plan import parse_size
+from schemas.settings import Settings
 from workers.engine.plan import GiB, model_shape, plan_split, shard_weights
 from workers.engine.shard import load_shard
 
@@ -30,15 +31,15 @@ def test_planned_weights_are_what_the_loader_holds(models, quant, part):
 
 def test_split_follows_memory(models):
     config = AutoConfig.from_pretrained(models["qwen2"].target)
-    even = plan_split(config, [GiB, GiB], dtype=torch.float32)
+    cfg = Settings(cuda_context_gib=0)
+    even = plan_split(config, [GiB, GiB], dtype=torch.float32, settings=cfg)
     assert [w.role for w in even.workers] == ["head", "tail"] and even.workers[0].layers == (0, 2)
-    small_head = plan_split(config, [GiB // 64, GiB], dtype=torch.float32)
+    small_head = plan_split(config, [GiB, 4 * GiB], dtype=torch.float32, settings=cfg)  # less room beside workspace
     assert small_head.workers[0].layers[1] < 2  # fewer layers where there is less memory
     for w in even.workers:
         assert w.slots > 0 and w.expected <= w.budget
-    with_draft = plan_split(
-        config, [GiB, GiB, GiB // 2], dtype=torch.float32, draft=AutoConfig.from_pretrained(models["qwen2"].drafter)
-    )
+    draft = AutoConfig.from_pretrained(models["qwen2"].drafter)
+    with_draft = plan_split(config, [GiB, GiB, GiB], dtype=torch.float32, draft=draft, settings=cfg)
     assert [w.role for w in with_draft.workers] == ["head", "draft", "tail"]
     assert with_draft.in_flight == min(w.slots for w in with_draft.workers)
 
@@ -51,13 +52,13 @@ def test_parse_size():
 def test_plan_command(models):
     runner = CliRunner()
     args = ["plan", "--target", str(models["qwen2"].target), "--draft", str(models["qwen2"].drafter)]
-    res = runner.invoke(main, [*args, "--gpus", "1GiB,1GiB", "--quant", "4bit"])
+    res = runner.invoke(main, [*args, "--gpus", "2GiB,2GiB", "--quant", "4bit"])
     assert res.exit_code == 0, res.output
     assert "layers quantized 4bit" in res.output and "head" in res.output and "tail" in res.output
-    res = runner.invoke(main, [*args[:3], "--gpus", "1GiB,1GiB", "--json"])
+    res = runner.invoke(main, [*args[:3], "--gpus", "2GiB,2GiB", "--json"])
     plan = json.loads(res.output)
     assert [w["layers"] for w in plan["workers"]] == [[0, 2], [2, 4]] and plan["in_flight"] > 0
-    with_draft = json.loads(runner.invoke(main, [*args, "--gpus", "1GiB,1GiB", "--json"]).output)
+    with_draft = json.loads(runner.invoke(main, [*args, "--gpus", "2GiB,2GiB", "--json"]).output)
     assert with_draft["workers"][0]["layers"][1] <= 2  # the drafter's caches share the head's GPU
     res = runner.invoke(main, [*args, "--gpus", "1MiB,1MiB"])
     assert res.exit_code == 2 and "does not fit" in res.output

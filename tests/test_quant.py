@@ -9,28 +9,22 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from schemas.errors import ModelLoadError
 from schemas.requests import DraftSettings, GenerationRequest
 from tests.conftest import PROMPTS
 from workers.engine import shard as shard_mod
-from workers.engine.quant import exact_on_cpu, is_quantized
+from workers.engine.quant import exact_on_cpu, is_quantized, transformers_config
 from workers.engine.shard import load_shard
 from workers.head.runtime import HeadRuntime, generate
 
 NEW = 16
-CONFIGS = {
-    "4bit": lambda: BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-    ),
-    "int8": lambda: BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0),
-}
 
 
 def hf_quantized(path: Path, scheme: str | None):
     """The unsplit model as transformers quantizes it (scheme None: as the checkpoint stores it)."""
-    kw = {"quantization_config": CONFIGS[scheme]()} if scheme else {}
+    kw = {"quantization_config": transformers_config(scheme, torch.float32)} if scheme else {}
     model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", **kw).eval()
     for m in model.modules():
         exact_on_cpu(m)  # the same CPU kernel the workers use (the AVX512-BF16 one rounds by row count)

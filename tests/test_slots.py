@@ -62,14 +62,16 @@ def test_short_and_full_slots_run_as_alone(models):
 def test_the_plan_splits_memory_between_lengths(monkeypatch):
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 10 * gib)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (90 * gib, 100 * gib))
-    cfg = Settings(gpu_memory=0.5, graph_reserve=0.1, max_slots=256, long_slots_share=0.25)
+    cfg = Settings(gpu_memory=0.5, graph_reserve=0.1, max_slots=256, long_slots_share=0.25, cuda_context_gib=0)
     dev = torch.device("cuda:0")
     # (50 - 10) * 0.9 = 36 GiB: 9 full-length slots of 1 GiB in a quarter, 108 short ones of 0.25 GiB in the rest
     assert sizing.plan_slots(dev, gib, gib // 4, 2048, cfg) == SlotPlan(9, 108, 2048)
     assert sizing.plan_slots(dev, gib, gib // 64, 2048, cfg) == SlotPlan(9, 247, 2048)  # at most max_slots in all
     assert sizing.plan_slots(dev, gib, 0, 0, cfg) == SlotPlan(36)  # no short length: full-length slots only
+    # a workspace larger than graph_reserve's share is kept instead: (50 - 10) - 8 = 32 GiB
+    assert sizing.plan_slots(dev, gib, gib // 4, 2048, cfg, workspace=8 * gib) == SlotPlan(8, 96, 2048)
     assert sizing.short_len_of(8192, cfg) == 2048 and sizing.short_len_of(2048, cfg) == 0
     assert sizing.short_len_of(8192, cfg.model_copy(update={"short_cache_len": 0})) == 0
 

@@ -6,7 +6,8 @@ tail on GPUs of given sizes, and the check a worker makes before it loads anythi
     print(render(plan))          # `shardflow plan` prints this
 
 A worker's budget (`--gpu-memory`) bounds everything it allocates: weights, then KV caches sized to fill
-what is left (less `graph_reserve` for workspaces and prefills), each slot counted with its rows of a batched
+what is left (less a reserve for workspaces and prefills: graph_reserve's share, at least
+`sizing.workspace_bytes`), each slot counted with its rows of a batched
 forward. The split maximises the jobs the pair can hold in flight (the fewer of the head's and the tail's
 slots): layers go where memory is left, as the reference system's auto-partitioner gives layers in
 proportion to memory. Row costs are estimated here (workers measure theirs at start), so slot counts are
@@ -23,9 +24,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from schemas.errors import ModelLoadError
 from schemas.settings import Settings
 from workers.engine.quant import quantized_bytes
+from workers.engine.sizing import allocator_budget, reserve_bytes, workspace_bytes
 
 GiB = 1 << 30
-CUDA_CONTEXT = 0.5 * GiB  # what the CUDA context takes beside the allocator's memory (nvidia-smi shows it)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ class WorkerPlan:
     short_slot: int
     full: int = 0
     short: int = 0
+    workspace: int = 0  # the least its budget keeps free beside weights and slots
+    context: int = 0  # what its process holds outside the allocator (settings.cuda_context_gib)
     parts: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -123,8 +126,8 @@ class WorkerPlan:
 
     @property
     def expected(self) -> int:
-        """What the allocator holds once caches and graphs are made: weights + slots (with their rows)."""
-        return self.weights + self.caches
+        """What the allocator holds at its peak: weights + slots (with their rows) + a prefill's workspace."""
+        return min(self.budget - self.context, self.weights + self.caches + self.workspace)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "slots": self.slots, "caches": self.caches, "expected": self.expected}
@@ -150,9 +153,11 @@ class Plan:
 
 def fit(w: WorkerPlan, cfg: Settings, short_len: int) -> WorkerPlan:
     """Fill w's budget as a worker does (`sizing.plan_slots`): long_slots_share of what the weights leave
-    (less graph_reserve) in full-length slots, at least one, the rest in short ones; none if even one
+    (less the reserve) in full-length slots, at least one, the rest in short ones; none if even one
     full-length slot does not fit."""
-    left = (w.budget - w.weights) * (1 - cfg.graph_reserve)
+    w.context = int(cfg.cuda_context_gib * GiB)
+    left = w.budget - w.context - w.weights
+    left -= reserve_bytes(left, w.workspace, cfg)
     if left < w.full_slot:
         w.full = w.short = 0
         return w
@@ -188,6 +193,8 @@ def plan_split(
         one = [slot_bytes(sh, layers, p, tokens, logits, size) if p else 0 for p in (full_len, short_len)]
         return one[0], one[1]
 
+    ws = workspace_bytes(config, size, cfg)
+    dws = workspace_bytes(draft, size, cfg) if draft is not None else 0
     dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
     dweights = shard_weights(dshape, (0, dshape.layers), embed=True, head=True) if dshape else 0
     dslot = slots(dshape, dshape.layers, 2 + k, True) if dshape else (0, 0)
@@ -197,33 +204,28 @@ def plan_split(
         tw, tslot = shard_weights(shape, (s, n), embed=False, head=True), slots(shape, n - s, k + 1, True)
         out = []
         if len(gpus) == 2 or dshape is None:  # the drafter beside the head's layers
-            head = WorkerPlan("head", gpus[0], (0, s), hw + dweights, hslot[0] + dslot[0], hslot[1] + dslot[1])
+            head = WorkerPlan(
+                "head", gpus[0], (0, s), hw + dweights, hslot[0] + dslot[0], hslot[1] + dslot[1], workspace=max(ws, dws)
+            )
             head.parts = {"layers": hw, "draft": dweights}
             out.append(fit(head, cfg, short_len))
         else:
-            out.append(fit(WorkerPlan("head", gpus[0], (0, s), hw, *hslot), cfg, short_len))
-            out.append(fit(WorkerPlan("draft", gpus[2], (0, dshape.layers), dweights, *dslot), cfg, short_len))
-        return [*out, fit(WorkerPlan("tail", gpus[1], (s, n), tw, *tslot), cfg, short_len)]
+            out.append(fit(WorkerPlan("head", gpus[0], (0, s), hw, *hslot, workspace=ws), cfg, short_len))
+            d = WorkerPlan("draft", gpus[2], (0, dshape.layers), dweights, *dslot, workspace=dws)
+            out.append(fit(d, cfg, short_len))
+        return [*out, fit(WorkerPlan("tail", gpus[1], (s, n), tw, *tslot, workspace=ws), cfg, short_len)]
 
     best = max(range(1, n), key=lambda s: (min(w.slots for w in workers(s)), -abs(n - 2 * s)))
     return Plan(name, str(dtype).removeprefix("torch."), quant, full_len, short_len, workers(best))
 
 
-def budget_bytes(device: torch.device, settings: Settings) -> int | None:
-    """A worker's memory budget in bytes: settings.gpu_memory as a share of its CUDA device or GiB; on a CPU only
-    a budget given in GiB (None: no budget)."""
-    g = settings.gpu_memory
-    if device.type == "cuda":
-        return int(g * torch.cuda.get_device_properties(device).total_memory if g <= 1 else g * GiB)
-    return int(g * GiB) if g > 1 else None
-
-
 def enforce_budget(device: torch.device, settings: Settings) -> None:
-    """Cap the CUDA caching allocator at the worker's budget (`torch.cuda.set_per_process_memory_fraction`), so
-    weights, caches, graph pools and workspaces together never pass it."""
+    """Cap the CUDA caching allocator at the worker's `allocator_budget` (`set_per_process_memory_fraction`), so
+    weights, caches, graph pools and workspaces together never pass it, nor the process its --gpu-memory."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes(device, settings) or total) / total), device)
+        allowed = allocator_budget(device, settings) or total
+        torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), device)
 
 
 @dataclass(frozen=True)
@@ -238,31 +240,34 @@ class Part:
     quant: str = "none"
 
 
-def worker_needs(parts: list[Part], settings: Settings) -> tuple[int, int]:
-    """(weights, one full-length slot) in bytes for a worker holding `parts` (a head: its layers and drafter)."""
-    weights = slot = 0
+def worker_needs(parts: list[Part], settings: Settings) -> tuple[int, int, int]:
+    """(weights, one full-length slot, workspace) in bytes for a worker holding `parts` (a head: its layers and
+    drafter)."""
+    weights = slot = workspace = 0
     for i, p in enumerate(parts):
         shape, size = model_shape(p.config, p.dtype, p.quant), torch.empty((), dtype=p.dtype).element_size()
+        workspace = max(workspace, workspace_bytes(p.config, size, settings))
         weights += shard_weights(shape, p.layers, embed=p.embed, head=p.head)
         n = min(settings.static_cache_len, getattr(p.config, "max_position_embeddings", None) or 1 << 30)
         tokens = settings.draft_k + 1 if i == 0 else settings.draft_k + 2  # a round, or a drafter's feed + draft
         slot += slot_bytes(shape, p.layers[1] - p.layers[0], n, tokens, p.head, size)
-    return weights, slot
+    return weights, slot, workspace
 
 
 def check_worker(role: str, parts: list[Part], device: torch.device, settings: Settings) -> None:
     """Refuse, before anything loads, a worker whose weights and one full-length cache slot do not fit its
-    budget (`budget_bytes`), with the numbers."""
-    budget = budget_bytes(device, settings)
+    budget (`sizing.allocator_budget`), with the numbers."""
+    budget = allocator_budget(device, settings)
     if budget is None:
         return
-    weights, slot = worker_needs(parts, settings)
-    if (budget - weights) * (1 - settings.graph_reserve) < slot:
+    weights, slot, workspace = worker_needs(parts, settings)
+    reserve = reserve_bytes(budget - weights, workspace, settings)
+    if budget - weights - reserve < slot:
         raise ModelLoadError(
             f"the {role} does not fit its memory budget: weights {gb(weights)} GiB + one cache slot of "
-            f"{settings.static_cache_len} positions {gb(slot)} GiB + graph_reserve {settings.graph_reserve:.0%} "
-            f"of the rest > budget {gb(budget)} GiB (raise --gpu-memory, quantize with --quant, or give this "
-            "worker fewer layers; `shardflow plan` shows a split)"
+            f"{settings.static_cache_len} positions {gb(slot)} GiB + workspace {gb(reserve)} GiB > budget "
+            f"{gb(budget)} GiB (raise --gpu-memory, quantize with --quant, or give this worker fewer layers; "
+            "`shardflow plan` shows a split)"
         )
 
 
@@ -284,7 +289,7 @@ def render(plan: Plan) -> str:
         slot = f"{w.full_slot / 2**20:.1f}/{w.short_slot / 2**20:.1f}"
         lines.append(
             f"{w.role:<7}{gb(w.budget):>11}{f'{a}:{b}':>8}{gb(w.weights):>12}{slot:>20}{f'{w.full}+{w.short}':>17}"
-            f"{gb(w.caches):>11}{gb(w.expected):>13}{gb(w.expected + CUDA_CONTEXT):>11}"
+            f"{gb(w.caches):>11}{gb(w.expected):>13}{gb(w.expected + w.context):>11}"
         )
     if not all(w.slots for w in plan.workers):
         lines.append("does not fit: a worker has no room for one full-length slot (quantize, or use more memory)")

@@ -103,6 +103,18 @@ def quantize_layer(layer: nn.Module, scheme: str, compute_dtype: torch.dtype) ->
         setattr(parent, name, quantized_linear(lin, scheme, compute_dtype))
 
 
+def transformers_config(scheme: str, compute_dtype: torch.dtype):
+    """transformers' `BitsAndBytesConfig` that quantizes a whole model the way these shards are quantized (the
+    unsplit reference of parity checks)."""
+    from transformers import BitsAndBytesConfig
+
+    if check_scheme(scheme) == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    if scheme == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+    raise ModelLoadError("no quantization to configure")
+
+
 TensorReader = Callable[[list[str]], dict[str, torch.Tensor]]
 
 

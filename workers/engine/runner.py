@@ -36,6 +36,7 @@ from workers.engine.sizing import (
     cache_modes,
     cpu_plan,
     memory_plan,
+    shard_workspace,
     slot_cost,
 )
 
@@ -102,7 +103,7 @@ class Engine:
         if settings.batch_slots or not self.static:
             return SlotPlan(settings.batch_slots or settings.cpu_slots)
         cost = partial(self.slot_bytes, self.shard, self.step_tokens, self.max_draft)
-        return memory_plan(self.shard.device, cost, self.max_len, settings)
+        return memory_plan(self.shard.device, cost, self.max_len, settings, shard_workspace(self.shard, settings))
 
     @property
     def pools(self) -> list[KVPool]:
@@ -330,8 +331,7 @@ class Engine:
 
     def memory(self) -> dict[str, float]:
         """GB this engine holds on its device: weights, KV caches (main and spare pools), CUDA graphs."""
-        tensors = {t.data_ptr(): t for t in (*self.shard.parameters(), *self.shard.buffers())}
-        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        weights = self.shard.weight_bytes()
         pools = [*self.pools, *self._spare]
         caches = sum(t.numel() * t.element_size() for p in pools for t in (*p.keys.values(), *p.values.values()))
         return {"weights": weights / GB, "caches": caches / GB, "graphs": self.graph_bytes / GB}

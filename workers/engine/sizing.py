@@ -11,7 +11,9 @@ import torch
 
 from schemas.settings import Settings
 from workers.engine.kvcache import BatchView, KVPool
-from workers.engine.shard import Shard, blank_input
+from workers.engine.shard import FUSED_MAX_SCORE_BYTES, Shard, blank_input
+
+ALLOCATOR_SLACK = 512 << 20  # what fragmentation and small buffers take beside counted memory (expandable segments)
 
 
 def cache_modes(shard: Shard, static: bool | None, graphs: bool | None) -> tuple[bool, bool]:
@@ -91,28 +93,64 @@ class SlotPlan:
         return self.slots + self.short
 
 
-def budget(device: torch.device, settings: Settings) -> float:
-    """Bytes the worker may still fill of a CUDA device: settings.gpu_memory less what is allocated and what
-    other processes hold, less graph_reserve for what is not counted per slot (prefills, workspaces,
-    fragmentation)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    allowed = settings.gpu_memory * total if settings.gpu_memory <= 1 else settings.gpu_memory * 2**30
+def workspace_bytes(config: object, dtype_bytes: int, settings: Settings) -> int:
+    """What a worker keeps free beside its weights and slots for what is not counted per slot: a batched prefill
+    of prefill_tokens tokens (one layer's activations, and the fused attention's score budget) and allocator
+    slack. On a small card this is more than graph_reserve's share."""
+    heads = config.num_attention_heads  # type: ignore[attr-defined]
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
+    width = (heads + 2 * kv) * head_dim + 2 * config.intermediate_size + 4 * config.hidden_size  # type: ignore[attr-defined]
+    return settings.prefill_tokens * width * dtype_bytes + FUSED_MAX_SCORE_BYTES + ALLOCATOR_SLACK
+
+
+def reserve_bytes(left: float, workspace: int, settings: Settings) -> float:
+    """Of `left` bytes after the weights, what slots may not take: graph_reserve's share, at least `workspace`."""
+    return max(left * settings.graph_reserve, workspace)
+
+
+def process_budget(device: torch.device, settings: Settings) -> int | None:
+    """A worker process's memory budget in bytes: settings.gpu_memory as a share of its CUDA device or GiB; on a
+    CPU only a budget given in GiB (None: no budget)."""
+    g = settings.gpu_memory
+    if device.type == "cuda":
+        return int(g * torch.cuda.get_device_properties(device).total_memory if g <= 1 else g * 2**30)
+    return int(g * 2**30) if g > 1 else None
+
+
+def allocator_budget(device: torch.device, settings: Settings) -> int | None:
+    """What the worker's tensors may take: its process budget less, on CUDA, what the process holds outside the
+    allocator (settings.cuda_context_gib)."""
+    whole = process_budget(device, settings)
+    if whole is None or device.type != "cuda":
+        return whole
+    return max(whole - int(settings.cuda_context_gib * 2**30), 0)
+
+
+def budget(device: torch.device, settings: Settings, workspace: int = 0) -> float:
+    """Bytes the worker may still fill of a CUDA device with slots: its `allocator_budget` less what its
+    allocator holds and what other processes hold, less the reserve for what is not counted per slot (prefills,
+    workspaces, fragmentation: `reserve_bytes`)."""
+    allowed = allocator_budget(device, settings) or 0
     free, _ = torch.cuda.mem_get_info(device)
-    return min(allowed - torch.cuda.memory_allocated(device), free) * (1 - settings.graph_reserve)
+    left = min(allowed - torch.cuda.memory_reserved(device), free)
+    return max(left - reserve_bytes(left, workspace, settings), 0.0)
 
 
-def fit_slots(device: torch.device, slot_bytes: int, settings: Settings) -> int:
+def fit_slots(device: torch.device, slot_bytes: int, settings: Settings, workspace: int = 0) -> int:
     """Slots of `slot_bytes` each (`slot_cost`) that fit the device's `budget`; 1 to max_slots."""
-    return max(1, min(settings.max_slots, int(budget(device, settings) // max(slot_bytes, 1))))
+    return max(1, min(settings.max_slots, int(budget(device, settings, workspace) // max(slot_bytes, 1))))
 
 
-def plan_slots(device: torch.device, cost: int, short_cost: int, short_len: int, settings: Settings) -> SlotPlan:
+def plan_slots(
+    device: torch.device, cost: int, short_cost: int, short_len: int, settings: Settings, workspace: int = 0
+) -> SlotPlan:
     """Slots that fit the device's `budget`: full-length ones (`cost` bytes each) in long_slots_share of it,
     short ones (`short_cost` bytes, `short_len` positions) in the rest; at most max_slots in all, at least one
     full-length. Only full-length slots without a short length."""
     if not short_len:
-        return SlotPlan(fit_slots(device, cost, settings))
-    left = budget(device, settings)
+        return SlotPlan(fit_slots(device, cost, settings, workspace))
+    left = budget(device, settings, workspace)
     full = max(1, min(settings.max_slots, int(left * settings.long_slots_share // max(cost, 1))))
     short = max(0, min(settings.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
     return SlotPlan(full, short, short_len)
@@ -130,11 +168,17 @@ def cpu_plan(max_len: int, settings: Settings) -> SlotPlan:
     return SlotPlan(full, max(settings.cpu_slots - full, 0), short)
 
 
-def memory_plan(device: torch.device, cost: Callable[[int], int], max_len: int, settings: Settings) -> SlotPlan:
+def memory_plan(
+    device: torch.device, cost: Callable[[int], int], max_len: int, settings: Settings, workspace: int = 0
+) -> SlotPlan:
     """`plan_slots` for caches of max_len positions (and short ones, `short_len_of`), `cost(positions)` being
-    what one slot of that length costs."""
+    what one slot of that length costs, `workspace` the least kept free (`workspace_bytes`)."""
     short = short_len_of(max_len, settings)
-    return plan_slots(device, cost(max_len), cost(short) if short else 0, short, settings)
+    return plan_slots(device, cost(max_len), cost(short) if short else 0, short, settings, workspace)
+
+
+def shard_workspace(shard: Shard, settings: Settings) -> int:
+    return workspace_bytes(shard.config, shard.dtype.itemsize, settings)
 
 
 def short_len_of(max_len: int, settings: Settings) -> int:

@@ -29,7 +29,15 @@ from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
-from workers.engine.sizing import SlotPlan, cache_len, cache_modes, linger_s, memory_plan, slot_cost
+from workers.engine.sizing import (
+    SlotPlan,
+    cache_len,
+    cache_modes,
+    linger_s,
+    memory_plan,
+    shard_workspace,
+    slot_cost,
+)
 from workers.head.batching import Batcher
 from workers.head.groups import GroupPlan
 from workers.head.prompts import encode_prompt
@@ -198,10 +206,13 @@ def _joint_slots(
     def draft_cost(n: int) -> int:
         return slot_cost(dshard, n, 2, 2 + k) if dshard is not None else 0
 
-    if dshard is None or dshard.device == shard.device:
-        return memory_plan(shard.device, lambda n: head_cost(n) + draft_cost(n), n_max, cfg)
+    ws = shard_workspace(shard, cfg)
+    if dshard is None or dshard.device == shard.device:  # one prefill at a time: the larger workspace
+        ws = max(ws, shard_workspace(dshard, cfg) if dshard is not None else 0)
+        return memory_plan(shard.device, lambda n: head_cost(n) + draft_cost(n), n_max, cfg, ws)
     # the draft model on a GPU of its own: as many slots as both devices hold
-    a, b = memory_plan(shard.device, head_cost, n_max, cfg), memory_plan(dshard.device, draft_cost, n_max, cfg)
+    a = memory_plan(shard.device, head_cost, n_max, cfg, ws)
+    b = memory_plan(dshard.device, draft_cost, n_max, cfg, shard_workspace(dshard, cfg))
     return SlotPlan(min(a.slots, b.slots), min(a.short, b.short), a.short_len)
 
 
