@@ -61,10 +61,11 @@ class Settings(BaseSettings):
         "1); the KV caches get what the weights leave of it, less graph_reserve. Lower it when workers share a GPU.",
     )
     cuda_context_gib: float = Field(
-        1.0,
+        1.5,
         ge=0,
-        description="GiB a CUDA worker's process holds outside its allocator (the CUDA context, library handles and "
-        "workspaces; 0.6-0.9 measured on an H200): gpu_memory bounds the whole process, the allocator gets the rest.",
+        description="GiB a CUDA worker's process holds outside its allocator (the CUDA context, library handles, "
+        "captured graphs; 0.6-1.6 measured on an H200, more with more graphs and 4-bit layers): gpu_memory bounds "
+        "the whole process, the allocator gets the rest.",
     )
     graph_reserve: float = Field(
         0.1,
