@@ -46,6 +46,7 @@ def parse_gpus(_ctx: click.Context, _param: click.Parameter, value: str) -> list
 @click.option(
     "--draft-quant", type=click.Choice(["none", "int8", "4bit"]), default="none", show_default=True, help="Drafter's."
 )
+@click.option("--split", type=click.IntRange(1), default=None, help="Evaluate this split (the tail's first layer).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @plugins_opt
 def plan(
@@ -55,10 +56,11 @@ def plan(
     dtype: str,
     quant: str,
     draft_quant: str,
+    split: int | None,
     as_json: bool,
     plugins: tuple[str, ...],
 ) -> None:
-    """Print the split (head layers 0:S, tail S:L) that holds the most jobs in flight, and each worker's
+    """Print the split (head layers 0:S, tail S:L) that holds the most jobs in flight (or --split's), and each worker's
     expected memory: weights, KV cache slots, the total (the allocator's; add the CUDA context for
     nvidia-smi). Exits 2 if a worker cannot hold one full-length slot."""
     import torch
@@ -82,6 +84,7 @@ def plan(
             draft_quant=draft_quant,
             settings=settings,
             name=str(target),
+            split=split,
         )
     )
     click.echo(json.dumps(result.as_dict()) if as_json else render(result))

@@ -43,6 +43,7 @@ class ModelShape:
     intermediate: int
     heads: int
     vocab: int
+    head_dim: int = 0
     tied: bool = False  # the LM head is the embedding (held once by a shard that has both)
 
 
@@ -75,6 +76,7 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
         intermediate=config.intermediate_size,
         heads=config.num_attention_heads,
         vocab=config.vocab_size,
+        head_dim=head_dim,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
     )
 
@@ -87,15 +89,22 @@ def shard_weights(shape: ModelShape, layers: tuple[int, int], *, embed: bool, he
 
 def row_bytes(shape: ModelShape, tokens: int, length: int, logits: bool, dtype_bytes: int) -> int:
     """An estimate of what one more sequence adds to a batched forward of `tokens` tokens attending over `length`
-    positions: its activations, float32 scores and probabilities, and its logits (a tail)."""
+    positions, as workers measure it (`sizing.row_bytes`, through the HF layers): its activations, its keys and
+    values gathered from the pool and repeated for every query head, float32 scores and probabilities, and
+    the graphs' output buffer (a tail's logits, as `sizing.slot_cost` counts them)."""
     acts = tokens * (6 * shape.hidden + 3 * shape.intermediate) * dtype_bytes
+    gathered = length * (shape.kv_per_position + 2 * shape.heads * shape.head_dim * dtype_bytes)
     scores = shape.heads * tokens * length * (4 + dtype_bytes)
-    return acts + scores + (tokens * shape.vocab * (4 + dtype_bytes) if logits else 0)
+    out = tokens * (tokens * shape.vocab if logits else shape.hidden) * dtype_bytes
+    return acts + gathered + scores + out + (tokens * shape.vocab * 4 if logits else 0)
 
 
-def slot_bytes(shape: ModelShape, n_layers: int, positions: int, tokens: int, logits: bool, dtype_bytes: int) -> int:
-    """Keys/values of one slot of `positions` (+ the step's scratch) over n_layers, plus its row of a forward."""
-    kv = n_layers * shape.kv_per_position * (positions + tokens)
+def slot_bytes(
+    shape: ModelShape, n_layers: int, positions: int, tokens: int, logits: bool, dtype_bytes: int, scratch: int = 0
+) -> int:
+    """Keys/values of one slot of `positions` (+ `scratch`, default the step's tokens) over n_layers, plus its
+    row of a forward of `tokens` tokens (as `sizing.slot_cost`: a round's K+1, a drafter's 2 with K+2 scratch)."""
+    kv = n_layers * shape.kv_per_position * (positions + (scratch or tokens))
     return kv + row_bytes(shape, tokens, positions, logits, dtype_bytes)
 
 
@@ -113,6 +122,7 @@ class WorkerPlan:
     full: int = 0
     short: int = 0
     workspace: int = 0  # the least its budget keeps free beside weights and slots
+    kv_slot: tuple[int, int] = (0, 0)  # keys/values alone of a full-length and a short slot
     context: int = 0  # what its process holds outside the allocator (settings.cuda_context_gib)
     parts: dict[str, int] = field(default_factory=dict)
 
@@ -125,12 +135,17 @@ class WorkerPlan:
         return self.full * self.full_slot + self.short * self.short_slot
 
     @property
+    def kv(self) -> int:
+        """The KV caches alone (what a worker's ready line calls its caches)."""
+        return self.full * self.kv_slot[0] + self.short * self.kv_slot[1]
+
+    @property
     def expected(self) -> int:
         """What the allocator holds at its peak: weights + slots (with their rows) + a prefill's workspace."""
         return min(self.budget - self.context, self.weights + self.caches + self.workspace)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "slots": self.slots, "caches": self.caches, "expected": self.expected}
+        return {**asdict(self), "slots": self.slots, "caches": self.caches, "kv": self.kv, "expected": self.expected}
 
 
 @dataclass
@@ -178,9 +193,10 @@ def plan_split(
     draft_quant: str = "none",
     settings: Settings | None = None,
     name: str = "",
+    split: int | None = None,
 ) -> Plan:
     """The head/tail split (layers 0:s and s:L) that holds the most jobs in flight on GPUs of `gpus` bytes
-    (head, tail, and optionally the drafter's own GPU), and each worker's memory."""
+    (head, tail, and optionally the drafter's own GPU), or the one `split` names, and each worker's memory."""
     if len(gpus) not in (2, 3):
         raise ModelLoadError("a plan needs 2 GPUs (head, tail) or 3 (head, tail, the head's drafter)")
     cfg = settings or Settings()
@@ -189,15 +205,21 @@ def plan_split(
     short_len = cfg.short_cache_len if 0 < cfg.short_cache_len < full_len else 0
     k, n = cfg.draft_k, shape.layers
 
-    def slots(sh: ModelShape, layers: int, tokens: int, logits: bool) -> tuple[int, int]:
-        one = [slot_bytes(sh, layers, p, tokens, logits, size) if p else 0 for p in (full_len, short_len)]
+    def slots(sh: ModelShape, layers: int, tokens: int, logits: bool, scratch: int = 0) -> tuple[int, int]:
+        one = [slot_bytes(sh, layers, p, tokens, logits, size, scratch) if p else 0 for p in (full_len, short_len)]
+        return one[0], one[1]
+
+    def kv(sh: ModelShape | None, layers: int, scratch: int) -> tuple[int, int]:
+        if sh is None:
+            return 0, 0
+        one = [layers * sh.kv_per_position * (p + scratch) if p else 0 for p in (full_len, short_len)]
         return one[0], one[1]
 
     ws = workspace_bytes(config, size, cfg)
     dws = workspace_bytes(draft, size, cfg) if draft is not None else 0
     dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
     dweights = shard_weights(dshape, (0, dshape.layers), embed=True, head=True) if dshape else 0
-    dslot = slots(dshape, dshape.layers, 2 + k, True) if dshape else (0, 0)
+    dslot = slots(dshape, dshape.layers, 2, True, 2 + k) if dshape else (0, 0)
 
     def workers(s: int) -> list[WorkerPlan]:
         hw, hslot = shard_weights(shape, (0, s), embed=True, head=False), slots(shape, s, k + 1, False)
@@ -208,14 +230,21 @@ def plan_split(
                 "head", gpus[0], (0, s), hw + dweights, hslot[0] + dslot[0], hslot[1] + dslot[1], workspace=max(ws, dws)
             )
             head.parts = {"layers": hw, "draft": dweights}
+            hk, dk = kv(shape, s, k + 1), kv(dshape, dshape.layers if dshape else 0, k + 2)
+            head.kv_slot = (hk[0] + dk[0], hk[1] + dk[1])
             out.append(fit(head, cfg, short_len))
         else:
-            out.append(fit(WorkerPlan("head", gpus[0], (0, s), hw, *hslot, workspace=ws), cfg, short_len))
+            head = WorkerPlan("head", gpus[0], (0, s), hw, *hslot, workspace=ws, kv_slot=kv(shape, s, k + 1))
+            out.append(fit(head, cfg, short_len))
             d = WorkerPlan("draft", gpus[2], (0, dshape.layers), dweights, *dslot, workspace=dws)
+            d.kv_slot = kv(dshape, dshape.layers, k + 2)
             out.append(fit(d, cfg, short_len))
-        return [*out, fit(WorkerPlan("tail", gpus[1], (s, n), tw, *tslot, workspace=ws), cfg, short_len)]
+        tail = WorkerPlan("tail", gpus[1], (s, n), tw, *tslot, workspace=ws, kv_slot=kv(shape, n - s, k + 1))
+        return [*out, fit(tail, cfg, short_len)]
 
-    best = max(range(1, n), key=lambda s: (min(w.slots for w in workers(s)), -abs(n - 2 * s)))
+    if split is not None and not 0 < split < n:
+        raise ModelLoadError(f"a split at layer {split} leaves a worker without layers (the model has {n})")
+    best = split or max(range(1, n), key=lambda s: (min(w.slots for w in workers(s)), -abs(n - 2 * s)))
     return Plan(name, str(dtype).removeprefix("torch."), quant, full_len, short_len, workers(best))
 
 
@@ -249,8 +278,9 @@ def worker_needs(parts: list[Part], settings: Settings) -> tuple[int, int, int]:
         workspace = max(workspace, workspace_bytes(p.config, size, settings))
         weights += shard_weights(shape, p.layers, embed=p.embed, head=p.head)
         n = min(settings.static_cache_len, getattr(p.config, "max_position_embeddings", None) or 1 << 30)
-        tokens = settings.draft_k + 1 if i == 0 else settings.draft_k + 2  # a round, or a drafter's feed + draft
-        slot += slot_bytes(shape, p.layers[1] - p.layers[0], n, tokens, p.head, size)
+        k = settings.draft_k  # a round of K+1 tokens, or a drafter's feed of 2 with K+2 positions of scratch
+        tokens, scratch = (k + 1, k + 1) if i == 0 else (2, k + 2)
+        slot += slot_bytes(shape, p.layers[1] - p.layers[0], n, tokens, p.head, size, scratch)
     return weights, slot, workspace
 
 
@@ -282,14 +312,14 @@ def render(plan: Plan) -> str:
         f"{plan.model or 'model'}: {plan.dtype}, layers quantized {plan.quant}; slots of {plan.full_len} "
         f"positions{short}; {plan.in_flight} jobs in flight at most",
         f"{'worker':<7}{'budget GiB':>11}{'layers':>8}{'weights GiB':>12}{'slot MiB full/short':>20}"
-        f"{'slots full+short':>17}{'caches GiB':>11}{'expected GiB':>13}{'+ CUDA ctx':>11}",
+        f"{'slots full+short':>17}{'KV GiB':>7}{'slots GiB':>10}{'expected GiB':>13}{'+ CUDA ctx':>11}",
     ]
     for w in plan.workers:
         a, b = w.layers
         slot = f"{w.full_slot / 2**20:.1f}/{w.short_slot / 2**20:.1f}"
         lines.append(
             f"{w.role:<7}{gb(w.budget):>11}{f'{a}:{b}':>8}{gb(w.weights):>12}{slot:>20}{f'{w.full}+{w.short}':>17}"
-            f"{gb(w.caches):>11}{gb(w.expected):>13}{gb(w.expected + w.context):>11}"
+            f"{gb(w.kv):>7}{gb(w.caches):>10}{gb(w.expected):>13}{gb(w.expected + w.context):>11}"
         )
     if not all(w.slots for w in plan.workers):
         lines.append("does not fit: a worker has no room for one full-length slot (quantize, or use more memory)")

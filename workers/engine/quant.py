@@ -17,6 +17,7 @@ Embeddings, norms and the LM head stay at the shard's dtype (as transformers lea
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,21 @@ from schemas.errors import ModelLoadError
 
 SCHEMES = ("none", "int8", "4bit")
 BLOCKSIZE = 64
+
+
+class _OncePerProcess(logging.Filter):
+    """bitsandbytes logs a warning on every int8 matmul of a float32 input (it casts to float16): keep the first."""
+
+    seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "inputs will be cast" not in record.getMessage():
+            return True
+        first, _OncePerProcess.seen = not _OncePerProcess.seen, True
+        return first
+
+
+logging.getLogger("bitsandbytes.autograd._functions").addFilter(_OncePerProcess())
 
 
 def _bnb():
