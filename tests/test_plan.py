@@ -52,13 +52,13 @@ def test_parse_size():
 def test_plan_command(models):
     runner = CliRunner()
     args = ["plan", "--target", str(models["qwen2"].target), "--draft", str(models["qwen2"].drafter)]
-    res = runner.invoke(main, [*args, "--gpus", "2GiB,2GiB", "--quant", "4bit"])
+    res = runner.invoke(main, [*args, "--gpus", "4GiB,4GiB", "--quant", "4bit"])
     assert res.exit_code == 0, res.output
     assert "layers quantized 4bit" in res.output and "head" in res.output and "tail" in res.output
-    res = runner.invoke(main, [*args[:3], "--gpus", "2GiB,2GiB", "--json"])
+    res = runner.invoke(main, [*args[:3], "--gpus", "4GiB,4GiB", "--json"])
     plan = json.loads(res.output)
     assert [w["layers"] for w in plan["workers"]] == [[0, 2], [2, 4]] and plan["in_flight"] > 0
-    with_draft = json.loads(runner.invoke(main, [*args, "--gpus", "2GiB,2GiB", "--json"]).output)
+    with_draft = json.loads(runner.invoke(main, [*args, "--gpus", "4GiB,4GiB", "--json"]).output)
     assert with_draft["workers"][0]["layers"][1] <= 2  # the drafter's caches share the head's GPU
     res = runner.invoke(main, [*args, "--gpus", "1MiB,1MiB"])
     assert res.exit_code == 2 and "does not fit" in res.output
