@@ -213,6 +213,7 @@ def enqueue(
             batch_id=batch_id,
             result_ttl=result_ttl,  # type: ignore[union-attr]
             retries=retries,
+            tags=parsed.tags if any(parsed.tags) else None,
         )
     )
     if not wait:
@@ -274,6 +275,15 @@ def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix
 @click.option("--follow", is_flag=True, help="Stream the text of running jobs as it commits.")
 @click.option("--jsonl", is_flag=True, help="One JSON object per job.")
 @click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["shardflow", "openai"]),
+    default="shardflow",
+    show_default=True,
+    help="openai: Batch API output lines of the requests that ended (with --follow: as they end, in that "
+    "order); with -o, a file that already holds some gets only the rest.",
+)
+@click.option(
     "-o",
     "--output",
     type=click.Path(dir_okay=False, writable=True),
@@ -287,6 +297,7 @@ def results(
     wait: bool,
     follow: bool,
     jsonl: bool,
+    fmt: str,
     output: str | None,
     timeout: float | None,
     queue: str,
@@ -296,6 +307,8 @@ def results(
     """Results of a batch (or one job): text, token counts, finish reason, timings."""
     client = _client(redis_url, prefix, queue)
     ids = run_guarded(lambda: client.resolve(batch))
+    if fmt == "openai":
+        sys.exit(_openai_results(client, ids, output, follow or wait, timeout))
     if follow:
         views = show_follow(client, ids, timeout)
     elif wait:
@@ -311,6 +324,31 @@ def results(
     elif not follow or jsonl:
         _print_views(views, jsonl)
     sys.exit(_exit_for(views))
+
+
+def _openai_results(client: Client, ids: list[str], output: str | None, follow: bool, timeout: float | None) -> int:
+    from producer.openai_out import open_output, write_results
+
+    try:
+        out, skip = run_guarded(lambda: open_output(output, click.get_text_stream))
+    except OSError as e:
+        fail(f"cannot write {output}: {e.strerror or e}", EXIT_BAD_INPUT)
+    def write() -> tuple[list[JobView], int]:
+        try:
+            return write_results(client, ids, out, skip, follow, timeout)
+        except WaitTimeout as e:
+            fail(f"{e} (the lines of the requests that ended are written)", EXIT_TIMEOUT)
+            raise
+
+    try:
+        views, n = run_guarded(write)
+    finally:
+        if output:
+            out.close()
+    left = sum(v.status not in FINAL for v in views)
+    if output:
+        click.echo(f"{n} lines written to {output}" + (f"; {left} requests not ended yet" if left else ""), err=True)
+    return 0  # a request that failed is a line with its error, as OpenAI's batches write them
 
 
 @click.command()

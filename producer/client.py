@@ -50,6 +50,7 @@ from relay_broker.rq_jobs import SafeJob
 from schemas.errors import InvalidRequest, TransportError
 from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, ModelInfo, job_id_for, job_ttl, read_result
 from schemas.keys import Keys
+from schemas.openai import JobTag
 from schemas.requests import GenerationRequest
 from schemas.settings import Settings
 
@@ -62,6 +63,14 @@ T = TypeVar("T")
 
 def _number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _tag(raw: object) -> dict | None:
+    """A job's OpenAI tag as stored in its meta (anyone who can write Redis can write one): checked, else None."""
+    try:
+        return JobTag.model_validate(raw).model_dump(mode="json") if isinstance(raw, dict) else None
+    except ValidationError:
+        return None
 
 
 def new_batch_id() -> str:
@@ -109,13 +118,15 @@ class Client:
         batch_id: str | None = None,
         result_ttl: int | None = None,
         retries: int | None = None,
+        tags: list[JobTag | None] | None = None,
     ) -> Batch:
         """Enqueue one job per request under one batch, atomically; returns the batch.
 
         `result_ttl` (seconds, at least 1) is the one lifetime of everything a job leaves: its RQ record and
         result (failed or not), ShardFlow's result, text stream and checkpoint, counted from when they are
         written; the batch record lasts as long from enqueueing (the batch stays listed while any of its
-        jobs exists, through RQ's group of the same name)."""
+        jobs exists, through RQ's group of the same name). `tags`: per request, the OpenAI request it came
+        from (kept in the job's meta; results can then be written in OpenAI's formats)."""
         cfg = self.settings
         result_ttl = cfg.result_ttl_s if result_ttl is None else result_ttl
         retries = cfg.job_retries if retries is None else retries
@@ -131,6 +142,9 @@ class Client:
         if self.r.exists(self.keys.batch(batch_id), Group.get_key(batch_id)):
             raise InvalidRequest(f"batch {batch_id} already exists")
         ids = [job_id_for(batch_id, i) for i in range(len(requests))]
+        tags = tags or [None] * len(requests)
+        if len(tags) != len(requests):
+            raise InvalidRequest("one tag per request")
         retry = Retry(max=retries, interval=self.settings.retry_intervals_s[:retries] or 0) if retries > 0 else None
         datas = [
             Queue.prepare_data(
@@ -141,10 +155,11 @@ class Client:
                 result_ttl=result_ttl,
                 failure_ttl=result_ttl,
                 retry=retry,
-                meta={"batch": batch_id, "index": i, "prompt": preview(req)},
+                meta={"batch": batch_id, "index": i, "prompt": preview(req)}
+                | ({"openai": tag.model_dump(mode="json")} if tag is not None else {}),
                 description=f"{batch_id}[{i}]",
             )
-            for i, (jid, req) in enumerate(zip(ids, requests, strict=True))
+            for i, (jid, req, tag) in enumerate(zip(ids, requests, tags, strict=True))
         ]
         with self.r.pipeline() as pipe:
             pipe.hset(
@@ -230,6 +245,7 @@ class Client:
             {k: v for k, v in progress.items() if _number(v)} if isinstance(progress, dict) else {},
             str(error) if error is not None else bad,
             result,
+            _tag(meta.get("openai")),
         )
 
     # --- waiting ------------------------------------------------------------------------------

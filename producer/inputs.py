@@ -1,18 +1,22 @@
 """Reading prompts for `shardflow enqueue`: arguments, a text file (one prompt per line), a JSONL file
-(one request per line, with per-line parameters), or stdin (`-`). Every line is validated; errors
+(one request per line, with per-line parameters; or OpenAI Batch API lines, `{"custom_id", "method",
+"url", "body"}`, whose bodies carry their own parameters), or stdin (`-`). Every line is validated; errors
 carry their line number, and any error means nothing is enqueued."""
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from schemas.errors import InvalidRequest
+from schemas.openai import BatchLine, JobTag
 from schemas.requests import GenerationRequest
+
+BATCH_KEYS = {"custom_id", "method", "url", "body"}
 
 
 @dataclass
@@ -20,6 +24,7 @@ class Parsed:
     requests: list[GenerationRequest]
     sources: list[str]  # "argument 2", "line 7", ... per request
     errors: list[str]
+    tags: list[JobTag | None] = field(default_factory=list)  # per request: its Batch API line's, if any
 
 
 def pydantic_reason(e: ValidationError) -> str:
@@ -96,17 +101,32 @@ def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
             items.append(
                 (f"line {n}", obj, None) if isinstance(obj, dict) else (f"line {n}", None, "expected a JSON object")
             )
-    requests, sources, errors = [], [], []
+    out = Parsed([], [], [])
+    custom_ids: dict[str, str] = {}
     for where, item, problem in items:
         if item is None:
-            errors.append(f"{where}: {problem}")
+            out.errors.append(f"{where}: {problem}")
             continue
-        data = _merge(defaults, item if isinstance(item, dict) else {"prompt": item})
         try:
-            requests.append(GenerationRequest.model_validate(data))
-            sources.append(where)
+            if isinstance(item, dict) and BATCH_KEYS & item.keys():  # a Batch API line
+                line = BatchLine.model_validate(item)
+                req, tag = line.generation(), line.tag()
+                if line.custom_id in custom_ids:
+                    out.errors.append(f"{where}: custom_id {line.custom_id!r} already on {custom_ids[line.custom_id]}")
+                    continue
+                custom_ids[line.custom_id] = where
+            else:
+                req, tag = GenerationRequest.model_validate(_merge(defaults, _as_dict(item))), None
         except ValidationError as e:
-            errors.append(f"{where}: {pydantic_reason(e)}")
-    if not items and not errors:
-        errors.append("no prompts given (arguments, --file PATH, or - for stdin)")
-    return Parsed(requests, sources, errors)
+            out.errors.append(f"{where}: {pydantic_reason(e)}")
+            continue
+        out.requests.append(req)
+        out.sources.append(where)
+        out.tags.append(tag)
+    if not items and not out.errors:
+        out.errors.append("no prompts given (arguments, --file PATH, or - for stdin)")
+    return out
+
+
+def _as_dict(item: dict | str) -> dict:
+    return item if isinstance(item, dict) else {"prompt": item}

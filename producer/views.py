@@ -26,6 +26,7 @@ class JobView:
     progress: dict = field(default_factory=dict)
     error: str | None = None
     result: dict | None = None
+    openai: dict | None = None  # the OpenAI request it came from (schemas/openai.py JobTag), if any
 
     def as_dict(self) -> dict:
         """The view as JSON-ready data (`--json` / `--jsonl` output)."""

@@ -1,0 +1,226 @@
+"""OpenAI's formats as ShardFlow speaks them: Batch API input lines, chat / text completion request bodies (the
+Batch API's and `shardflow serve`'s), and the objects returned (completions, stream chunks, batch output
+lines, errors).
+
+    line = BatchLine.model_validate_json(text)     # {"custom_id", "method": "POST", "url", "body"}
+    req = line.generation()                         # a GenerationRequest
+    out = output_line(tag, job_id, result, error)   # {"id", "custom_id", "response": {...}, "error"}
+
+Request bodies are validated like every other input (unknown fields refused, `n` only 1); a body becomes
+one GenerationRequest. OpenAI's defaults apply (temperature 1, top_p 1); max_tokens defaults to ShardFlow's
+max_new_tokens. The tag a job keeps (`JobTag`: custom_id, endpoint, model) is written by producers, so it
+is validated again wherever it is read.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas.requests import ChatMessage, GenerationRequest, SamplingParams
+from schemas.settings import DEFAULTS
+
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
+CustomId = Annotated[str, Field(min_length=1, max_length=64)]
+Stop = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text"]
+    text: str = Field(max_length=1 << 20)
+
+
+class MessageIn(BaseModel):
+    """A chat message as OpenAI sends it: content a string or text parts; 'developer' is a system message."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, Field(max_length=1 << 20)] | Annotated[list[TextPart], Field(max_length=64)]
+    name: str | None = Field(None, max_length=256)
+
+    def plain(self) -> ChatMessage:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """What chat and text completion bodies share."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop: Stop | Annotated[list[Stop], Field(max_length=16)] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError("only n = 1 is supported (one choice per request)")
+        return n
+
+    def _common(self, max_new: int | None) -> dict[str, Any]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
+        sampling = SamplingParams(temperature=temperature, top_p=self.top_p or 1.0, seed=self.seed)
+        return {"max_new_tokens": max_new or DEFAULTS.max_new_tokens, "sampling": sampling, "stop": stop}
+
+
+class ChatBody(_Body):
+    messages: list[MessageIn] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
+
+    def generation(self) -> GenerationRequest:
+        common = self._common(self.max_completion_tokens or self.max_tokens)
+        return GenerationRequest(messages=[m.plain() for m in self.messages], **common)
+
+
+class CompletionBody(_Body):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+
+    def generation(self) -> GenerationRequest:
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return GenerationRequest(prompt=prompt, chat_template=False, **self._common(self.max_tokens))
+
+
+def body_for(url: str, body: Any) -> ChatBody | CompletionBody:
+    """The validated body of a request to `url` (pydantic's ValidationError if it is not one)."""
+    return (ChatBody if url == CHAT else CompletionBody).model_validate(body)
+
+
+class BatchLine(BaseModel):
+    """One line of a Batch API input file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    custom_id: CustomId
+    method: Literal["POST"]
+    url: Endpoint
+    body: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _body(self) -> BatchLine:
+        if body_for(self.url, self.body).stream:
+            raise ValueError("body.stream: a batch request is not streamed")
+        return self
+
+    def generation(self) -> GenerationRequest:
+        return body_for(self.url, self.body).generation()
+
+    def tag(self) -> JobTag:
+        return JobTag(custom_id=self.custom_id, url=self.url, model=str(self.body["model"]))
+
+
+class JobTag(BaseModel):
+    """What a job keeps of the OpenAI request it came from (in its meta, under `openai`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    custom_id: CustomId | None = None
+    url: Endpoint = CHAT
+    model: str = Field("shardflow", min_length=1, max_length=256)
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """ShardFlow's finish reason as OpenAI's: eos and stop strings are 'stop'."""
+    return None if reason is None else "length" if reason == "length" else "stop"
+
+
+def usage(result: dict) -> dict[str, int]:
+    p, c = int(result.get("prompt_tokens", 0)), int(result.get("completion_tokens", 0))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def completion(tag: JobTag, job_id: str, result: dict, created: int | None = None) -> dict:
+    """The chat.completion or text_completion object of a finished job's result."""
+    created = int(time.time()) if created is None else created
+    reason = finish_reason(result.get("finish_reason"))
+    if tag.url == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.get("text", "")}}
+        choice |= {"logprobs": None, "finish_reason": reason}
+        kind, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": result.get("text", ""), "logprobs": None, "finish_reason": reason}
+        kind, prefix = "text_completion", "cmpl-"
+    return {
+        "id": f"{prefix}{job_id}",
+        "object": kind,
+        "created": created,
+        "model": tag.model,
+        "choices": [choice],
+        "usage": usage(result),
+    }
+
+
+def chunk(tag: JobTag, job_id: str, created: int, text: str | None, reason: str | None, role: bool = False) -> dict:
+    """One server-sent event's object of a streamed completion (text None: an empty delta)."""
+    if tag.url == CHAT:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        kind, prefix = "chat.completion.chunk", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        kind, prefix = "text_completion", "cmpl-"
+    return {"id": f"{prefix}{job_id}", "object": kind, "created": created, "model": tag.model, "choices": [choice]}
+
+
+def usage_chunk(tag: JobTag, job_id: str, created: int, result: dict) -> dict:
+    """The last chunk of a stream asked with stream_options.include_usage: no choices, the usage."""
+    kind, prefix = ("chat.completion.chunk", "chatcmpl-") if tag.url == CHAT else ("text_completion", "cmpl-")
+    return {
+        "id": f"{prefix}{job_id}",
+        "object": kind,
+        "created": created,
+        "model": tag.model,
+        "choices": [],
+        "usage": usage(result),
+    }
+
+
+def error(message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None):
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def status_of(job_error: str | None) -> int:
+    """The HTTP status a failed job's output line carries: 400 for a request that can never run, else 500."""
+    invalid = ("InvalidRequest", "NonFiniteError", "not available on this worker", "cannot fit", "exceeds")
+    return 400 if job_error and any(s in job_error for s in invalid) else 500
+
+
+def output_line(tag: JobTag, job_id: str, result: dict | None, job_error: str | None) -> dict:
+    """A Batch API output line for a job that ended: its completion, or its error with a 4xx/5xx status."""
+    if result is not None:
+        response = {"status_code": 200, "request_id": job_id, "body": completion(tag, job_id, result)}
+        return {"id": f"batch_req_{job_id}", "custom_id": tag.custom_id, "response": response, "error": None}
+    status = status_of(job_error)
+    message = job_error or "the request failed"
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    response = {"status_code": status, "request_id": job_id, "body": error(message, kind)}
+    return {
+        "id": f"batch_req_{job_id}",
+        "custom_id": tag.custom_id,
+        "response": response,
+        "error": {"code": kind, "message": message},
+    }

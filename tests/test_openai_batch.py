@@ -1,0 +1,154 @@
+"""OpenAI Batch API files in and out: `shardflow enqueue --file` takes Batch API lines (all-or-nothing, errors by
+line number), `shardflow results --format openai` writes output lines joined on custom_id, as jobs end with
+--follow, and a re-run with the same -o appends only what is missing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from schemas.openai import CHAT, TEXT, BatchLine, ChatBody, JobTag, output_line
+from tests.conftest import PROMPTS
+from tests.job_env import Env, reference
+
+
+@pytest.fixture(scope="module")
+def env(models, redis_server, redis_client, tmp_path_factory):
+    e = Env("oai", models, redis_server, redis_client, tmp_path_factory.mktemp("oai"))
+    yield e
+    e.close()
+
+
+def batch_line(custom_id: str, url: str = TEXT, **body: object) -> dict:
+    body = {"model": "tiny", "temperature": 0, **body}
+    if url == TEXT:
+        body.setdefault("prompt", PROMPTS[0])
+    else:
+        body.setdefault("messages", [{"role": "user", "content": PROMPTS[0]}])
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def write_jsonl(path, lines: list[dict]) -> str:
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_bodies_become_generation_requests():
+    chat = ChatBody.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "stop": "\n",
+            "seed": 3,
+        }
+    ).generation()
+    assert chat.messages[0].role == "system" and chat.messages[0].content == "Be brief."
+    assert chat.max_new_tokens == 7 and chat.stop == ["\n"] and chat.sampling.temperature == 1.0
+    assert chat.sampling.seed == 3
+    text = BatchLine.model_validate(batch_line("a", prompt=["x y"], max_tokens=4)).generation()
+    assert text.prompt == "x y" and text.chat_template is False and text.sampling.greedy
+    for bad in ({"n": 2}, {"logit_bias": {}}, {"temperature": 3}, {"prompt": ["a", "b"]}):
+        with pytest.raises(ValidationError):
+            BatchLine.model_validate(batch_line("a", **bad))
+    failed = output_line(JobTag(custom_id="x", url=CHAT), "b-00000", None, "InvalidRequest: prompt too long")
+    assert failed["response"]["status_code"] == 400 and failed["error"]["message"].startswith("InvalidRequest")
+    assert output_line(JobTag(custom_id="x"), "b-1", None, "tail crashed")["response"]["status_code"] == 500
+
+
+def test_batch_file_in_and_out(env, hf_models, tokenizers, tmp_path):
+    tok, hf = tokenizers["qwen2"], hf_models["qwen2"]
+    lines = [batch_line(f"req-{i}", prompt=p, max_tokens=6 + i) for i, p in enumerate(PROMPTS[:4])]
+    lines.append(batch_line("chat-1", CHAT, max_completion_tokens=5, stop=["zzz"]))
+    res = env.cli("enqueue", "--file", write_jsonl(tmp_path / "in.jsonl", lines), "--wait", "--timeout", "120")
+    assert res.exit_code == 0, res.output
+    batch = env.r.keys(f"{env.prefix}:batch:*")
+    batch_id = max(b.decode() for b in batch).rsplit(":", 1)[-1]
+    out = tmp_path / "out.jsonl"
+    res = env.cli("results", batch_id, "--format", "openai", "-o", str(out))
+    assert res.exit_code == 0, res.output
+    got = {x["custom_id"]: x for x in read_jsonl(out)}
+    assert set(got) == {x["custom_id"] for x in lines}
+    for i, p in enumerate(PROMPTS[:4]):
+        line = got[f"req-{i}"]
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        want = reference(hf, tok, p, 6 + i)
+        assert body["object"] == "text_completion" and body["model"] == "tiny"
+        assert body["choices"][0]["text"] == tok.decode(want)
+        assert body["usage"]["completion_tokens"] == len(want)
+        assert body["choices"][0]["finish_reason"] == ("stop" if len(want) < 6 + i else "length")
+    chat = got["chat-1"]["response"]["body"]
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    # a second run with the same file appends nothing; a torn last line is cut, then only the missing lines come
+    assert env.cli("results", batch_id, "--format", "openai", "-o", str(out)).exit_code == 0
+    assert len(read_jsonl(out)) == 5
+    kept = out.read_text().splitlines()[:2]
+    out.write_text("\n".join(kept) + "\n" + '{"id": "torn')
+    res = env.cli("results", batch_id, "--format", "openai", "-o", str(out))
+    assert res.exit_code == 0 and "3 lines written" in res.output
+    again = read_jsonl(out)
+    assert len(again) == 5 and {x["custom_id"] for x in again} == set(got)
+
+
+def test_follow_writes_lines_as_jobs_end(env, tmp_path):
+    # greedy "Tokyo" runs 300 tokens without an EOS on the tiny model: the long jobs outlive the short one
+    long = [batch_line(f"long-{i}", prompt="Tokyo", max_tokens=300) for i in range(3)]
+    lines = [batch_line("short", max_tokens=1), *long]
+    res = env.cli("enqueue", "--file", write_jsonl(tmp_path / "in.jsonl", lines), "--json")
+    assert res.exit_code == 0, res.output
+    batch_id = json.loads(res.output)["batch_id"]
+    out = tmp_path / "follow.jsonl"
+    seen_partial = threading.Event()
+
+    def watch() -> None:  # the file holds the first line while the long jobs still run
+        while not seen_partial.is_set():
+            text = out.read_text() if out.exists() else ""
+            views = env.client.views(env.client.resolve(batch_id))
+            if text.count("\n") >= 1 and any(v.status != "finished" for v in views):
+                seen_partial.set()
+            if all(v.status == "finished" for v in views):
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    res = env.cli("results", batch_id, "--format", "openai", "-o", str(out), "--follow", "--timeout", "120")
+    watcher.join(10)
+    assert res.exit_code == 0, res.output
+    assert seen_partial.is_set()
+    order = [x["custom_id"] for x in read_jsonl(out)]
+    assert sorted(order) == sorted(x["custom_id"] for x in lines) and order[0] == "short"
+
+
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ({"n": 2}, "only n = 1"),
+        ({"prompt": None}, "prompt"),
+        ({"stream": "yes"}, "stream"),
+    ],
+)
+def test_bad_batch_lines_are_refused_by_line_number(env, tmp_path, bad, fragment):
+    lines = [batch_line("ok-1"), batch_line("bad", **bad), batch_line("ok-2")]
+    before = env.r.keys(f"{env.prefix}:batch:*")
+    res = env.cli("enqueue", "--file", write_jsonl(tmp_path / "in.jsonl", lines))
+    assert res.exit_code == 2 and "line 2" in res.output and fragment in res.output, res.output
+    assert env.r.keys(f"{env.prefix}:batch:*") == before  # nothing enqueued
+
+
+def test_duplicate_and_long_custom_ids_are_refused(env, tmp_path):
+    lines = [batch_line("same"), batch_line("same"), batch_line("x" * 65), {**batch_line("u"), "url": "/v1/embeddings"}]
+    res = env.cli("enqueue", "--file", write_jsonl(tmp_path / "in.jsonl", lines))
+    assert res.exit_code == 2, res.output
+    assert "line 2: custom_id 'same' already on line 1" in res.output
+    assert "line 3: custom_id" in res.output and "line 4: url" in res.output
