@@ -5,6 +5,7 @@ Jobs:      shardflow enqueue | status | results | retry | cancel | info   (produ
 Operators: shardflow dead-letters                 (producer/cli_admin.py)
 One-shot:  shardflow generate | local | demo
 Planning:  shardflow plan                         (producer/cli_plan.py)
+HTTP:      shardflow serve (OpenAI-compatible)     (producer/cli_serve.py, producer/api.py)
 
 Every option has --help; defaults come from schemas/settings.py (environment: SHARDFLOW_*).
 Exit codes: 0 ok; 1 a job failed or was cancelled; 2 bad usage or invalid input (nothing enqueued; a
@@ -26,7 +27,7 @@ import logging
 
 import click
 
-from producer import cli_admin, cli_jobs, cli_plan, cli_workers
+from producer import cli_admin, cli_jobs, cli_plan, cli_serve, cli_workers
 from producer.options import GuardedGroup
 
 
@@ -53,6 +54,7 @@ COMMANDS: tuple[click.Command, ...] = (
     cli_workers.local,
     cli_workers.demo,
     cli_plan.plan,
+    cli_serve.serve,
 )
 for _command in COMMANDS:
     main.add_command(_command)

@@ -86,21 +86,35 @@ def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
             items.append((f"argument {i}", a, None))
     if file is not None:
         lines = _read_text(file).splitlines()
-        jsonl = _looks_jsonl(file, lines)
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            if not jsonl:
-                items.append((f"line {n}", line, None))
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                items.append((f"line {n}", None, f"invalid JSON: {e.msg}"))
-                continue
-            items.append(
-                (f"line {n}", obj, None) if isinstance(obj, dict) else (f"line {n}", None, "expected a JSON object")
-            )
+        items += _line_items(lines, _looks_jsonl(file, lines))
+    return _parse_items(items, defaults)
+
+
+def read_jsonl_text(text: str) -> Parsed:
+    """Requests from the text of a JSONL file (an uploaded Batch API input file), as `read_prompts` reads one."""
+    return _parse_items(_line_items(text.splitlines(), True), {})
+
+
+def _line_items(lines: list[str], jsonl: bool) -> list[tuple[str, dict | str | None, str | None]]:
+    items: list[tuple[str, dict | str | None, str | None]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            items.append((f"line {n}", line, None))
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            items.append((f"line {n}", None, f"invalid JSON: {e.msg}"))
+            continue
+        items.append(
+            (f"line {n}", obj, None) if isinstance(obj, dict) else (f"line {n}", None, "expected a JSON object")
+        )
+    return items
+
+
+def _parse_items(items: list[tuple[str, dict | str | None, str | None]], defaults: dict) -> Parsed:
     out = Parsed([], [], [])
     custom_ids: dict[str, str] = {}
     for where, item, problem in items:

@@ -13,6 +13,8 @@ Jobs (producer <-> head):
   {prefix}:ckpt:{job_id}            its committed tokens, where a retry resumes
   {prefix}:cancel:{job_id}          a request to cancel it while it runs
   {prefix}:model:{queue}            what the queue's head workers announce
+  {prefix}:api:file:{file_id}       a file uploaded to `shardflow serve` (POST /v1/files), expiring
+  {prefix}:api:batches              the batches made through its /v1/batches, by creation time
 The ACL template (deploy/users.acl.template) grants each role its part of these patterns.
 """
 
@@ -66,3 +68,10 @@ class Keys:
 
     def model_info(self, queue: str) -> str:
         return f"{self.prefix}:model:{queue}"
+
+    def api_file(self, file_id: str) -> str:
+        return f"{self.prefix}:api:file:{file_id}"
+
+    @property
+    def api_batches(self) -> str:
+        return f"{self.prefix}:api:batches"

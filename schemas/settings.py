@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     follow_block_ms: int = Field(300, description="Blocking read of token streams by `--follow` (Client.follow).")
     follow_read_count: int = Field(64, description="Token-stream entries `--follow` reads per stream per call.")
     progress_interval_s: float = Field(0.2, description="Least time between progress/token updates of a job.")
+    # --- shardflow serve (the OpenAI-compatible API) ---
+    api_max_body_bytes: int = Field(32 << 20, ge=1024, description="Largest request body (and uploaded file).")
+    api_max_concurrent: int = Field(
+        256, ge=1, description="Requests `shardflow serve` handles at once; more are answered 429."
+    )
+    api_timeout_s: float = Field(3600.0, gt=0, description="Longest a completion request waits for its job.")
     # --- generation ---
     draft_k: int = Field(8, description="Draft tokens proposed per round (K).")
     ngram_max: int = Field(3, description="Longest n-gram the prompt-lookup drafter matches.")

@@ -1,0 +1,206 @@
+"""`shardflow serve` through the official `openai` client: a real serve process, real Redis, real tail and head
+worker processes and a tiny split model. Greedy output equals HF `generate`, streamed equals not streamed, a
+Batch API file goes through files and batches, keys are required, bad bodies are 400 and enqueue nothing,
+and a stream the client drops cancels its job."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+from click.testing import CliRunner
+
+from producer.cli import main
+from tests.conftest import PROMPTS
+from tests.job_env import Env, reference
+
+KEY = "test-key-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def api(models, redis_server, redis_client, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("api")
+    env = Env("api", models, redis_server, redis_client, tmp)
+    keys = tmp / "keys"
+    keys.write_text(f"# keys of this test\n{KEY}\n")
+    port = free_port()
+    args = [sys.executable, "-m", "producer", "serve", "--port", str(port), "--api-keys", str(keys), *env.opts]
+    proc = subprocess.Popen(args, stdout=(tmp / "serve.log").open("ab"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, (tmp / "serve.log").read_text()
+        time.sleep(0.2)
+    yield SimpleNamespace(env=env, base=base, client=openai.OpenAI(base_url=base, api_key=KEY, max_retries=0))
+    proc.terminate()
+    proc.wait(20)
+    env.close()
+
+
+def chat_reference(hf, tok, content: str, n: int) -> str:
+    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+    return tok.decode(out[0, ids.shape[1] :].tolist())
+
+
+def test_completions_and_chat_equal_generate(api, hf_models, tokenizers):
+    tok, hf = tokenizers["qwen2"], hf_models["qwen2"]
+    for p in PROMPTS[:3]:
+        got = api.client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0)
+        want = reference(hf, tok, p, 8)
+        assert got.choices[0].text == tok.decode(want) and got.object == "text_completion"
+        assert got.usage.completion_tokens == len(want) and got.model == "tiny"
+    chat = api.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPTS[5]}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.content == chat_reference(hf, tok, PROMPTS[5], 8)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.object == "chat.completion"
+
+
+def test_streamed_equals_not_streamed(api):
+    for kind in ("chat", "text"):
+        kw = dict(model="tiny", max_tokens=12, temperature=0)
+        if kind == "chat":
+            msgs = [{"role": "user", "content": PROMPTS[2]}]
+            whole = api.client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
+            stream = api.client.chat.completions.create(
+                messages=msgs, stream=True, stream_options={"include_usage": True}, **kw
+            )
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            whole = api.client.completions.create(prompt=PROMPTS[2], **kw).choices[0].text
+            chunks = list(
+                api.client.completions.create(
+                    prompt=PROMPTS[2], stream=True, stream_options={"include_usage": True}, **kw
+                )
+            )
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == whole
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0  # include_usage
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_models_list(api, models):
+    names = [m.id for m in api.client.models.list()]
+    assert names == [str(models["qwen2"].target)]
+
+
+def test_batch_api_file_to_output(api, hf_models, tokenizers, tmp_path):
+    tok, hf = tokenizers["qwen2"], hf_models["qwen2"]
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0},
+        }
+        for i, p in enumerate(PROMPTS[:5])
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with path.open("rb") as f:
+        upload = api.client.files.create(file=f, purpose="batch")
+    batch = api.client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.status == "in_progress" and batch.request_counts.total == 5
+    deadline = time.monotonic() + 120
+    while batch.status != "completed":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.3)
+        batch = api.client.batches.retrieve(batch.id)
+    assert batch.request_counts.completed == 5 and batch.output_file_id and batch.error_file_id is None
+    assert batch.id in [b.id for b in api.client.batches.list()]
+    out = [json.loads(x) for x in api.client.files.content(batch.output_file_id).text.splitlines()]
+    by_id = {x["custom_id"]: x for x in out}
+    for i, p in enumerate(PROMPTS[:5]):
+        body = by_id[f"r{i}"]["response"]["body"]
+        assert body["choices"][0]["text"] == tok.decode(reference(hf, tok, p, 6))
+    assert api.client.files.content(upload.id).text == path.read_text()
+
+
+def test_keys_are_required(api):
+    for key in ("wrong", ""):
+        c = openai.OpenAI(base_url=api.base, api_key=key or "x", max_retries=0)
+        headers = {} if not key else None
+        with pytest.raises(openai.AuthenticationError):
+            c.completions.create(model="tiny", prompt="x", max_tokens=1, extra_headers=headers or {})
+    r = httpx.post(f"{api.base}/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b"{not json", "not JSON"),
+        (b'{"model": "tiny"}', "prompt"),
+        (b'{"model": "tiny", "prompt": "x", "n": 2}', "only n = 1"),
+        (b'{"model": "tiny", "prompt": "x", "logit_bias": {}}', "logit_bias"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', "max_tokens"),
+    ],
+)
+def test_malformed_bodies_are_400_and_enqueue_nothing(api, body, fragment):
+    before = api.env.r.keys(f"{api.env.prefix}:batch:*")
+    r = httpx.post(
+        f"{api.base}/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and fragment in err["message"]
+    assert api.env.r.keys(f"{api.env.prefix}:batch:*") == before
+
+
+def test_unknown_urls_are_404_in_openai_shape(api):
+    r = httpx.get(f"{api.base}/batches/batch_nope", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(f"{api.base}/nothing").status_code == 404
+
+
+def test_a_dropped_stream_cancels_its_job(api):
+    """The client reads the first chunks of a long streamed completion, then goes away: its job is cancelled."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "prompt": "Tokyo", "max_tokens": 1500, "temperature": 0, "stream": True}
+    job_id = None
+    with httpx.stream("POST", f"{api.base}/completions", json=body, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                data = json.loads(line[6:])
+                job_id = data["id"].removeprefix("cmpl-")
+                if data["choices"][0]["text"]:
+                    break
+    assert job_id is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        (view,) = api.env.client.views([job_id])
+        if view.status == "failed":
+            break
+        time.sleep(0.2)
+    assert (view.status, view.error) == ("failed", "cancelled by user")
+
+
+def test_no_auth_only_on_loopback():
+    res = CliRunner().invoke(main, ["serve", "--no-auth", "--host", "0.0.0.0"])
+    assert res.exit_code == 2 and "loopback" in res.output
+    res = CliRunner().invoke(main, ["serve"], env={"SHARDFLOW_API_KEYS": ""})
+    assert res.exit_code == 2 and "no API keys" in res.output
