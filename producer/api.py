@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from pydantic import ValidationError
@@ -33,37 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from producer.api_common import ApiConfig, ApiError, Handler
 from producer.client import FINAL, Client, Followed, JobEnded, JobView, NotFound, TextChunk
 from producer.inputs import pydantic_reason
 from schemas.openai import CHAT, TEXT, JobTag, body_for, chunk, completion, error, status_of, usage_chunk
-
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error(self.message, self.kind, self.code), status_code=self.status)
-
-
-@dataclass
-class ApiConfig:
-    keys: frozenset[str] | None  # None: no authentication (loopback only)
-    max_body_bytes: int
-    max_concurrent: int
-    timeout_s: float
-
-
-def loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Api:

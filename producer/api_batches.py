@@ -17,24 +17,21 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from producer.api_common import ApiError, Host
 from producer.inputs import read_jsonl_text
 from producer.openai_out import line_for
 from producer.views import FINAL, JobView
 from schemas.openai import CHAT, TEXT
 
-if TYPE_CHECKING:
-    from producer.api import Api
-
 WINDOWS = ("24h",)
 
 
-def batch_routes(api: Api) -> list[Route]:
+def batch_routes(api: Host) -> list[Route]:
     b = Batches(api)
     return [
         Route("/v1/files", api.guard(b.upload), methods=["POST"]),
@@ -48,14 +45,12 @@ def batch_routes(api: Api) -> list[Route]:
 
 
 class Batches:
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: Host) -> None:
         self.api, self.client = api, api.client
         self.r, self.keys = api.client.r, api.client.keys
 
     # --- files -----------------------------------------------------------------------------------
     async def upload(self, request: Request) -> Response:
-        from producer.api import ApiError
-
         limit = self.api.config.max_body_bytes
         if int(request.headers.get("content-length") or 0) > limit:
             raise ApiError(413, f"request body over {limit} bytes")
@@ -87,8 +82,6 @@ class Batches:
             pipe.execute()
 
     def _stored(self, fid: str) -> dict:
-        from producer.api import ApiError
-
         raw = self.r.hgetall(self.keys.api_file(fid))
         try:
             return {
@@ -126,8 +119,6 @@ class Batches:
 
     # --- batches ---------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
-        from producer.api import ApiError
-
         body = await self.api.json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("input_file_id"), str):
             raise ApiError(400, "give input_file_id, endpoint and completion_window")

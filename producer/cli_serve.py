@@ -44,7 +44,8 @@ def serve(host: str, port: int, keys_file: str | None, no_auth: bool, queue: str
     queue: every request becomes a job for the head workers; Ctrl-C stops."""
     import uvicorn
 
-    from producer.api import Api, ApiConfig, loopback
+    from producer.api import Api
+    from producer.api_common import ApiConfig, loopback
     from producer.client import Client
     from relay_broker.connection import connect
     from schemas.settings import Settings
