@@ -251,10 +251,10 @@ def test_slots_are_sized_from_the_memory_a_worker_may_fill(models, monkeypatch):
 
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 10 * gib)
     free = {"now": 90 * gib}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free["now"], 100 * gib))
-    cfg = Settings(gpu_memory=0.5, graph_reserve=0.2, max_slots=64)
+    cfg = Settings(gpu_memory=0.5, graph_reserve=0.2, max_slots=64, cuda_context_gib=0)
     assert sizing.fit_slots(torch.device("cuda:0"), gib, cfg) == 32  # (50 - 10) * 0.8 GiB, 1 GiB a slot
     free["now"] = 20 * gib  # another process holds most of the device
     assert sizing.fit_slots(torch.device("cuda:0"), gib, cfg) == 16
