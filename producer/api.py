@@ -67,8 +67,17 @@ class Api:
                 self.authenticate(request)
                 if self.slots.locked():
                     raise ApiError(429, "too many requests at once; retry shortly", "rate_limit_error")
-                async with self.slots:
-                    return await handler(request)
+                await self.slots.acquire()
+                try:
+                    response = await handler(request)
+                except BaseException:
+                    self.slots.release()
+                    raise
+                if isinstance(response, HeldStream):  # a stream holds its slot until it is sent or dropped
+                    response.release = self.slots.release
+                else:
+                    self.slots.release()
+                return response
             except ApiError as e:
                 return e.response()
 
@@ -128,7 +137,7 @@ class Api:
         jid = batch.job_ids[0]
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream(request, jid, tag, usage), media_type="text/event-stream")
+            return HeldStream(self.stream(request, jid, tag, usage), media_type="text/event-stream")
         view = await self.wait(request, jid)
         if view.status != "finished" or view.result is None:
             status = status_of(view.error)
@@ -193,6 +202,21 @@ class Api:
             if usage:
                 yield sse(usage_chunk(tag, jid, created, view.result))
         yield "data: [DONE]\n\n"
+
+
+class HeldStream(StreamingResponse):
+    """A streamed response that gives back its concurrency slot once it is sent, or the client went away
+    (whatever ends the ASGI call; a body iterator that never started would not)."""
+
+    release: Callable[[], None] | None = None
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.release is not None:
+                self.release()
+                self.release = None
 
 
 def _reason(result: dict) -> str:

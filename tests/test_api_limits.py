@@ -1,0 +1,111 @@
+"""`shardflow serve`'s limits and batch cancelling, on a serve process of its own with small limits: a body
+over the limit is 413, a request past the concurrency limit is 429, both in OpenAI's error shape and with
+nothing enqueued; a cancelled batch's jobs stop and it ends `cancelled`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from tests.job_env import Env
+from tests.test_api import KEY, free_port
+
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def small(models, redis_server, redis_client, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("api-limits")
+    env = Env("apilim", models, redis_server, redis_client, tmp)
+    port = free_port()
+    limits = {"SHARDFLOW_API_MAX_BODY_BYTES": "4096", "SHARDFLOW_API_MAX_CONCURRENT": "1", "SHARDFLOW_API_KEYS": KEY}
+    args = [sys.executable, "-m", "producer", "serve", "--port", str(port), *env.opts]
+    proc = subprocess.Popen(
+        args, stdout=(tmp / "serve.log").open("ab"), stderr=subprocess.STDOUT, env={**os.environ, **limits}
+    )
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/models", headers=HEADERS).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, (tmp / "serve.log").read_text()
+        time.sleep(0.2)
+    yield SimpleNamespace(env=env, base=base, client=openai.OpenAI(base_url=base, api_key=KEY, max_retries=0))
+    proc.terminate()
+    proc.wait(20)
+    env.close()
+
+
+def batches(small) -> list[bytes]:
+    return small.env.r.keys(f"{small.env.prefix}:batch:*")
+
+
+def test_a_body_over_the_limit_is_413(small):
+    before = batches(small)
+    body = {"model": "tiny", "prompt": "x" * 8000, "max_tokens": 1}
+    r = httpx.post(f"{small.base}/completions", json=body, headers=HEADERS)
+    assert r.status_code == 413 and "over 4096 bytes" in r.json()["error"]["message"]
+    assert batches(small) == before
+
+
+def test_requests_past_the_limit_are_429(small):
+    """One long streamed request holds the only slot; a second is refused at once, then served once it ends."""
+    body = {"model": "tiny", "prompt": "Tokyo", "max_tokens": 200, "temperature": 0, "stream": True}
+    started, done = threading.Event(), threading.Event()
+
+    def long_request() -> None:
+        with httpx.stream("POST", f"{small.base}/completions", json=body, headers=HEADERS, timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()
+        done.set()
+
+    t = threading.Thread(target=long_request, daemon=True)
+    t.start()
+    assert started.wait(60)
+    with pytest.raises(openai.RateLimitError):
+        small.client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=0)
+    assert done.wait(120)
+    t.join(10)
+    got = small.client.completions.create(model="tiny", prompt="Tokyo", max_tokens=2, temperature=0)
+    assert got.usage.completion_tokens == 2
+
+
+def test_a_cancelled_batch_stops(small, tmp_path):
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": "Tokyo", "max_tokens": 1500, "temperature": 0},
+        }
+        for i in range(3)
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with path.open("rb") as f:
+        upload = small.client.files.create(file=f, purpose="batch")
+    batch = small.client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    time.sleep(1.0)  # let the head start them
+    batch = small.client.batches.cancel(batch.id)
+    assert batch.status in ("cancelling", "cancelled")
+    deadline = time.monotonic() + 60
+    while batch.status != "cancelled":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.3)
+        batch = small.client.batches.retrieve(batch.id)
+    assert batch.request_counts.failed == 3 and batch.error_file_id and batch.output_file_id is None
+    errors = [json.loads(x) for x in small.client.files.content(batch.error_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in errors) == ["c0", "c1", "c2"]
+    assert all(x["response"]["status_code"] >= 400 and x["error"] for x in errors)
