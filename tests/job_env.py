@@ -117,3 +117,35 @@ def reference(hf, tok, prompt: str, n: int) -> list[int]:
     return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)[
         0, ids.shape[1] :
     ].tolist()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(env: Env, log: Path, key: str, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A `shardflow serve` process for env's queue with one API key (a file of keys), once it answers; (process,
+    base URL)."""
+    import httpx
+
+    keys = log.with_suffix(".keys")
+    keys.write_text(f"# keys of this test\n{key}\n")
+    port = free_port()
+    args = [sys.executable, "-m", "producer", "serve", "--port", str(port), "--api-keys", str(keys), *env.opts]
+    proc = subprocess.Popen(
+        args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, **(extra_env or {})}
+    )
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.2)

@@ -6,9 +6,6 @@ and a stream the client drops cancels its job."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -20,36 +17,16 @@ from click.testing import CliRunner
 
 from producer.cli import main
 from tests.conftest import PROMPTS
-from tests.job_env import Env, reference
+from tests.job_env import Env, reference, start_serve
 
 KEY = "test-key-1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def api(models, redis_server, redis_client, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
     env = Env("api", models, redis_server, redis_client, tmp)
-    keys = tmp / "keys"
-    keys.write_text(f"# keys of this test\n{KEY}\n")
-    port = free_port()
-    args = [sys.executable, "-m", "producer", "serve", "--port", str(port), "--api-keys", str(keys), *env.opts]
-    proc = subprocess.Popen(args, stdout=(tmp / "serve.log").open("ab"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, (tmp / "serve.log").read_text()
-        time.sleep(0.2)
+    proc, base = start_serve(env, tmp / "serve.log", KEY)
     yield SimpleNamespace(env=env, base=base, client=openai.OpenAI(base_url=base, api_key=KEY, max_retries=0))
     proc.terminate()
     proc.wait(20)

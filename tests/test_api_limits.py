@@ -5,9 +5,6 @@ nothing enqueued; a cancelled batch's jobs stop and it ends `cancelled`."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -16,8 +13,9 @@ import httpx
 import openai
 import pytest
 
-from tests.job_env import Env
-from tests.test_api import KEY, free_port
+from tests.job_env import Env, start_serve
+
+KEY = "test-key-limits"
 
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
@@ -26,22 +24,8 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 def small(models, redis_server, redis_client, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api-limits")
     env = Env("apilim", models, redis_server, redis_client, tmp)
-    port = free_port()
-    limits = {"SHARDFLOW_API_MAX_BODY_BYTES": "4096", "SHARDFLOW_API_MAX_CONCURRENT": "1", "SHARDFLOW_API_KEYS": KEY}
-    args = [sys.executable, "-m", "producer", "serve", "--port", str(port), *env.opts]
-    proc = subprocess.Popen(
-        args, stdout=(tmp / "serve.log").open("ab"), stderr=subprocess.STDOUT, env={**os.environ, **limits}
-    )
-    base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/models", headers=HEADERS).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, (tmp / "serve.log").read_text()
-        time.sleep(0.2)
+    limits = {"SHARDFLOW_API_MAX_BODY_BYTES": "4096", "SHARDFLOW_API_MAX_CONCURRENT": "1"}
+    proc, base = start_serve(env, tmp / "serve.log", KEY, limits)
     yield SimpleNamespace(env=env, base=base, client=openai.OpenAI(base_url=base, api_key=KEY, max_retries=0))
     proc.terminate()
     proc.wait(20)
