@@ -8,7 +8,7 @@ pydantic models of schemas/openai.py); a streamed one (`"stream": true`) sends t
 server-sent events, and a client that goes away cancels its job. Bearer keys are required unless the server
 was started with `--no-auth` on a loopback address. Errors come in OpenAI's shape with its status codes:
 400 malformed, 401 no or wrong key, 404 unknown, 413 too large, 429 too many requests at once, 500 a job
-that failed. Files and batches: producer/api_batches.py.
+that failed, 503 Redis unreachable, 504 no result within api_timeout_s. Files and batches: producer/api_batches.py.
 
 Why Starlette: it is the small, well-kept ASGI core that FastAPI itself is built on; the request models
 already exist (schemas/openai.py), and OpenAI's error shapes are simpler to keep exact without FastAPI's
@@ -20,8 +20,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import anyio
 from pydantic import ValidationError
@@ -34,7 +38,10 @@ from starlette.routing import Route
 from producer.api_common import ApiConfig, ApiError, Handler
 from producer.client import FINAL, Client, Followed, JobEnded, JobView, NotFound, TextChunk
 from producer.inputs import pydantic_reason
+from schemas.errors import InvalidRequest
 from schemas.openai import CHAT, TEXT, JobTag, body_for, chunk, completion, error, status_of, usage_chunk
+
+log = logging.getLogger("shardflow.api")
 
 
 class Api:
@@ -53,7 +60,13 @@ class Api:
             Route("/v1/models", self.guard(self.models), methods=["GET"]),
             *batch_routes(self),
         ]
-        app = Starlette(routes=routes)
+        @asynccontextmanager
+        async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+            # every request's Redis calls and every stream's reads run on worker threads: room for all of them
+            anyio.to_thread.current_default_thread_limiter().total_tokens = self.config.max_concurrent + 16
+            yield
+
+        app = Starlette(routes=routes, lifespan=lifespan)
         app.add_exception_handler(404, lambda _r, _e: ApiError(404, "unknown URL", code="unknown_url").response())
         app.add_exception_handler(405, lambda _r, _e: ApiError(405, "method not allowed").response())
         return app
@@ -80,6 +93,9 @@ class Api:
                 return response
             except ApiError as e:
                 return e.response()
+            except Exception:  # a bug, or input nothing checked: still OpenAI's shape, and a log line
+                log.exception("unexpected error in %s %s", request.method, request.url.path)
+                return ApiError(500, "internal error", "server_error").response()
 
         return run
 
@@ -87,7 +103,8 @@ class Api:
         if self.config.keys is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in self.config.keys):
+        given = token.encode("latin-1", errors="replace")  # as the header came (Starlette decodes latin-1)
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k.encode()) for k in self.config.keys):
             raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
 
     async def body(self, request: Request) -> bytes:
@@ -116,6 +133,8 @@ class Api:
             raise
         except NotFound as e:
             raise ApiError(404, str(e), code="not_found") from None
+        except InvalidRequest as e:
+            raise ApiError(400, str(e)) from None
         except Exception as e:  # Redis unreachable, a forged record: one clean error, never a traceback
             raise ApiError(503, f"the queue is unavailable: {type(e).__name__}: {e}", "server_error") from None
 
@@ -133,20 +152,25 @@ class Api:
         except ValidationError as e:
             raise ApiError(400, pydantic_reason(e)) from None
         tag = JobTag(url=url, model=body.model)  # type: ignore[arg-type]
-        batch = await self.call(self.client.enqueue, [req], tags=[tag], retries=0)
+        bid = f"api-{secrets.token_hex(12)}"
+        batch = await self.call(self.client.enqueue, [req], tags=[tag], retries=0, batch_id=bid)
         jid = batch.job_ids[0]
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return HeldStream(self.stream(request, jid, tag, usage), media_type="text/event-stream")
+            state = StreamState()
+            stream = self.stream(request, jid, tag, usage, state)
+            return HeldStream(stream, media_type="text/event-stream", on_drop=lambda: self.cancel(jid), state=state)
         view = await self.wait(request, jid)
+        if view is None:  # the client went away (its job is cancelled): nobody reads an answer
+            return Response(status_code=499)
         if view.status != "finished" or view.result is None:
             status = status_of(view.error)
             kind = "server_error" if status >= 500 else "invalid_request_error"
             raise ApiError(status, view.error or f"the request {view.status}", kind)
         return JSONResponse(completion(tag, jid, view.result))
 
-    async def wait(self, request: Request, jid: str) -> JobView:
-        """Poll the job until it ends; a client that disconnects first cancels it."""
+    async def wait(self, request: Request, jid: str) -> JobView | None:
+        """Poll the job until it ends; a client that disconnects first cancels it (None)."""
         deadline = time.monotonic() + self.config.timeout_s
         try:
             while True:
@@ -156,16 +180,19 @@ class Api:
                 if time.monotonic() > deadline:
                     raise ApiError(504, f"no result within {self.config.timeout_s:.0f}s", "server_error")
                 if await request.is_disconnected():
-                    raise asyncio.CancelledError
+                    await self.cancel(jid)
+                    return None
                 await asyncio.sleep(self.client.settings.poll_interval_s)
         except BaseException:
             await self.cancel(jid)
             raise
 
-    async def stream(self, request: Request, jid: str, tag: JobTag, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(
+        self, request: Request, jid: str, tag: JobTag, include_usage: bool, state: StreamState
+    ) -> AsyncIterator[str]:
         """The job's text as chat.completion.chunk / text_completion events, then its finish and [DONE]; a
-        stream closed early (the client went away) cancels the job."""
-        created, ended = int(time.time()), False
+        stream closed early (the client went away) leaves `state.ended` unset, and HeldStream cancels the job."""
+        created = int(time.time())
         try:
             if tag.url == CHAT:
                 yield sse(chunk(tag, jid, created, None, None, role=True))
@@ -178,16 +205,13 @@ class Api:
                 elif isinstance(event, JobEnded | Followed):
                     view = event.view if isinstance(event, JobEnded) else event.views[0]
                     if view.status in FINAL:
-                        ended = True
+                        state.ended = True
                         async for line in self.finish(view, tag, jid, created, include_usage):
                             yield line
                         return
         except Exception as e:  # Redis lost mid-stream: an error event, then the end
             yield sse(error(f"the stream broke: {type(e).__name__}: {e}", "server_error"))
             yield "data: [DONE]\n\n"
-        finally:
-            if not ended:
-                await self.cancel(jid)
 
     async def cancel(self, jid: str) -> None:
         """Cancel a job whose client went away: shielded, as the request's own scope is being cancelled."""
@@ -204,16 +228,32 @@ class Api:
         yield "data: [DONE]\n\n"
 
 
+@dataclass
+class StreamState:
+    ended: bool = False  # the stream sent the job's end: nothing to cancel
+
+
 class HeldStream(StreamingResponse):
-    """A streamed response that gives back its concurrency slot once it is sent, or the client went away
-    (whatever ends the ASGI call; a body iterator that never started would not)."""
+    """A streamed response that, whatever ends its ASGI call (sent, the client gone, cancelled before its body
+    started), closes its body, cancels its job unless the stream sent the job's end, and gives back its
+    concurrency slot."""
 
     release: Callable[[], None] | None = None
+
+    def __init__(self, content, *, media_type: str, on_drop: Callable[[], Awaitable[None]], state: StreamState):
+        super().__init__(content, media_type=media_type)
+        self.on_drop, self.state = on_drop, state
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
         try:
             await super().__call__(scope, receive, send)
         finally:
+            with anyio.CancelScope(shield=True):
+                closing = getattr(self.body_iterator, "aclose", None)
+                if closing is not None:
+                    await closing()
+                if not self.state.ended:
+                    await self.on_drop()
             if self.release is not None:
                 self.release()
                 self.release = None

@@ -52,18 +52,25 @@ class Batches:
     # --- files -----------------------------------------------------------------------------------
     async def upload(self, request: Request) -> Response:
         limit = self.api.config.max_body_bytes
-        if int(request.headers.get("content-length") or 0) > limit:
-            raise ApiError(413, f"request body over {limit} bytes")
+        whole = await self.api.body(request)  # refused past the limit as it arrives, whatever its headers say
+
+        async def replay() -> dict:
+            return {"type": "http.request", "body": whole, "more_body": False}
+
+        form = None
         try:
-            form = await request.form(max_files=1, max_fields=8, max_part_size=limit)
-        except Exception as e:  # not multipart, or a part over the limit
+            form = await Request(request.scope, replay).form(max_files=1, max_fields=8, max_part_size=limit)
+            upload, purpose = form.get("file"), form.get("purpose")
+            if purpose != "batch" or upload is None or isinstance(upload, str):
+                raise ApiError(400, "give `file` and `purpose` = batch (the only purpose this server keeps)")
+            data = await upload.read()
+        except ApiError:
+            raise
+        except Exception as e:  # not multipart
             raise ApiError(400, f"expected a multipart upload with `file` and `purpose`: {e}") from None
-        upload, purpose = form.get("file"), form.get("purpose")
-        if purpose != "batch" or upload is None or isinstance(upload, str):
-            raise ApiError(400, "give `file` and `purpose` = batch (the only purpose this server keeps)")
-        data = await upload.read()
-        if len(data) > limit:
-            raise ApiError(413, f"file over {limit} bytes")
+        finally:
+            if form is not None:
+                await form.close()
         try:
             data.decode("utf-8")
         except UnicodeDecodeError:
@@ -113,9 +120,7 @@ class Batches:
         """A batch's output (succeeded) or error (failed) file, from its jobs that ended."""
         errors, bid = fid.startswith("file-err-"), fid.removeprefix("file-out-").removeprefix("file-err-")
         views = await self._views(bid)
-        lines = [line_for(v) for v in views if v.status in FINAL]
-        keep = [x for x in lines if (x["error"] is not None) == errors]
-        return "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in keep)
+        return await self.api.call(output_text, views, errors)
 
     # --- batches ---------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -128,9 +133,9 @@ class Batches:
         if window not in WINDOWS:
             raise ApiError(400, "completion_window must be 24h")
         f = await self.api.call(self._stored, body["input_file_id"])
-        parsed = read_jsonl_text(f["content"])
+        parsed = await self.api.call(read_jsonl_text, f["content"])  # up to max_body_bytes: off the event loop
         errors = parsed.errors or [
-            f"{where}: url {t.url} is not the batch's endpoint {endpoint}"
+            f"{where}: not a Batch API line" if t is None else f"{where}: url {t.url} is not the batch's endpoint"
             for where, t in zip(parsed.sources, parsed.tags, strict=True)
             if t is None or t.url != endpoint
         ]
@@ -167,8 +172,11 @@ class Batches:
         return JSONResponse(await self._object(request.path_params["batch_id"]))
 
     async def listing(self, request: Request) -> Response:
-        limit = min(max(int(request.query_params.get("limit", "20") or 20), 1), 100)
-        ids = await self.api.call(self.r.zrevrange, self.keys.api_batches, 0, limit - 1)
+        raw_limit = request.query_params.get("limit", "20")
+        if not raw_limit.isdigit():
+            raise ApiError(400, "limit must be a whole number from 1 to 100")
+        limit = min(max(int(raw_limit), 1), 100)
+        ids = await self.api.call(self.r.zrange, self.keys.api_batches, 0, limit - 1, desc=True)
         out = []
         for raw in ids:
             try:
@@ -183,6 +191,13 @@ class Batches:
         await self.api.call(self.client.cancel, [v.job_id for v in views if v.status not in FINAL])
         await self.api.call(self.r.hset, self.keys.batch(bid), "openai_cancelled", "1")
         return JSONResponse(await self._object(bid))
+
+
+def output_text(views: list[JobView], errors: bool) -> str:
+    """A batch's output file (its succeeded requests) or error file (its failed ones), from the jobs that ended."""
+    lines = [line_for(v) for v in views if v.status in FINAL]
+    keep = [x for x in lines if (x["error"] is not None) == errors]
+    return "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in keep)
 
 
 def file_object(fid: str, name: str, size: int, created: int, purpose: str = "batch") -> dict:
@@ -228,6 +243,6 @@ def batch_object(bid: str, rec: dict[str, str], views: list[JobView]) -> dict:
 def _int(raw: str | None) -> int:
     try:
         return int(float(raw or 0))
-    except ValueError:
+    except (ValueError, OverflowError):  # a forged record: "x", "inf"
         return 0
 

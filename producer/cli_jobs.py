@@ -330,7 +330,7 @@ def _openai_results(client: Client, ids: list[str], output: str | None, follow: 
     from producer.openai_out import open_output, write_results
 
     try:
-        out, skip = run_guarded(lambda: open_output(output, click.get_text_stream))
+        out, skip = run_guarded(lambda: open_output(output, lambda: click.get_text_stream("stdout")))
     except OSError as e:
         fail(f"cannot write {output}: {e.strerror or e}", EXIT_BAD_INPUT)
     def write() -> tuple[list[JobView], int]:

@@ -74,6 +74,10 @@ def plan(
     dt = getattr(torch, dtype) if dtype != "auto" else getattr(config, "dtype", None) or torch.float32
     dt = getattr(torch, dt) if isinstance(dt, str) else dt
     settings = worker_settings()
+    if quant == "none":  # a checkpoint stored quantized is planned as stored
+        from workers.engine.quant import prequantized_scheme
+
+        quant = run_guarded(lambda: prequantized_scheme(config))
     result = run_guarded(
         lambda: plan_split(
             config,

@@ -268,9 +268,11 @@ def preflight(
     import torch
 
     from workers.engine.plan import Part, check_worker, enforce_budget
+    from workers.engine.quant import prequantized_scheme
 
     def part(target: str, layers: Any, embed: bool, head: bool, quant: str) -> Part:
         cfg = registry.config(target)
+        quant = quant if quant != "none" else prequantized_scheme(cfg)  # a checkpoint stored quantized
         dt = dtype or getattr(cfg, "dtype", None) or torch.float32
         dt = getattr(torch, dt) if isinstance(dt, str) else dt
         return Part(cfg, tuple(layers or (0, cfg.num_hidden_layers)), embed, head, dt, quant)

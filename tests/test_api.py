@@ -181,3 +181,23 @@ def test_no_auth_only_on_loopback():
     assert res.exit_code == 2 and "loopback" in res.output
     res = CliRunner().invoke(main, ["serve"], env={"SHARDFLOW_API_KEYS": ""})
     assert res.exit_code == 2 and "no API keys" in res.output
+
+
+def test_what_others_write_or_send_is_no_500(api, tmp_path):
+    """A key with bytes past ASCII is a 401; an input file of plain ShardFlow lines is a 400 naming the line; a
+    batch record with a forged creation time still reads."""
+    r = httpx.get(f"{api.base}/models", headers={"Authorization": "Bearer caf\xe9".encode("latin-1")})
+    assert r.status_code == 401
+    path = tmp_path / "plain.jsonl"
+    path.write_text('{"prompt": "hi"}\n')
+    with path.open("rb") as f:
+        upload = api.client.files.create(file=f, purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="line 1: not a Batch API line"):
+        api.client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "t", "prompt": "x"}}
+    path.write_text(json.dumps(line) + "\n")
+    with path.open("rb") as f:
+        upload = api.client.files.create(file=f, purpose="batch")
+    batch = api.client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    api.env.r.hset(f"{api.env.prefix}:batch:{batch.id}", "created_at", "inf")
+    assert api.client.batches.retrieve(batch.id).created_at == 0

@@ -87,6 +87,8 @@ def test_batch_file_in_and_out(env, hf_models, tokenizers, tmp_path):
         assert body["choices"][0]["text"] == tok.decode(want)
         assert body["usage"]["completion_tokens"] == len(want)
         assert body["choices"][0]["finish_reason"] == ("stop" if len(want) < 6 + i else "length")
+    res = env.cli("results", batch_id, "--format", "openai")  # no -o: stdout
+    assert res.exit_code == 0 and {json.loads(x)["custom_id"] for x in res.output.splitlines()} == set(got)
     chat = got["chat-1"]["response"]["body"]
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
     # a second run with the same file appends nothing; a torn last line is cut, then only the missing lines come

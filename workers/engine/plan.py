@@ -204,6 +204,8 @@ def plan_split(
     full_len = min(cfg.static_cache_len, getattr(config, "max_position_embeddings", None) or cfg.static_cache_len)
     short_len = cfg.short_cache_len if 0 < cfg.short_cache_len < full_len else 0
     k, n = cfg.draft_k, shape.layers
+    if n < 2:
+        raise ModelLoadError(f"a model of {n} layer cannot be split between a head and a tail")
 
     def slots(sh: ModelShape, layers: int, tokens: int, logits: bool, scratch: int = 0) -> tuple[int, int]:
         one = [slot_bytes(sh, layers, p, tokens, logits, size, scratch) if p else 0 for p in (full_len, short_len)]
