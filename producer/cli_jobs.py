@@ -308,7 +308,9 @@ def results(
     client = _client(redis_url, prefix, queue)
     ids = run_guarded(lambda: client.resolve(batch))
     if fmt == "openai":
-        sys.exit(_openai_results(client, ids, output, follow or wait, timeout))
+        from producer.openai_out import results_command
+
+        sys.exit(results_command(client, ids, output, follow or wait, timeout))
     if follow:
         views = show_follow(client, ids, timeout)
     elif wait:
@@ -324,31 +326,6 @@ def results(
     elif not follow or jsonl:
         _print_views(views, jsonl)
     sys.exit(_exit_for(views))
-
-
-def _openai_results(client: Client, ids: list[str], output: str | None, follow: bool, timeout: float | None) -> int:
-    from producer.openai_out import open_output, write_results
-
-    try:
-        out, skip = run_guarded(lambda: open_output(output, lambda: click.get_text_stream("stdout")))
-    except OSError as e:
-        fail(f"cannot write {output}: {e.strerror or e}", EXIT_BAD_INPUT)
-    def write() -> tuple[list[JobView], int]:
-        try:
-            return write_results(client, ids, out, skip, follow, timeout)
-        except WaitTimeout as e:
-            fail(f"{e} (the lines of the requests that ended are written)", EXIT_TIMEOUT)
-            raise
-
-    try:
-        views, n = run_guarded(write)
-    finally:
-        if output:
-            out.close()
-    left = sum(v.status not in FINAL for v in views)
-    if output:
-        click.echo(f"{n} lines written to {output}" + (f"; {left} requests not ended yet" if left else ""), err=True)
-    return 0  # a request that failed is a line with its error, as OpenAI's batches write them
 
 
 @click.command()

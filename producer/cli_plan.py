@@ -11,7 +11,15 @@ import re
 
 import click
 
-from producer.options import dtype_opt, load_worker_plugins, plugins_opt, quant_opt, run_guarded, worker_settings
+from producer.options import (
+    draft_quant_opt,
+    dtype_opt,
+    load_worker_plugins,
+    plugins_opt,
+    quant_opt,
+    run_guarded,
+    worker_settings,
+)
 
 UNITS = {"": 2**30, "gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
 
@@ -43,9 +51,7 @@ def parse_gpus(_ctx: click.Context, _param: click.Parameter, value: str) -> list
 @click.option("--draft", default=None, help="Draft model on the head (dir or hub id).")
 @dtype_opt
 @quant_opt
-@click.option(
-    "--draft-quant", type=click.Choice(["none", "int8", "4bit"]), default="none", show_default=True, help="Drafter's."
-)
+@draft_quant_opt
 @click.option("--split", type=click.IntRange(1), default=None, help="Evaluate this split (the tail's first layer).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @plugins_opt

@@ -10,6 +10,7 @@ import click
 from producer.options import (
     connection_options,
     device_opt,
+    draft_quant_opt,
     dtype_opt,
     engine_options,
     generation_options,
@@ -18,6 +19,7 @@ from producer.options import (
     plugins_opt,
     prefix_opt,
     preflight,
+    preflight_head,
     quant_opt,
     redis_opt,
     request_defaults,
@@ -234,13 +236,7 @@ def tail(
 )
 @dtype_opt
 @quant_opt
-@click.option(
-    "--draft-quant",
-    type=click.Choice(["none", "int8", "4bit"]),
-    default="none",
-    show_default=True,
-    help="Weight-only quantization of the draft model's layers.",
-)
+@draft_quant_opt
 @threads_opt
 @engine_options
 @plugins_opt
@@ -281,13 +277,8 @@ def head(
         batch_slots=slots, gpu_memory=gpu_memory, queue=queue, prefix=prefix, redis_url=redis_url, head_groups=groups
     )
     registry, dtype_ = run_guarded(lambda: load_worker_plugins(plugins)), torch_setup(threads, dtype)
-    own = [(target, layers, True, False, quant)]
-    drafter = [(draft, None, True, True, draft_quant)] if draft else []
-    if draft_device and draft_device != device:  # each device's budget holds what runs there
-        preflight("head", registry, own, device, dtype_, settings)
-        preflight("head's drafter", registry, drafter, draft_device, dtype_, settings)
-    else:
-        preflight("head", registry, own + drafter, device, dtype_, settings)
+    opts = dict(dtype=dtype_, settings=settings, quant=quant, draft_quant=draft_quant)
+    preflight_head(registry, target, layers, draft, device, draft_device, **opts)
     runtime = HeadRuntime.load(
         target,
         layers,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from producer.client import Client
-from producer.views import FINAL, JobView
+from producer.views import FINAL, JobView, WaitTimeout
 from schemas.errors import InvalidRequest
 from schemas.openai import JobTag, output_line
 
@@ -82,5 +82,35 @@ def open_output(path: str | None, stdout: Callable[[], IO[str]]) -> tuple[IO[str
     if path is None:
         return stdout(), set()
     p = Path(path)
-    skip = written_ids(p)
-    return p.open("a", encoding="utf-8"), skip
+    try:
+        skip = written_ids(p)
+        return p.open("a", encoding="utf-8"), skip
+    except OSError as e:
+        raise InvalidRequest(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def results_command(client: Client, ids: list[str], output: str | None, follow: bool, timeout: float | None) -> int:
+    """`shardflow results --format openai`: write the lines, say how many; the exit code (0: a request that
+    failed is a line with its error, as OpenAI's batches write them; 5: --follow timed out)."""
+    import click
+
+    from producer.options import EXIT_TIMEOUT, fail, run_guarded
+
+    out, skip = run_guarded(lambda: open_output(output, lambda: click.get_text_stream("stdout")))
+
+    def write() -> tuple[list[JobView], int]:
+        try:
+            return write_results(client, ids, out, skip, follow, timeout)
+        except WaitTimeout as e:
+            fail(f"{e} (the lines of the requests that ended are written)", EXIT_TIMEOUT)
+            raise
+
+    try:
+        views, n = run_guarded(write)
+    finally:
+        if output:
+            out.close()
+    left = sum(v.status not in FINAL for v in views)
+    if output:
+        click.echo(f"{n} lines written to {output}" + (f"; {left} requests not ended yet" if left else ""), err=True)
+    return 0

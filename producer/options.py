@@ -183,6 +183,13 @@ quant_opt = click.option(
     help="Weight-only quantization of the shard's layers (bitsandbytes: int8, or 4-bit NF4); a checkpoint "
     "saved quantized loads as stored.",
 )
+draft_quant_opt = click.option(
+    "--draft-quant",
+    type=click.Choice(["none", "int8", "4bit"]),
+    default="none",
+    show_default=True,
+    help="Weight-only quantization of the draft model's layers.",
+)
 threads_opt = click.option(
     "--threads", type=click.IntRange(1), default=None, help="CPU threads for torch (default: torch's)."
 )
@@ -280,6 +287,21 @@ def preflight(
     dev = torch.device(device)
     run_guarded(lambda: check_worker(role, [part(*p) for p in parts], dev, settings))
     enforce_budget(dev, settings)
+
+
+def preflight_head(
+    registry: Any, target: str, layers: Any, draft: str | None, device: str, draft_device: str | None, **kw: Any
+) -> None:
+    """`preflight` for a head: its layers and its drafter on one budget, or each on its device's.
+    kw: dtype, settings, quant, draft_quant."""
+    own = [(target, layers, True, False, kw["quant"])]
+    drafter = [(draft, None, True, True, kw["draft_quant"])] if draft else []
+    dtype, settings = kw["dtype"], kw["settings"]
+    if draft_device and draft_device != device:
+        preflight("head", registry, own, device, dtype, settings)
+        preflight("head's drafter", registry, drafter, draft_device, dtype, settings)
+    else:
+        preflight("head", registry, own + drafter, device, dtype, settings)
 
 
 def generation_options(fn: Callable) -> Callable:
