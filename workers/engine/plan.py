@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from schemas.errors import ModelLoadError
 from schemas.settings import Settings
 from workers.engine.quant import quantized_bytes
-from workers.engine.sizing import allocator_budget, reserve_bytes, workspace_bytes
+from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
 
 GiB = 1 << 30
 
@@ -176,10 +176,8 @@ def fit(w: WorkerPlan, cfg: Settings, short_len: int) -> WorkerPlan:
     if left < w.full_slot:
         w.full = w.short = 0
         return w
-    share = cfg.long_slots_share if short_len else 1.0
-    w.full = max(1, min(cfg.max_slots, int(left * share // w.full_slot)))
-    if short_len:
-        w.short = max(0, min(cfg.max_slots - w.full, int((left - w.full * w.full_slot) // w.short_slot)))
+    got = split_slots(left, w.full_slot, w.short_slot, short_len, cfg)
+    w.full, w.short = got.slots, got.short
     return w
 
 
@@ -202,7 +200,7 @@ def plan_split(
     cfg = settings or Settings()
     shape, size = model_shape(config, dtype, quant), torch.empty((), dtype=dtype).element_size()
     full_len = min(cfg.static_cache_len, getattr(config, "max_position_embeddings", None) or cfg.static_cache_len)
-    short_len = cfg.short_cache_len if 0 < cfg.short_cache_len < full_len else 0
+    short_len = short_len_of(full_len, cfg)
     k, n = cfg.draft_k, shape.layers
     if n < 2:
         raise ModelLoadError(f"a model of {n} layer cannot be split between a head and a tail")

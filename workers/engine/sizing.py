@@ -150,8 +150,17 @@ def plan_slots(
     full-length. Only full-length slots without a short length."""
     if not short_len:
         return SlotPlan(fit_slots(device, cost, settings, workspace))
-    left = budget(device, settings, workspace)
-    full = max(1, min(settings.max_slots, int(left * settings.long_slots_share // max(cost, 1))))
+    return split_slots(budget(device, settings, workspace), cost, short_cost, short_len, settings)
+
+
+def split_slots(left: float, cost: int, short_cost: int, short_len: int, settings: Settings) -> SlotPlan:
+    """`left` bytes as slots: long_slots_share in full-length ones (`cost` each, at least one), the rest in short
+    ones (`short_cost`, `short_len` positions; none without a short length); at most max_slots in all. Workers
+    (`plan_slots`) and `shardflow plan` (workers/engine/plan.py) both size slots so."""
+    share = settings.long_slots_share if short_len else 1.0
+    full = max(1, min(settings.max_slots, int(left * share // max(cost, 1))))
+    if not short_len:
+        return SlotPlan(full)
     short = max(0, min(settings.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
     return SlotPlan(full, short, short_len)
 
