@@ -6,7 +6,8 @@
 #   bench/device.sh profile   # profile_round only (no HF-layers row)
 #   bench/device.sh jobs      # the job path (bench/jobs.py): real tail + head processes, default flags (NS=1,4,...;
 #                             TAIL_DEVICE=cuda:0 on one GPU)
-#   bench/device.sh qparity   # gpu_parity with 4-bit and int8 shards (QUANTS=4bit,int8)
+#   bench/device.sh qparity   # gpu_parity with 4-bit and int8 shards (QUANTS=4bit,int8), in DTYPES (float32;
+#                             float16,bfloat16: against HF generate in that dtype, rounding ties counted apart)
 #   bench/device.sh card7 card14   # the 16 GB card profile: fp16, every worker capped at 15 GiB (--gpu-memory 15),
 #                             7B-shaped split 14/14 (V7: variants) and 14B-shaped 4-bit split 24/24; NS=1,16
 #   bench/device.sh plan      # shardflow plan for both shapes
@@ -14,7 +15,7 @@
 # ROWS=... picks ladder rows; a capped part keeps what it wrote before the cap in $OUT.
 # Wheels the device image lacks travel in .whl/ (see the tool library's device README); logs go to $OUT.
 set -uo pipefail
-OUT=${OUT:-bench/out/device}
+OUT=${OUT:-bench/out/device} QUANTS=${QUANTS:-4bit,int8} DTYPES=${DTYPES:-float32}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -42,10 +43,10 @@ case "${part%%:*}" in
       --out "$OUT/jobs" 2>&1 | quiet | tee "$OUT/jobs.log" | grep -v "^ " | tail -40
     ;;
   qparity)
-    for q in ${QUANTS//,/ }; do
+    for q in ${QUANTS//,/ }; do for d in ${DTYPES//,/ }; do
       timeout "$LIMIT" python3 -m bench.gpu_parity --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" \
-        --quant "$q" 2>&1 | quiet > "$OUT/qparity-$q.log"; tail -4 "$OUT/qparity-$q.log"
-    done
+        --quant "$q" --dtype "$d" 2>&1 | quiet > "$OUT/qparity-$q-$d.log"; tail -4 "$OUT/qparity-$q-$d.log"
+    done; done
     ;;
   card7|card14)
     if [ "${part%%:*}" = card7 ]; then model=(random:qwen2.5-7b --split 14); variants=("${V7:-fp16=}"); else

@@ -1,6 +1,8 @@
 """float16 that never emits garbage: a shard whose values overflow fails its generation with a clear error that
 names the layers and dtype (the tail checks each round's logits, the head its hidden states before sending),
-never as text, and the job system does not retry it."""
+never as text, and the job system does not retry it. Short of overflow, half precision is kept safe the way
+transformers keeps it (norms, softmax and rotary in float32): a residual stream whose squares are far past
+float16's range generates what HF generate does."""
 
 from __future__ import annotations
 
@@ -12,30 +14,22 @@ import pytest
 import torch
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from schemas.errors import NonFiniteError
 from schemas.requests import DraftSettings, GenerationRequest
 from tests.job_env import Env
 from workers.engine.numerics import finite_rows
 from workers.head.runtime import HeadRuntime, generate
-
-
-def overflowing_copy(src: Path, out: Path, layer: int) -> Path:
-    """A copy of a model whose layer `layer` writes values past float16's range (fine in float32)."""
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.layers[layer].mlp.down_proj.weight.mul_(1e6)
-    model.save_pretrained(out)
-    PreTrainedTokenizerFast.from_pretrained(src).save_pretrained(out)
-    return out
+from workers.tiny_models import PROMPTS, TIE_ULPS, divergence_ulps, save_scaled_copy
 
 
 @pytest.fixture(scope="module")
 def overflowing(models, tmp_path_factory):
+    """Copies of the tiny Qwen2 model whose layer 0 (head) or 3 (tail) writes values past float16's range."""
     root = tmp_path_factory.mktemp("overflow")
     src = models["qwen2"].target
-    return {side: overflowing_copy(src, root / side, layer) for side, layer in (("head", 0), ("tail", 3))}
+    return {side: save_scaled_copy(src, root / side, layer, 1e6) for side, layer in (("head", 0), ("tail", 3))}
 
 
 def request() -> GenerationRequest:
@@ -81,3 +75,54 @@ def test_overflowing_job_fails_once_without_retries(overflowing, redis_server, r
         assert rq_job.retries_left == 0 and rq_job.get_status() == "failed"  # asked for 3 retries, got none
     finally:
         e.close()
+
+
+def half_parity(target: Path, dtype: torch.dtype, names, redis_client, draft: Path | None) -> list[float]:
+    """Per prompt: 0.0 where the split generation equals HF generate in `dtype`, else how far apart the two
+    tokens were in generate's logits where they parted (units in the last place, `divergence_ulps`)."""
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(target)  # as the workers load it
+    runtime = HeadRuntime.load(target, (0, 2), draft=draft, dtype=dtype)
+    ulps = []
+    for p in PROMPTS:
+        ids = torch.tensor([tok.encode(p)])
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=16,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        want = out.sequences[0, ids.shape[1] :].tolist()
+        req = GenerationRequest(
+            prompt=p, max_new_tokens=16, chat_template=False, draft=DraftSettings(k=4, adaptive=False)
+        )
+        ulps.append(
+            divergence_ulps(generate(req, runtime, redis_client, names=names).token_ids, want, out.logits, dtype)
+        )
+    return ulps
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_equals_generate_up_to_ties(dtype, models, tails, redis_client):
+    """float16 / bfloat16 shards give HF generate's greedy tokens in the same dtype, except where generate's own
+    two best logits were within rounding (a round's K+1-row forwards round unlike generate's one-row steps)."""
+    ms = models["qwen2"]
+    ulps = half_parity(
+        ms.target, getattr(torch, dtype), tails.get(ms.target, 2, 4, ("--dtype", dtype)), redis_client, ms.drafter
+    )
+    assert max(ulps) <= TIE_ULPS, ulps
+    assert sum(u == 0 for u in ulps) >= (15 if dtype == "float16" else 5), ulps
+
+
+def test_float16_residual_past_its_square_range(models, tails, redis_client, tmp_path):
+    """A residual stream near 1e4 (its squares ~1e8, float16's largest value 65504) is normed in float32, as
+    transformers norms it: the float16 split generates HF generate's float16 tokens, up to rounding ties."""
+    hot = save_scaled_copy(models["qwen2"].target, tmp_path / "hot", 0, 300.0)
+    hf = AutoModelForCausalLM.from_pretrained(hot, dtype=torch.float16)
+    ids = torch.tensor([AutoTokenizer.from_pretrained(hot).encode(PROMPTS[0])])
+    peak = max(h.abs().max().item() for h in hf(ids, output_hidden_states=True).hidden_states)
+    assert 256 < peak < torch.finfo(torch.float16).max / 2  # squares overflow float16; the values do not
+    ulps = half_parity(hot, torch.float16, tails.get(hot, 2, 4, ("--dtype", "float16")), redis_client, None)
+    assert max(ulps) <= TIE_ULPS and sum(u == 0 for u in ulps) >= 15, ulps

@@ -6,6 +6,8 @@ the real loading path. Inits are large enough that greedy output varies instead 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -125,3 +127,34 @@ def save_noisy_copy(src: str | Path, out: str | Path, noise: float, seed: int = 
     model.save_pretrained(out)
     PreTrainedTokenizerFast.from_pretrained(src).save_pretrained(out)
     return Path(out)
+
+
+def save_scaled_copy(src: str | Path, out: str | Path, layer: int, factor: float) -> Path:
+    """Save a copy of a model whose layer `layer` writes `factor` times larger values into the residual stream
+    (its MLP's down projection scaled): 1e6 overflows float16; a few hundred stays in range with squares past it."""
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[layer].mlp.down_proj.weight.mul_(factor)
+    model.save_pretrained(out)
+    PreTrainedTokenizerFast.from_pretrained(src).save_pretrained(out)
+    return Path(out)
+
+
+TIE_ULPS = 8  # where a half-precision generation parts from generate's: a tie if its logits are this close
+
+
+def divergence_ulps(
+    got: Sequence[int], want: Sequence[int], logits: Sequence[torch.Tensor], dtype: torch.dtype
+) -> float:
+    """How far a generation that parts from HF generate's `want` parted: at the first differing step, how many
+    units in the last place of `dtype` (at generate's best logit) the token taken sits below generate's choice
+    in generate's own logits (`logits`: its per-step raw logits). 0.0 when they do not part. In half precision
+    a round's K+1-row forwards round differently from generate's one-row steps, so a few units (a tie at the
+    dtype's rounding) can part them; more is a numerical error."""
+    i = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if i is None:
+        return 0.0 if len(got) == len(want) else math.inf
+    row = logits[i].reshape(-1).float()
+    best = float(row[want[i]])
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(best), torch.finfo(dtype).tiny)))
+    return (best - float(row[got[i]])) / ulp
