@@ -1,7 +1,8 @@
 """What a worker's engines hold on a CUDA device: weights, KV caches and CUDA graphs, and what the slot sizing
 (workers/engine/sizing.py) predicted for the graphs. The diagnostic for `--gpu-memory` and `max_slots`.
 
-    python -m bench.graph_memory --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b --slots 64
+    python -m bench.graph_memory --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b --slots 64 \
+        [--dtype float16] [--quant 4bit] [--roles tail,head,draft]
 
 Builds the tail's shard (layers split: + norm + LM head), the head's lower shard and the draft model one at a
 time, each with an Engine of --slots slots, captures the graphs its worker captures at start (largest batch
@@ -58,27 +59,33 @@ def report(label: str, engine: Engine, shapes: list[tuple[int, int, int]], row: 
 @click.option("--slots", type=int, default=64)
 @click.option("--device", default="cuda:0")
 @click.option("--k", type=int, default=8)
-def main(target: str, draft: str, split: int, slots: int, device: str, k: int) -> None:
+@click.option("--dtype", "dtype_name", type=click.Choice(["bfloat16", "float16"]), default="bfloat16")
+@click.option("--quant", type=click.Choice(["none", "int8", "4bit"]), default="none", help="The target's shards.")
+@click.option("--roles", default="tail,head,draft", help="Which engines to build, in order.")
+def main(
+    target: str, draft: str, split: int, slots: int, device: str, k: int, dtype_name: str, quant: str, roles: str
+) -> None:
     """Per engine: captures' memory, and the totals against the row cost the sizing measures."""
-    load = dict(device=device, dtype=torch.bfloat16)
+    load = dict(device=device, dtype=getattr(torch, dtype_name))
     t = k + 1
     preset = preset_of(target)
     layers = preset["num_hidden_layers"] if preset else 10_000
-    tail = load_shard(target, (split, layers), embed=False, head=True, **load)
-    engine = Engine(tail, slots=slots, label="tail")
-    report("tail", engine, [(t, t, 0), (t, 1, 0)], row_bytes(tail, t, t, engine.pool.index.shape[0]))
-    del engine, tail
-    gc.collect()
-    torch.cuda.empty_cache()
-    head = load_shard(target, (0, split), embed=True, head=False, **load)
-    engine = Engine(head, slots=slots, label="head")
-    report("head", engine, [(t, 0, 0)], row_bytes(head, t, 0, engine.pool.index.shape[0]))
-    del engine, head
-    gc.collect()
-    torch.cuda.empty_cache()
-    dshard = load_shard(draft, None, embed=True, head=True, **load)
-    engine = Engine(dshard, slots=slots, step_tokens=2, pad=False, max_draft=k, label="draft")
-    report("draft", engine, [(1, 1, k), (2, 1, k)], row_bytes(dshard, 2, 2, engine.pool.index.shape[0]))
+    for role in roles.split(","):
+        if role == "tail":
+            shard = load_shard(target, (split, layers), embed=False, head=True, quant=quant, **load)
+            engine = Engine(shard, slots=slots, label="tail")
+            report("tail", engine, [(t, t, 0), (t, 1, 0)], row_bytes(shard, t, t, engine.pool.index.shape[0]))
+        elif role == "head":
+            shard = load_shard(target, (0, split), embed=True, head=False, quant=quant, **load)
+            engine = Engine(shard, slots=slots, label="head")
+            report("head", engine, [(t, 0, 0)], row_bytes(shard, t, 0, engine.pool.index.shape[0]))
+        else:
+            shard = load_shard(draft, None, embed=True, head=True, **load)
+            engine = Engine(shard, slots=slots, step_tokens=2, pad=False, max_draft=k, label="draft")
+            report("draft", engine, [(1, 1, k), (2, 1, k)], row_bytes(shard, 2, 2, engine.pool.index.shape[0]))
+        del engine, shard
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -67,10 +67,10 @@ class Settings(BaseSettings):
         "1); the KV caches get what the weights leave of it, less graph_reserve. Lower it when workers share a GPU.",
     )
     cuda_context_gib: float = Field(
-        1.5,
+        2.0,
         ge=0,
         description="GiB a CUDA worker's process holds outside its allocator (the CUDA context, library handles, "
-        "captured graphs; 0.6-1.6 measured on an H200, more with more graphs and 4-bit layers): gpu_memory bounds "
+        "captured graphs; 0.6-1.7 measured on an H200, more with more graphs and 4-bit layers): gpu_memory bounds "
         "the whole process, the allocator gets the rest.",
     )
     graph_reserve: float = Field(

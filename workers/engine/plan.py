@@ -95,7 +95,7 @@ def row_bytes(shape: ModelShape, tokens: int, length: int, logits: bool, dtype_b
     acts = tokens * (6 * shape.hidden + 3 * shape.intermediate) * dtype_bytes
     gathered = length * (shape.kv_per_position + 2 * shape.heads * shape.head_dim * dtype_bytes)
     scores = shape.heads * tokens * length * (4 + dtype_bytes)
-    out = ((tokens + 1) * shape.vocab if logits else tokens * shape.hidden) * dtype_bytes
+    out = tokens * (tokens * shape.vocab if logits else shape.hidden) * dtype_bytes
     return acts + gathered + scores + out + (tokens * shape.vocab * 4 if logits else 0)
 
 

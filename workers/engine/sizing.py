@@ -42,13 +42,16 @@ def cache_len(shard: Shard, max_len: int | None, settings: Settings) -> int:
 def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int) -> int:
     """Bytes one more sequence costs a static engine on a CUDA device: its slot of keys/values and what one more
     row adds to a batched forward of `step_tokens` attending over the whole slot (the graph memory pool holds
-    the largest such batch) and to the graphs' output buffers (a tail's: the logits of all its rows and of its
-    last row; a head's: its rows' hidden states)."""
+    the largest such batch) and to the graphs' output buffer. A tail's row counts step_tokens x its logits there,
+    more than its output buffers hold (step_tokens + 1 rows of logits): counted as held, a 7B-shaped 4-bit tail
+    ran out of memory capturing its graphs in 15 GiB (docs/benchmarks.md, run 41): `row_bytes` of a 4-bit shard
+    undercounts its rows (the peaks of 4 and 8 rows are both set by a dequantized weight; run 43), so the margin
+    stays until rows are measured at larger batches."""
     kv = KVPool.slot_bytes(shard, max_len, scratch)
     if shard.device.type != "cuda":
         return kv
     p = step_tokens if shard.lm_head is not None else 0
-    out = (p + 1) * shard.config.vocab_size if p else step_tokens * shard.config.hidden_size
+    out = step_tokens * (p * shard.config.vocab_size if p else shard.config.hidden_size)
     return kv + row_bytes(shard, step_tokens, p, max_len + scratch) + out * shard.dtype.itemsize
 
 
