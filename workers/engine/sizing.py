@@ -45,8 +45,9 @@ def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int) -> int
     the largest such batch) and to the graphs' output buffer. A tail's row counts step_tokens x its logits there,
     more than its output buffers hold (step_tokens + 1 rows of logits): counted as held, a 7B-shaped 4-bit tail
     ran out of memory capturing its graphs in 15 GiB (docs/benchmarks.md, run 41): `row_bytes` of a 4-bit shard
-    undercounts its rows (the peaks of 4 and 8 rows are both set by a dequantized weight; run 43), so the margin
-    stays until rows are measured at larger batches."""
+    undercounts its rows (the peaks of 4 and 8 rows are both set by a dequantized weight; run 43). Measured at up
+    to 32 rows instead, over the whole slot, they cost a 14B-shaped 4-bit head a quarter of its slots (run 44),
+    so the margin stays until rows are measured at the lengths graphs are captured for."""
     kv = KVPool.slot_bytes(shard, max_len, scratch)
     if shard.device.type != "cuda":
         return kv
