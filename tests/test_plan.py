@@ -76,3 +76,16 @@ def test_worker_refuses_a_budget_it_cannot_fit(role):
     res = CliRunner().invoke(main, [*args, *flags])
     assert res.exit_code == 2, res.output
     assert f"the {role} does not fit its memory budget: weights 7." in res.output and "budget 4.00 GiB" in res.output
+
+
+def test_a_drafter_on_its_own_device_is_checked_against_that_budget():
+    """`--draft-device`: the head's layers and its drafter are checked each on its own device's budget (on one
+    device, together), before anything loads."""
+    args = ["head", "--plugin", "bench.synthetic", "--target", "random:qwen2.5-7b", "--layers", "0:1"]
+    args += ["--draft", "random:qwen2.5-14b", "--gpu-memory", "4", "--dtype", "bfloat16"]
+    args += ["--redis-url", "redis://127.0.0.1:1/0"]
+    together = CliRunner().invoke(main, [*args, "--device", "cpu"])
+    assert together.exit_code == 2 and "the head does not fit its memory budget" in together.output, together.output
+    apart = CliRunner().invoke(main, [*args, "--device", "cpu", "--draft-device", "cpu:0"])
+    assert apart.exit_code == 2, apart.output
+    assert "the head's drafter does not fit its memory budget: weights" in apart.output, apart.output
