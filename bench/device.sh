@@ -7,7 +7,8 @@
 #   bench/device.sh jobs      # the job path (bench/jobs.py): real tail + head processes, default flags (NS=1,4,...;
 #                             TAIL_DEVICE=cuda:0 on one GPU)
 #   bench/device.sh qparity   # gpu_parity with 4-bit and int8 shards (QUANTS=4bit,int8), in DTYPES (float32;
-#                             float16,bfloat16: against HF generate in that dtype, rounding ties counted apart)
+#                             float16,bfloat16: against HF generate in that dtype, rounding ties counted apart;
+#                             a part's cap applies to each quant x dtype run)
 #   bench/device.sh card7 card14   # the 16 GB card profile: fp16, every worker capped at 15 GiB (--gpu-memory 15),
 #                             7B-shaped split 14/14 (V7: variants) and 14B-shaped 4-bit split 24/24; NS=1,16
 #   bench/device.sh plan      # shardflow plan for both shapes

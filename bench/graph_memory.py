@@ -70,7 +70,10 @@ def main(
     t = k + 1
     preset = preset_of(target)
     layers = preset["num_hidden_layers"] if preset else 10_000
-    for role in roles.split(","):
+    names = [r.strip() for r in roles.split(",")]
+    if unknown := set(names) - {"tail", "head", "draft"}:
+        raise click.BadParameter(f"unknown roles {sorted(unknown)} (tail, head, draft)", param_hint="--roles")
+    for role in names:
         if role == "tail":
             shard = load_shard(target, (split, layers), embed=False, head=True, quant=quant, **load)
             engine = Engine(shard, slots=slots, label="tail")

@@ -289,6 +289,16 @@ def preflight(
     enforce_budget(dev, settings)
 
 
+def same_device(a: str, b: str) -> bool:
+    """Whether two torch device strings name one device ("cuda" is cuda:0; every "cpu" is the one CPU)."""
+
+    def key(d: str) -> tuple[str, str]:
+        kind, _, index = d.strip().partition(":")
+        return kind, "0" if kind == "cpu" or not index else index
+
+    return key(a) == key(b)
+
+
 def preflight_head(
     registry: Any, target: str, layers: Any, draft: str | None, device: str, draft_device: str | None, **kw: Any
 ) -> None:
@@ -297,7 +307,7 @@ def preflight_head(
     own = [(target, layers, True, False, kw["quant"])]
     drafter = [(draft, None, True, True, kw["draft_quant"])] if draft else []
     dtype, settings = kw["dtype"], kw["settings"]
-    if draft_device and draft_device != device:
+    if draft_device and not same_device(draft_device, device):
         preflight("head", registry, own, device, dtype, settings)
         preflight("head's drafter", registry, drafter, draft_device, dtype, settings)
     else:

@@ -78,8 +78,8 @@ def test_overflowing_job_fails_once_without_retries(overflowing, redis_server, r
 
 
 def half_parity(target: Path, dtype: torch.dtype, names, redis_client, draft: Path | None) -> list[float]:
-    """Per prompt: 0.0 where the split generation equals HF generate in `dtype`, else how far apart the two
-    tokens were in generate's logits where they parted (units in the last place, `divergence_ulps`)."""
+    """For each prompt whose split generation parts from HF generate in `dtype`: how far apart the two tokens
+    were in generate's logits where they parted (units in the last place, `divergence_ulps`)."""
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
     tok = AutoTokenizer.from_pretrained(target)  # as the workers load it
     runtime = HeadRuntime.load(target, (0, 2), draft=draft, dtype=dtype)
@@ -98,13 +98,13 @@ def half_parity(target: Path, dtype: torch.dtype, names, redis_client, draft: Pa
         req = GenerationRequest(
             prompt=p, max_new_tokens=16, chat_template=False, draft=DraftSettings(k=4, adaptive=False)
         )
-        ulps.append(
-            divergence_ulps(generate(req, runtime, redis_client, names=names).token_ids, want, out.logits, dtype)
-        )
+        got = generate(req, runtime, redis_client, names=names).token_ids
+        if (u := divergence_ulps(got, want, out.logits, dtype)) is not None:
+            ulps.append(u)
     return ulps
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_half_precision_equals_generate_up_to_ties(dtype, models, tails, redis_client):
     """float16 / bfloat16 shards give HF generate's greedy tokens in the same dtype, except where generate's own
     two best logits were within rounding (a round's K+1-row forwards round unlike generate's one-row steps)."""
@@ -112,8 +112,8 @@ def test_half_precision_equals_generate_up_to_ties(dtype, models, tails, redis_c
     ulps = half_parity(
         ms.target, getattr(torch, dtype), tails.get(ms.target, 2, 4, ("--dtype", dtype)), redis_client, ms.drafter
     )
-    assert max(ulps) <= TIE_ULPS, ulps
-    assert sum(u == 0 for u in ulps) >= (15 if dtype == "float16" else 5), ulps
+    assert all(u <= TIE_ULPS for u in ulps), ulps
+    assert len(ulps) <= (8 if dtype == "float16" else 15), ulps  # seen: 1 and 8 of 20 (this CPU)
 
 
 def test_float16_residual_past_its_square_range(models, tails, redis_client, tmp_path):
@@ -125,4 +125,4 @@ def test_float16_residual_past_its_square_range(models, tails, redis_client, tmp
     peak = max(h.abs().max().item() for h in hf(ids, output_hidden_states=True).hidden_states)
     assert 256 < peak < torch.finfo(torch.float16).max / 2  # squares overflow float16; the values do not
     ulps = half_parity(hot, torch.float16, tails.get(hot, 2, 4, ("--dtype", "float16")), redis_client, None)
-    assert max(ulps) <= TIE_ULPS and sum(u == 0 for u in ulps) >= 15, ulps
+    assert all(u <= TIE_ULPS for u in ulps) and len(ulps) <= 8, ulps  # seen: 0 of 20

@@ -44,7 +44,8 @@ def test_references_vary(models, hf_models, tokenizers):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-@pytest.mark.parametrize("split", [1, 2, 3])
+# the middle split in plain `pytest`; the first and last layers' splits with the slow tests (scripts/test.sh, CI)
+@pytest.mark.parametrize("split", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_parity(family, split, drafter, k, models, hf_models, tokenizers, tails, redis_client):

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoConfig
 
+from producer import options
 from producer.cli import main
 from producer.cli_plan import parse_size
 from schemas.settings import Settings
@@ -78,14 +79,20 @@ def test_worker_refuses_a_budget_it_cannot_fit(role):
     assert f"the {role} does not fit its memory budget: weights 7." in res.output and "budget 4.00 GiB" in res.output
 
 
-def test_a_drafter_on_its_own_device_is_checked_against_that_budget():
-    """`--draft-device`: the head's layers and its drafter are checked each on its own device's budget (on one
-    device, together), before anything loads."""
+def test_a_drafter_on_its_own_device_is_checked_against_that_budget(monkeypatch):
+    """`--draft-device`: the head's layers and its drafter are checked each against its own device's budget when
+    the devices differ, together when they are one ("cuda" is cuda:0), before anything loads."""
     args = ["head", "--plugin", "bench.synthetic", "--target", "random:qwen2.5-7b", "--layers", "0:1"]
     args += ["--draft", "random:qwen2.5-14b", "--gpu-memory", "4", "--dtype", "bfloat16"]
     args += ["--redis-url", "redis://127.0.0.1:1/0"]
-    together = CliRunner().invoke(main, [*args, "--device", "cpu"])
+    together = CliRunner().invoke(main, [*args, "--device", "cpu", "--draft-device", "cpu:0"])
     assert together.exit_code == 2 and "the head does not fit its memory budget" in together.output, together.output
-    apart = CliRunner().invoke(main, [*args, "--device", "cpu", "--draft-device", "cpu:0"])
-    assert apart.exit_code == 2, apart.output
-    assert "the head's drafter does not fit its memory budget: weights" in apart.output, apart.output
+    checked: list[tuple[str, str, int]] = []
+    monkeypatch.setattr(
+        options, "preflight", lambda role, _r, parts, device, *_: checked.append((role, device, len(parts)))
+    )
+    kw = dict(dtype=None, settings=None, quant="none", draft_quant="none")
+    for device, draft_device in (("cuda", "cuda:0"), ("cuda:1", "cuda:1"), ("cuda:0", None), ("cuda:0", "cuda:1")):
+        options.preflight_head(None, "t", (0, 1), "d", device, draft_device, **kw)
+    assert checked[:3] == [("head", "cuda", 2), ("head", "cuda:1", 2), ("head", "cuda:0", 2)]
+    assert checked[3:] == [("head", "cuda:0", 1), ("head's drafter", "cuda:1", 1)]

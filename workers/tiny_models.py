@@ -145,16 +145,17 @@ TIE_ULPS = 8  # where a half-precision generation parts from generate's: a tie i
 
 def divergence_ulps(
     got: Sequence[int], want: Sequence[int], logits: Sequence[torch.Tensor], dtype: torch.dtype
-) -> float:
+) -> float | None:
     """How far a generation that parts from HF generate's `want` parted: at the first differing step, how many
-    units in the last place of `dtype` (at generate's best logit) the token taken sits below generate's choice
-    in generate's own logits (`logits`: its per-step raw logits). 0.0 when they do not part. In half precision
-    a round's K+1-row forwards round differently from generate's one-row steps, so a few units (a tie at the
-    dtype's rounding) can part them; more is a numerical error."""
+    units in the last place of `dtype` (at generate's best logit) apart generate's own logits put the token
+    taken and generate's choice (`logits`: its per-step raw logits); None when they do not part, inf when one
+    only ends sooner. In half precision a round's K+1-row forwards round differently from generate's one-row
+    steps, so a few units (a tie at the dtype's rounding) can part them; more is a numerical error. (Near a
+    zero logit the unit is tiny: a real tie there counts as far apart, on the safe side.)"""
     i = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
     if i is None:
-        return 0.0 if len(got) == len(want) else math.inf
+        return None if len(got) == len(want) else math.inf
     row = logits[i].reshape(-1).float()
     best = float(row[want[i]])
     ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(best), torch.finfo(dtype).tiny)))
-    return (best - float(row[got[i]])) / ulp
+    return abs(best - float(row[got[i]])) / ulp
