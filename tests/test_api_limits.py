@@ -15,6 +15,8 @@ import pytest
 
 from tests.job_env import Env, start_serve
 
+pytestmark = pytest.mark.slow  # a serve process of its own (scripts/test.sh and CI run it)
+
 KEY = "test-key-limits"
 
 HEADERS = {"Authorization": f"Bearer {KEY}"}

@@ -65,6 +65,7 @@ def test_high_concurrency_shares_one_pool(models, redis_server, redis_client, tm
         e.close()
 
 
+@pytest.mark.slow
 def test_a_full_tail_makes_heads_wait_not_fail(models, redis_server, redis_client, tmp_path, hf_models, tokenizers):
     """A tail whose static caches hold 2 sessions, a head with 5 jobs in flight: the tail answers the rounds of
     sessions it has no room for "busy" (not dead-lettered), their heads send them again after a wait, and every

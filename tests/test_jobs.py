@@ -287,6 +287,7 @@ def test_a_default_head_refuses_synthetic_drafts(env, tmp_path):
     assert job["status"] == "failed" and "drafter kind 'synthetic' is not available" in job["error"], job
 
 
+@pytest.mark.slow
 def test_bench_plugin_sets_acceptance_through_the_job_path(models, redis_server, redis_client, tmp_path):
     """`shardflow head --plugin bench.synthetic` (what bench/jobs.py starts): synthetic requests run through
     the job path with the acceptance they ask for, and the output is the target's own."""

@@ -47,7 +47,7 @@ def test_finite_rows():
     assert finite_rows([]) == []
 
 
-@pytest.mark.parametrize("side", ["head", "tail"])
+@pytest.mark.parametrize("side", [pytest.param("head", marks=pytest.mark.slow), "tail"])
 def test_float16_overflow_fails_cleanly(side, overflowing, tails, redis_client):
     target = overflowing[side]
     names = tails.get(target, 2, 4, ("--dtype", "float16"))
@@ -116,6 +116,7 @@ def test_half_precision_equals_generate_up_to_ties(dtype, models, tails, redis_c
     assert len(ulps) <= (8 if dtype == "float16" else 15), ulps  # seen: 1 and 8 of 20 (this CPU)
 
 
+@pytest.mark.slow
 def test_float16_residual_past_its_square_range(models, tails, redis_client, tmp_path):
     """A residual stream near 1e4 (its squares ~1e8, float16's largest value 65504) is normed in float32, as
     transformers norms it: the float16 split generates HF generate's float16 tokens, up to rounding ties."""

@@ -84,7 +84,7 @@ def test_greedy_parity_with_static_caches(family, models, hf_models, tokenizers,
             assert generate(req, runtime, redis_client, names=names).token_ids == want, prompt
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_greedy_parity_batched_in_flight(family, models, hf_models, tokenizers, tails, redis_client):
     """Generations in flight on one runtime run batched (drafts, head and tail forwards over several
     sequences' slots at once, plus one-slot pools beyond the slots) and still equal HF generate."""

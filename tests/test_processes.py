@@ -62,6 +62,7 @@ def _alive(pid: int, start: int) -> bool:
 
 
 # --- a SIGKILLed head leaves nothing behind ----------------------------------------------------------
+@pytest.mark.slow
 def test_sigkilled_head_leaves_no_process_and_its_scheduler_lock_expires(models, redis_server, tmp_path):
     r = connect(redis_server.url)
     queue, prefix, ttl = "q-procs", "p-procs", 3

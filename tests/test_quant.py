@@ -48,7 +48,7 @@ def run_split(runtime: HeadRuntime, names, redis_client, prompts: list[str], k: 
     return outs
 
 
-@pytest.mark.parametrize("scheme", ["4bit", "int8"])
+@pytest.mark.parametrize("scheme", ["4bit", pytest.param("int8", marks=pytest.mark.slow)])
 def test_quantized_split_equals_hf_generate_on_the_quantized_model(
     scheme, models, tokenizers, hf_models, tails, redis_client
 ):
