@@ -1,8 +1,9 @@
 """The job system's test bench: a queue served by real tail and head worker processes (`Env`), and greedy
-references from Hugging Face `generate`."""
+references from Hugging Face `generate`, and OpenAI Batch API input lines."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from producer.cli import main
 from producer.client import Client
 from producer.local import spawn_tail, wait_for_tails
 from schemas.keys import Keys
+from schemas.openai import TEXT
+from workers.tiny_models import PROMPTS
 
 SPLIT = 2
 
@@ -149,3 +152,18 @@ def start_serve(env: Env, log: Path, key: str, extra_env: dict[str, str] | None 
             pass
         assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
         time.sleep(0.2)
+
+
+def batch_line(custom_id: str, url: str = TEXT, **body: object) -> dict:
+    """One OpenAI Batch API input line (a completion by default, a chat for CHAT), greedy unless body says."""
+    body = {"model": "tiny", "temperature": 0, **body}
+    if url == TEXT:
+        body.setdefault("prompt", PROMPTS[0])
+    else:
+        body.setdefault("messages", [{"role": "user", "content": PROMPTS[0]}])
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def write_jsonl(path: Path, lines: list[dict]) -> str:
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)

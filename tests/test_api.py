@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from producer.cli import main
 from tests.conftest import PROMPTS
-from tests.job_env import Env, reference, start_serve
+from tests.job_env import Env, batch_line, reference, start_serve, write_jsonl
 
 KEY = "test-key-1"
 
@@ -85,18 +85,9 @@ def test_models_list(api, models):
 
 def test_batch_api_file_to_output(api, hf_models, tokenizers, tmp_path):
     tok, hf = tokenizers["qwen2"], hf_models["qwen2"]
-    lines = [
-        {
-            "custom_id": f"r{i}",
-            "method": "POST",
-            "url": "/v1/completions",
-            "body": {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0},
-        }
-        for i, p in enumerate(PROMPTS[:5])
-    ]
+    lines = [batch_line(f"r{i}", prompt=p, max_tokens=6) for i, p in enumerate(PROMPTS[:5])]
     path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    with path.open("rb") as f:
+    with open(write_jsonl(path, lines), "rb") as f:
         upload = api.client.files.create(file=f, purpose="batch")
     batch = api.client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
     assert batch.status == "in_progress" and batch.request_counts.total == 5

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.job_env import Env, start_serve
+from tests.job_env import Env, batch_line, start_serve, write_jsonl
 
 pytestmark = pytest.mark.slow  # a serve process of its own (scripts/test.sh and CI run it)
 
@@ -69,18 +69,9 @@ def test_requests_past_the_limit_are_429(small):
 
 
 def test_a_cancelled_batch_stops(small, tmp_path):
-    lines = [
-        {
-            "custom_id": f"c{i}",
-            "method": "POST",
-            "url": "/v1/completions",
-            "body": {"model": "tiny", "prompt": "Tokyo", "max_tokens": 1500, "temperature": 0},
-        }
-        for i in range(3)
-    ]
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    with path.open("rb") as f:
+    lines = [batch_line(f"c{i}", prompt="Tokyo", max_tokens=1500) for i in range(3)]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    with open(path, "rb") as f:
         upload = small.client.files.create(file=f, purpose="batch")
     batch = small.client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
     time.sleep(1.0)  # let the head start them

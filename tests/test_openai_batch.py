@@ -11,9 +11,9 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from schemas.openai import CHAT, TEXT, BatchLine, ChatBody, JobTag, output_line
+from schemas.openai import CHAT, BatchLine, ChatBody, JobTag, output_line
 from tests.conftest import PROMPTS
-from tests.job_env import Env, reference
+from tests.job_env import Env, batch_line, reference, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -21,20 +21,6 @@ def env(models, redis_server, redis_client, tmp_path_factory):
     e = Env("oai", models, redis_server, redis_client, tmp_path_factory.mktemp("oai"))
     yield e
     e.close()
-
-
-def batch_line(custom_id: str, url: str = TEXT, **body: object) -> dict:
-    body = {"model": "tiny", "temperature": 0, **body}
-    if url == TEXT:
-        body.setdefault("prompt", PROMPTS[0])
-    else:
-        body.setdefault("messages", [{"role": "user", "content": PROMPTS[0]}])
-    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
-
-
-def write_jsonl(path, lines: list[dict]) -> str:
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return str(path)
 
 
 def read_jsonl(path) -> list[dict]:
