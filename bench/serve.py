@@ -13,7 +13,6 @@ and serve.md to --out; the table goes to stdout.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from bench.jobs_report import resolve_model, say
 from producer.client import Client, Followed, TextChunk
 from producer.local import stop_processes, wait_for_tails
 from relay_broker.connection import connect
-from relay_broker.embedded import EmbeddedRedis
+from relay_broker.embedded import EmbeddedRedis, free_port
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest
 from workers.tiny_models import PROMPTS
@@ -38,12 +37,6 @@ from workers.tiny_models import PROMPTS
 PREFIX = "serve-bench"
 # prompts a completion model continues for a while (the first of PROMPTS ends at once on SmolLM2)
 LONG = [p for p in PROMPTS if len(p) > 12][1:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def via_client(client: Client, prompt: str, new: int) -> tuple[float, float, int]:

@@ -39,7 +39,18 @@ from producer.api_common import ApiConfig, ApiError, Handler
 from producer.client import FINAL, Client, Followed, JobEnded, JobView, NotFound, TextChunk
 from producer.inputs import pydantic_reason
 from schemas.errors import InvalidRequest
-from schemas.openai import CHAT, TEXT, JobTag, body_for, chunk, completion, error, status_of, usage_chunk
+from schemas.openai import (
+    CHAT,
+    TEXT,
+    JobTag,
+    body_for,
+    chunk,
+    completion,
+    error,
+    finish_reason,
+    status_of,
+    usage_chunk,
+)
 
 log = logging.getLogger("shardflow.api")
 
@@ -60,6 +71,7 @@ class Api:
             Route("/v1/models", self.guard(self.models), methods=["GET"]),
             *batch_routes(self),
         ]
+
         @asynccontextmanager
         async def lifespan(_app: Starlette) -> AsyncIterator[None]:
             # every request's Redis calls and every stream's reads run on worker threads: room for all of them
@@ -222,7 +234,7 @@ class Api:
         if view.status != "finished" or view.result is None:
             yield sse(error(view.error or f"the request {view.status}", "server_error"))
         else:
-            yield sse(chunk(tag, jid, created, None, _reason(view.result)))
+            yield sse(chunk(tag, jid, created, None, finish_reason(view.result.get("finish_reason")) or "stop"))
             if usage:
                 yield sse(usage_chunk(tag, jid, created, view.result))
         yield "data: [DONE]\n\n"
@@ -257,10 +269,6 @@ class HeldStream(StreamingResponse):
             if self.release is not None:
                 self.release()
                 self.release = None
-
-
-def _reason(result: dict) -> str:
-    return "length" if result.get("finish_reason") == "length" else "stop"
 
 
 def sse(obj: dict) -> str:

@@ -150,6 +150,13 @@ def usage(result: dict) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def _envelope(tag: JobTag, job_id: str, created: int, chunked: bool) -> dict[str, Any]:
+    """What every completion object and stream chunk opens with: id, object, created, model."""
+    chat = tag.url == CHAT
+    kind = ("chat.completion.chunk" if chunked else "chat.completion") if chat else "text_completion"
+    return {"id": f"{'chatcmpl-' if chat else 'cmpl-'}{job_id}", "object": kind, "created": created, "model": tag.model}
+
+
 def completion(tag: JobTag, job_id: str, result: dict, created: int | None = None) -> dict:
     """The chat.completion or text_completion object of a finished job's result."""
     created = int(time.time()) if created is None else created
@@ -157,18 +164,9 @@ def completion(tag: JobTag, job_id: str, result: dict, created: int | None = Non
     if tag.url == CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": result.get("text", "")}}
         choice |= {"logprobs": None, "finish_reason": reason}
-        kind, prefix = "chat.completion", "chatcmpl-"
     else:
         choice = {"index": 0, "text": result.get("text", ""), "logprobs": None, "finish_reason": reason}
-        kind, prefix = "text_completion", "cmpl-"
-    return {
-        "id": f"{prefix}{job_id}",
-        "object": kind,
-        "created": created,
-        "model": tag.model,
-        "choices": [choice],
-        "usage": usage(result),
-    }
+    return {**_envelope(tag, job_id, created, False), "choices": [choice], "usage": usage(result)}
 
 
 def chunk(tag: JobTag, job_id: str, created: int, text: str | None, reason: str | None, role: bool = False) -> dict:
@@ -178,24 +176,14 @@ def chunk(tag: JobTag, job_id: str, created: int, text: str | None, reason: str 
         if text:
             delta["content"] = text
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        kind, prefix = "chat.completion.chunk", "chatcmpl-"
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        kind, prefix = "text_completion", "cmpl-"
-    return {"id": f"{prefix}{job_id}", "object": kind, "created": created, "model": tag.model, "choices": [choice]}
+    return {**_envelope(tag, job_id, created, True), "choices": [choice]}
 
 
 def usage_chunk(tag: JobTag, job_id: str, created: int, result: dict) -> dict:
     """The last chunk of a stream asked with stream_options.include_usage: no choices, the usage."""
-    kind, prefix = ("chat.completion.chunk", "chatcmpl-") if tag.url == CHAT else ("text_completion", "cmpl-")
-    return {
-        "id": f"{prefix}{job_id}",
-        "object": kind,
-        "created": created,
-        "model": tag.model,
-        "choices": [],
-        "usage": usage(result),
-    }
+    return {**_envelope(tag, job_id, created, True), "choices": [], "usage": usage(result)}
 
 
 def error(message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None):

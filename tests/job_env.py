@@ -17,6 +17,7 @@ from rq import Queue
 from producer.cli import main
 from producer.client import Client
 from producer.local import spawn_tail, wait_for_tails
+from relay_broker.embedded import free_port
 from schemas.keys import Keys
 from schemas.openai import TEXT
 from workers.tiny_models import PROMPTS
@@ -122,14 +123,6 @@ def reference(hf, tok, prompt: str, n: int) -> list[int]:
     ].tolist()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_serve(env: Env, log: Path, key: str, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """A `shardflow serve` process for env's queue with one API key (a file of keys), once it answers; (process,
     base URL)."""
@@ -167,3 +160,20 @@ def batch_line(custom_id: str, url: str = TEXT, **body: object) -> dict:
 def write_jsonl(path: Path, lines: list[dict]) -> str:
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return str(path)
+
+
+def upload_batch(client, path: Path, lines: list[dict], endpoint: str = TEXT):
+    """A Batch API input file uploaded through `client` (the openai package's) and a batch made of it."""
+    with open(write_jsonl(path, lines), "rb") as f:
+        upload = client.files.create(file=f, purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window="24h")
+
+
+def wait_batch(client, batch, status: str, timeout_s: float):
+    """The batch, polled until it reaches `status` (an assertion past timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while batch.status != status:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.3)
+        batch = client.batches.retrieve(batch.id)
+    return batch

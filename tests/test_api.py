@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from producer.cli import main
 from tests.conftest import PROMPTS
-from tests.job_env import Env, batch_line, reference, start_serve, write_jsonl
+from tests.job_env import Env, batch_line, reference, start_serve, upload_batch, wait_batch
 
 KEY = "test-key-1"
 
@@ -87,15 +87,9 @@ def test_batch_api_file_to_output(api, hf_models, tokenizers, tmp_path):
     tok, hf = tokenizers["qwen2"], hf_models["qwen2"]
     lines = [batch_line(f"r{i}", prompt=p, max_tokens=6) for i, p in enumerate(PROMPTS[:5])]
     path = tmp_path / "in.jsonl"
-    with open(write_jsonl(path, lines), "rb") as f:
-        upload = api.client.files.create(file=f, purpose="batch")
-    batch = api.client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    batch = upload_batch(api.client, path, lines)
     assert batch.status == "in_progress" and batch.request_counts.total == 5
-    deadline = time.monotonic() + 120
-    while batch.status != "completed":
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.3)
-        batch = api.client.batches.retrieve(batch.id)
+    batch = wait_batch(api.client, batch, "completed", 120)
     assert batch.request_counts.completed == 5 and batch.output_file_id and batch.error_file_id is None
     assert batch.id in [b.id for b in api.client.batches.list()]
     out = [json.loads(x) for x in api.client.files.content(batch.output_file_id).text.splitlines()]
@@ -103,7 +97,7 @@ def test_batch_api_file_to_output(api, hf_models, tokenizers, tmp_path):
     for i, p in enumerate(PROMPTS[:5]):
         body = by_id[f"r{i}"]["response"]["body"]
         assert body["choices"][0]["text"] == tok.decode(reference(hf, tok, p, 6))
-    assert api.client.files.content(upload.id).text == path.read_text()
+    assert api.client.files.content(batch.input_file_id).text == path.read_text()
 
 
 def test_keys_are_required(api):

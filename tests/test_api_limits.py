@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.job_env import Env, batch_line, start_serve, write_jsonl
+from tests.job_env import Env, batch_line, start_serve, upload_batch, wait_batch
 
 pytestmark = pytest.mark.slow  # a serve process of its own (scripts/test.sh and CI run it)
 
@@ -70,18 +70,11 @@ def test_requests_past_the_limit_are_429(small):
 
 def test_a_cancelled_batch_stops(small, tmp_path):
     lines = [batch_line(f"c{i}", prompt="Tokyo", max_tokens=1500) for i in range(3)]
-    path = write_jsonl(tmp_path / "in.jsonl", lines)
-    with open(path, "rb") as f:
-        upload = small.client.files.create(file=f, purpose="batch")
-    batch = small.client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    batch = upload_batch(small.client, tmp_path / "in.jsonl", lines)
     time.sleep(1.0)  # let the head start them
     batch = small.client.batches.cancel(batch.id)
     assert batch.status in ("cancelling", "cancelled")
-    deadline = time.monotonic() + 60
-    while batch.status != "cancelled":
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.3)
-        batch = small.client.batches.retrieve(batch.id)
+    batch = wait_batch(small.client, batch, "cancelled", 60)
     assert batch.request_counts.failed == 3 and batch.error_file_id and batch.output_file_id is None
     errors = [json.loads(x) for x in small.client.files.content(batch.error_file_id).text.splitlines()]
     assert sorted(x["custom_id"] for x in errors) == ["c0", "c1", "c2"]

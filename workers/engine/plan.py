@@ -104,8 +104,13 @@ def slot_bytes(
 ) -> int:
     """Keys/values of one slot of `positions` (+ `scratch`, default the step's tokens) over n_layers, plus its
     row of a forward of `tokens` tokens (as `sizing.slot_cost`: a round's K+1, a drafter's 2 with K+2 scratch)."""
-    kv = n_layers * shape.kv_per_position * (positions + (scratch or tokens))
+    kv = kv_bytes(shape, n_layers, positions, scratch or tokens)
     return kv + row_bytes(shape, tokens, positions, logits, dtype_bytes)
+
+
+def kv_bytes(shape: ModelShape, n_layers: int, positions: int, scratch: int) -> int:
+    """Keys/values alone of one slot of `positions` + `scratch` over n_layers."""
+    return n_layers * shape.kv_per_position * (positions + scratch)
 
 
 @dataclass
@@ -212,7 +217,7 @@ def plan_split(
     def kv(sh: ModelShape | None, layers: int, scratch: int) -> tuple[int, int]:
         if sh is None:
             return 0, 0
-        one = [layers * sh.kv_per_position * (p + scratch) if p else 0 for p in (full_len, short_len)]
+        one = [kv_bytes(sh, layers, p, scratch) if p else 0 for p in (full_len, short_len)]
         return one[0], one[1]
 
     ws = workspace_bytes(config, size, cfg)
