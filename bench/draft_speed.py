@@ -15,7 +15,7 @@ import torch
 
 from bench.synthetic import load_shard
 from workers.engine.runner import Engine
-from workers.spec.drafters import ModelDrafter, propose_greedy_many
+from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 
 
 @click.command()

@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.synthetic import RANDOM_PRESETS, load_shard
 from workers.engine.runner import Engine
-from workers.spec.drafters import ModelDrafter, propose_greedy_many
-from workers.spec.verify import verify_greedy
+from workers.speculative.drafters import ModelDrafter, propose_greedy_many
+from workers.speculative.verify import verify_greedy
 
 
 def sync(dev: torch.device) -> None:

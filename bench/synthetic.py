@@ -26,7 +26,7 @@ from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import SamplingParams, TokenId
 from workers.engine.shard import Source
 from workers.plugins import DrafterContext, ModelSource, Registry, load_plugins
-from workers.spec.drafters import Draft, DraftSession, ModelDraftSession
+from workers.speculative.drafters import Draft, DraftSession, ModelDraftSession
 
 
 def random_source(seed: int, std: float = 0.02) -> Source:

@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.settings import DEFAULTS
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # RQ job ids (BATCH-00000) allow no "."
-# The one job function producers enqueue (by name) and head workers allow.
-RUN_GENERATION = "workers.jobs.run_generation"
+# The one job function producers enqueue (by name) and head workers allow: the module that defines it. Jobs
+# queued by earlier releases name it by its old wire name, which heads still accept (LEGACY_RUN_GENERATION).
+RUN_GENERATION = "workers.head.job_function.run_generation"
+LEGACY_RUN_GENERATION = "workers.jobs.run_generation"
 
 
 def job_ttl(job: object) -> int:

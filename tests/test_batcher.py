@@ -22,7 +22,7 @@ from workers.engine.kvcache import StaticKVCache
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache, Shard, load_shard
 from workers.head.batching import Batcher, HeadWork
-from workers.spec.drafters import Draft, DraftSession, ModelDrafter, NgramDrafter
+from workers.speculative.drafters import Draft, DraftSession, ModelDrafter, NgramDrafter
 from workers.tiny_models import build_tokenizer, save_tiny_model
 
 GREEDY = SamplingParams()

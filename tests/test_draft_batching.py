@@ -1,4 +1,4 @@
-"""Every drafter batches (workers/spec/drafters.py, wired in workers/head/batching.py): no Redis, no subprocess.
+"""Every drafter batches (workers/speculative/drafters.py, wired in workers/head/batching.py): no Redis, no subprocess.
 
 Sampled draft-model drafts of several generations advance together (one batched draft-model forward per draft
 position, greedy rows alongside), each row drawing from its own generator exactly what it draws alone, so a
@@ -34,8 +34,8 @@ from tests.test_batcher import (  # noqa: F401  (tiny and _no_stray_threads are 
     tiny,
 )
 from workers.head.batching import HeadWork
-from workers.spec.drafters import Draft, ModelDraftSession, NgramDrafter, propose_many, propose_ngram_many
-from workers.spec.sampling import warp
+from workers.speculative.drafters import Draft, ModelDraftSession, NgramDrafter, propose_many, propose_ngram_many
+from workers.speculative.sampling import warp
 
 WARPS = [  # three warps: rows of one warp are warped together, the others apart
     SamplingParams(temperature=1.0, seed=1),

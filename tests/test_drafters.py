@@ -15,7 +15,7 @@ from workers.engine.kvcache import KVCache
 from workers.engine.shard import load_shard
 from workers.head.runtime import HeadRuntime, generate
 from workers.plugins import DrafterContext, Registry, load_plugins
-from workers.spec.drafters import Draft, ModelDrafter, NgramDrafter
+from workers.speculative.drafters import Draft, ModelDrafter, NgramDrafter
 from workers.tail.sessions import SessionStore
 
 GREEDY = SamplingParams()
@@ -180,7 +180,7 @@ def test_generations_in_flight_share_a_runtime(models, tails, redis_client, hf_m
 
 
 def test_best_k_follows_acceptance_and_costs():
-    from workers.spec.adaptive import DraftLength, best_k, expected_tokens
+    from workers.speculative.adaptive import DraftLength, best_k, expected_tokens
 
     assert expected_tokens(0.78, 8) == pytest.approx(4.06, abs=0.01)  # the reference system's 4.07
     assert best_k(0.95, fixed_ms=90, per_draft_ms=3, k_max=16) == 16  # cheap drafts, long round trip

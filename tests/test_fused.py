@@ -20,7 +20,7 @@ from workers.engine.fused import FusedLayers, fuse_layer, fused_stack, rotate_el
 from workers.engine.kvcache import BatchView, KVCache, KVPool
 from workers.engine.runner import BatchGraph, Engine, greedy_steps
 from workers.engine.shard import load_shard, sliding_window
-from workers.spec.drafters import ModelDrafter, propose_greedy_many
+from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

@@ -12,6 +12,7 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from schemas.jobs import RUN_GENERATION
 from schemas.settings import DEFAULTS
 from tests.job_env import Env
 
@@ -120,7 +121,7 @@ def test_forged_job_records_never_stop_the_head(env):
     env.r.set("rq:job:forged-string", "not a hash")
     env.r.rpush(f"rq:queue:{env.queue}", "forged-string")
     limited = Queue(f"{env.queue}-idle", connection=env.r, serializer=JSONSerializer).enqueue_call(
-        "workers.jobs.run_generation", args=({"prompt": "x"},), job_id="forged-limit"
+        RUN_GENERATION, args=({"prompt": "x"},), job_id="forged-limit"
     )
     env.r.hset(limited.key, mapping={"status": "started", "rate_limit_key": "x", "rate_limit_concurrency": "1"})
     env.r.hset(limited.key, "origin", env.queue)
@@ -146,7 +147,7 @@ def test_a_forged_scheduled_entry_holds_back_no_retry(env):
     env.r.zadd(f"rq:scheduled:{env.queue}", {"forged-sched": 0, "forged-sched-str": 0})
     queue = Queue(env.queue, connection=env.r, serializer=JSONSerializer)
     request = {"prompt": "Tokyo", "chat_template": False, "max_new_tokens": 4}
-    job = queue.enqueue_in(timedelta(seconds=0), "workers.jobs.run_generation", request, job_id="real-sched")
+    job = queue.enqueue_in(timedelta(seconds=0), RUN_GENERATION, request, job_id="real-sched")
     deadline = time.monotonic() + 30
     while env.r.hget(job.key, "status") != b"finished" and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -147,7 +147,7 @@ def test_job_payloads_hold_no_pickle(env):
     job_id = json.loads(res.output.splitlines()[-1])["jobs"][0]["job_id"]
     raw = env.r.hgetall(f"rq:job:{job_id}")
     payload = json.loads(zlib.decompress(raw[b"data"]))
-    assert payload[0] == "workers.jobs.run_generation" and payload[2][0]["prompt"] == "payload check"
+    assert payload[0] == "workers.head.job_function.run_generation" and payload[2][0]["prompt"] == "payload check"
     assert json.loads(raw[b"meta"])["batch"] in job_id
     for key in (f"rq:job:{job_id}", f"{env.prefix}:result:{job_id}"):
         blob = b"".join(env.r.hgetall(key).values()) if key.startswith("rq:") else env.r.get(key)
@@ -314,3 +314,14 @@ def test_bench_plugin_sets_acceptance_through_the_job_path(models, redis_server,
         assert sure["accepted_tokens"] == sure["drafted_tokens"] > 0 and never["accepted_tokens"] == 0
     finally:
         e.close()
+
+
+def test_jobs_queued_under_the_old_wire_name_still_run():
+    """The job function's wire name names its module; a job an earlier release queued under the old name
+    (`workers.jobs.run_generation`) maps to the same function."""
+    from schemas.jobs import LEGACY_RUN_GENERATION, RUN_GENERATION
+    from workers.head.rq_worker import head_job_class
+
+    functions = head_job_class(object()).functions  # type: ignore[arg-type]
+    assert RUN_GENERATION == "workers.head.job_function.run_generation"
+    assert functions[RUN_GENERATION] is functions[LEGACY_RUN_GENERATION]

@@ -22,6 +22,7 @@ from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 
 from relay_broker.connection import connect
+from schemas.jobs import RUN_GENERATION
 from schemas.settings import Settings
 from workers.head.scheduler import ThreadScheduler
 
@@ -105,7 +106,7 @@ def test_sigkilled_head_leaves_no_process_and_its_scheduler_lock_expires(models,
 
 # --- the scheduler thread, in process ---------------------------------------------------------------
 def _job_due_now(r, queue: Queue) -> Job:
-    job = queue.enqueue_in(timedelta(seconds=0), "workers.jobs.run_generation", {"prompt": "x"})
+    job = queue.enqueue_in(timedelta(seconds=0), RUN_GENERATION, {"prompt": "x"})
     assert job.id in ScheduledJobRegistry(queue=queue).get_job_ids()
     return job
 

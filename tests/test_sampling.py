@@ -13,8 +13,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from workers.head.runtime import HeadRuntime, generate
-from workers.spec.sampling import warp
-from workers.spec.verify import verify_sampling
+from workers.speculative.sampling import warp
+from workers.speculative.verify import verify_sampling
 from workers.tiny_models import save_noisy_copy, save_tiny_model
 
 VOCAB, NEW, DRAWS = 5, 3, 1500

@@ -10,7 +10,7 @@ from schemas.errors import PacketError
 from schemas.packets import HEADER, Verdict, decode_head_message, decode_tail_message, encode_message, encode_round
 from schemas.requests import GenerationRequest, SamplingParams
 from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
-from workers.spec.sampling import decode_q, encode_q
+from workers.speculative.sampling import decode_q, encode_q
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from producer.cli import main
 from producer.local import spawn_tail, wait_for_tails
 from relay_broker.connection import connect
 from schemas.errors import TransportError
+from schemas.jobs import RUN_GENERATION
 from schemas.keys import Keys
 from tests.secure_redis import (  # its fixtures `pki` and `secured` are registered in tests/conftest.py
     ADMIN_COMMANDS,
@@ -273,7 +274,7 @@ def test_a_scheduled_job_is_enqueued_by_the_head_scheduler_thread_without_lua(se
     assert lock is not None and int(admin.hget(f"rq:scheduler:{lock.decode()}", "pid")) == workers.procs["head"].pid
     q = Queue(QUEUE, connection=s.client("producer"), serializer=JSONSerializer)
     request = {"prompt": "Hello world!", "max_new_tokens": 4, "chat_template": False}
-    job = q.enqueue_in(timedelta(seconds=1), "workers.jobs.run_generation", request, job_id="sec-scheduled-1")
+    job = q.enqueue_in(timedelta(seconds=1), RUN_GENERATION, request, job_id="sec-scheduled-1")
     assert job.get_status() == "scheduled"
     deadline = time.monotonic() + 60
     while job.get_status() not in ("finished", "failed") and time.monotonic() < deadline:
@@ -338,7 +339,7 @@ def test_forged_abandoned_job_never_makes_a_producer_or_a_head_import_code(secur
     monkeypatch.setenv(CALLBACK_MARKER, str(marker))
     p = secured.client("producer")
     job = Job.create(
-        "workers.jobs.run_generation",
+        RUN_GENERATION,
         args=({"prompt": "x"},),
         id="sec-forged-2",
         connection=p,

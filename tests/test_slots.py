@@ -14,7 +14,7 @@ from workers.engine.kvcache import KVCache
 from workers.engine.runner import Engine
 from workers.engine.shard import load_shard
 from workers.engine.sizing import SlotPlan
-from workers.spec.drafters import ModelDrafter, propose_greedy_many
+from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 
 
 def _engine(models) -> Engine:

@@ -1,7 +1,7 @@
 """The tail's verification and stopping arithmetic on hand-built logits and probabilities: no model, no process.
 
-`verify_greedy` / `verify_sampling` (workers/spec/verify.py) and `cut_at_stops` / `StopStrings`
-(workers/spec/stopping.py). tests/test_sampling.py checks the whole split path's distribution with χ²
+`verify_greedy` / `verify_sampling` (workers/speculative/verify.py) and `cut_at_stops` / `StopStrings`
+(workers/speculative/stopping.py). tests/test_sampling.py checks the whole split path's distribution with χ²
 through real processes; this file is the fast unit layer under it.
 """
 
@@ -17,9 +17,9 @@ import torch
 
 from schemas.errors import PacketError
 from schemas.requests import SamplingParams
-from workers.spec.sampling import decode_q, round_generator, warp
-from workers.spec.stopping import StopStrings, cut_at_stops
-from workers.spec.verify import verify_greedy, verify_sampling
+from workers.speculative.sampling import decode_q, round_generator, warp
+from workers.speculative.stopping import StopStrings, cut_at_stops
+from workers.speculative.verify import verify_greedy, verify_sampling
 
 V = 6  # vocabulary of the hand-built rows
 

@@ -27,7 +27,7 @@ from transformers import AutoConfig, PretrainedConfig
 from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import BUILTIN_DRAFTERS
 from workers.engine.shard import Shard, Source, load_shard
-from workers.spec.drafters import DraftSession
+from workers.speculative.drafters import DraftSession
 
 
 @dataclass(frozen=True)

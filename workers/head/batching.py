@@ -29,7 +29,7 @@ from workers.engine.numerics import finite_rows, non_finite_error
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache
 from workers.head.groups import GroupPlan
-from workers.spec.drafters import (
+from workers.speculative.drafters import (
     Draft,
     DraftSession,
     ModelDraftSession,

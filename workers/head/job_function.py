@@ -1,7 +1,8 @@
 """The RQ job function a head worker runs.
 
-Producers enqueue jobs by the *name* `workers.jobs.run_generation` (schemas.jobs.RUN_GENERATION, a name
-on the wire: the head worker's job class maps it to `run_generation` here and refuses any other name,
+Producers enqueue jobs by the *name* `workers.head.job_function.run_generation` (schemas.jobs.RUN_GENERATION,
+a name on the wire; jobs queued by earlier releases as `workers.jobs.run_generation` still run): the head
+worker's job class maps it to `run_generation` here and refuses any other name,
 never importing a name a record holds; see relay_broker/rq_jobs.py) with one JSON argument (a
 GenerationRequest). The
 function runs in the worker's own process, with the models and settings of its JobContext, and:

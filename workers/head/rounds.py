@@ -24,10 +24,10 @@ from schemas.packets import (
 )
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from workers.head.batching import HeadWork
-from workers.spec.adaptive import DraftLength
-from workers.spec.drafters import Draft
-from workers.spec.sampling import encode_q, round_generator
-from workers.spec.stopping import StopStrings
+from workers.speculative.adaptive import DraftLength
+from workers.speculative.drafters import Draft
+from workers.speculative.sampling import encode_q, round_generator
+from workers.speculative.stopping import StopStrings
 
 log = logging.getLogger("shardflow.head")
 

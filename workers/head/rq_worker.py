@@ -35,7 +35,7 @@ from rq.utils import now
 
 from relay_broker.retry import ride_out
 from relay_broker.rq_jobs import SafeJob
-from schemas.jobs import RUN_GENERATION, ModelInfo
+from schemas.jobs import LEGACY_RUN_GENERATION, RUN_GENERATION, ModelInfo
 from schemas.keys import Keys
 from schemas.settings import Settings
 from workers.head import job_function as jobs
@@ -52,7 +52,8 @@ class _LoopEnded(Exception):
 def head_job_class(ctx: jobs.JobContext) -> type[SafeJob]:
     """This worker's job class: the one job function, bound to its models, looked up by its wire name (never
     imported by it; see relay_broker/rq_jobs.py)."""
-    functions: Mapping[str, Callable[..., Any]] = {RUN_GENERATION: functools.partial(jobs.run_generation, ctx)}
+    run = functools.partial(jobs.run_generation, ctx)
+    functions: Mapping[str, Callable[..., Any]] = {RUN_GENERATION: run, LEGACY_RUN_GENERATION: run}
     return type("HeadJob", (SafeJob,), {"functions": functions})
 
 

@@ -43,7 +43,7 @@ from workers.head.groups import GroupPlan
 from workers.head.prompts import encode_prompt
 from workers.head.rounds import RoundLoop
 from workers.plugins import DrafterContext, Registry
-from workers.spec.drafters import DraftSession, ModelDrafter, NgramDrafter
+from workers.speculative.drafters import DraftSession, ModelDrafter, NgramDrafter
 
 log = logging.getLogger("shardflow.head")
 TokenCallback = Callable[[list[int], list[int]], None]

@@ -42,9 +42,9 @@ from workers.engine.numerics import finite_rows, non_finite_error
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.engine.sizing import linger_s
-from workers.spec.sampling import decode_q, round_generator, warp
-from workers.spec.stopping import cut_at_stops
-from workers.spec.verify import verify_greedy, verify_sampling
+from workers.speculative.sampling import decode_q, round_generator, warp
+from workers.speculative.stopping import cut_at_stops
+from workers.speculative.verify import verify_greedy, verify_sampling
 from workers.tail.sessions import SessionStore, TailSession
 
 log = logging.getLogger("shardflow.tail")

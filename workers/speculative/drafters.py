@@ -22,7 +22,7 @@ import torch
 from schemas.requests import SamplingParams
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
-from workers.spec.sampling import warp
+from workers.speculative.sampling import warp
 
 
 @dataclass
