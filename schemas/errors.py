@@ -36,6 +36,11 @@ class PacketError(JobError):
     """A packet failed validation: malformed, truncated, oversized, wrong version, bad tensor."""
 
 
+class ForgedPacket(PacketError):
+    """A packet or reply whose MAC does not verify under its session's key: dropped into the dead-letter
+    stream, never answered and never acted on (see schemas/packets.py)."""
+
+
 class SessionError(JobError):
     """A packet names a session the tail does not hold, or arrives out of order."""
 

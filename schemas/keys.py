@@ -6,6 +6,8 @@ Relay (head <-> tail):
   {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
   {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
   {prefix}:dead-letters             packets tails refused, reply entries heads refused, with the reason
+  {prefix}:head:{name}              a running head's boot id, expiring after its reply timeout: tails drop
+                                    the sessions of a head whose key is gone or names another boot
 Jobs (producer <-> head):
   {prefix}:batch:{batch_id}         a batch: queue, job count, created at
   {prefix}:result:{job_id}          a job's result, written once
@@ -15,6 +17,7 @@ Jobs (producer <-> head):
   {prefix}:model:{queue}            what the queue's head workers announce
   {prefix}:api:file:{file_id}       a file uploaded to `shardflow serve` (POST /v1/files), expiring
   {prefix}:api:batches              the batches made through its /v1/batches, by creation time
+  {prefix}:api:batches:{owner}      those one API key made (`owner`: a digest of the key, never the key)
 The ACL template (deploy/users.acl.template) grants each role its part of these patterns.
 """
 
@@ -50,6 +53,9 @@ class Keys:
     def dead_letters(self) -> str:
         return f"{self.prefix}:dead-letters"
 
+    def head(self, name: str) -> str:
+        return f"{self.prefix}:head:{name}"
+
     # --- jobs ---
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}"
@@ -75,3 +81,6 @@ class Keys:
     @property
     def api_batches(self) -> str:
         return f"{self.prefix}:api:batches"
+
+    def api_owner_batches(self, owner: str) -> str:
+        return f"{self.prefix}:api:batches:{owner}"

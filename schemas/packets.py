@@ -1,13 +1,26 @@
 """Relay packets between head and tail, and their Redis stream encoding.
 
-A stream entry holds field `h` (the JSON header, one of the models below) and one binary field
-`t.<name>` per tensor the header declares. Decoding validates size caps, the JSON, the version, each
-tensor's dtype/shape/byte length, and the packet's own consistency before anything is computed.
+A stream entry holds field `h` (the JSON header, one of the models below), one binary field `t.<name>` per
+tensor the header declares, and `m`, an HMAC-SHA256 of the header and those tensors' bytes under the
+session's key. Decoding validates size caps, the JSON, the version, each tensor's dtype/shape/byte length,
+and the packet's own consistency before anything is computed.
+
+**Sessions are authenticated.** The head draws a random 32-byte key per generation; only the rounds that
+open a session on a tail (start_pos 0: the first round, and replays) carry it, and every head -> tail packet
+and every tail -> head reply is MAC'd with it (`seal`, `authentic`). A tail checks a round's MAC under the
+key of the session it holds before anything touches a cache, and a head drops a reply whose MAC does not
+verify. The one unsigned reply is a tail's "I do not hold this session" (it has no key): it carries the
+MAC of the round it answers (`echo`), which only a reader of that round could know, and it can only ever
+cost a replay. Readers of the tails' request streams see the keys: under the ACL file only tails can; on a
+Redis without ACLs anyone can, and the MACs then protect nothing. A malicious tail can always lie.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
 from typing import Annotated, Literal
 
 import torch
@@ -29,6 +42,13 @@ from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
 
 HEADER = b"h"
 TENSOR_PREFIX = b"t."
+MAC = b"m"
+# Relay packets (head <-> tail) speak their own protocol version; stored shapes keep SCHEMA_VERSION.
+# 2: per-session keys and MACs, the head's identity in every round.
+PROTOCOL_VERSION = 2
+KEY_BYTES = 32
+_REQUEST, _REPLY = b"shardflow-round\x00", b"shardflow-reply\x00"  # MACs of one direction never pass for the other
+HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 # How the draft distribution q travels: none (greedy), point (deterministic drafter: q(x)=1),
 # sparse (indices + probabilities of its support), dense (full vocabulary rows).
@@ -47,14 +67,28 @@ class HeadBatch(BaseModel):
     size: int = Field(ge=1, le=1 << 16)
 
 
+class HeadRef(BaseModel):
+    """The head a session belongs to: its name, the process's boot id, and how long it waits for a verdict.
+    A running head keeps `{prefix}:head:{name}` set to its boot id (expiring after its reply timeout): a tail
+    drops the sessions of a head whose key is gone or names another boot (workers/tail/liveness.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,96}$")
+    boot: str = Field(pattern=r"^[0-9a-f]{8,32}$")
+    reply_timeout_s: float = Field(gt=0, le=86400)
+
+
 class RoundPacket(BaseModel):
     """Head -> tail: hidden states of [input_ids, draft_ids] at positions start_pos.. to verify."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
     kind: Literal["round"] = "round"
     session_id: SessionId
+    head: HeadRef
+    key: HexKey | None = Field(None, description="The session's key: in rounds that open a session (start_pos 0) only.")
     round_id: int = Field(ge=0)
     start_pos: int = Field(ge=0, description="Position of input_ids[0]; the tail holds 0..start_pos.")
     input_ids: list[TokenId] = Field(min_length=1, description="Committed tokens not yet cached.")
@@ -88,6 +122,8 @@ class RoundPacket(BaseModel):
                 raise ValueError(f"tensor {name!r} must have {k} rows")
         if self.replay and (self.start_pos != 0 or len(self.input_ids) < 2):
             raise ValueError("a replay starts at position 0 with at least two committed tokens")
+        if (self.key is None) != (self.start_pos > 0):
+            raise ValueError("a round that opens a session (start_pos 0) carries its key, and no other does")
         return self
 
 
@@ -96,7 +132,7 @@ class ClosePacket(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
     kind: Literal["close"] = "close"
     session_id: SessionId
 
@@ -106,7 +142,7 @@ class Verdict(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
     kind: Literal["verdict"] = "verdict"
     session_id: SessionId
     round_id: int = Field(ge=0)
@@ -123,7 +159,7 @@ class ErrorReply(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
     kind: Literal["error"] = "error"
     session_id: SessionId
     round_id: int | None = None
@@ -132,6 +168,18 @@ class ErrorReply(BaseModel):
     retryable: bool = Field(False, description="The tail lost the session: replay it instead of failing.")
     busy: bool = Field(False, description="The tail has no free cache for a new session: send the round again.")
     non_finite: bool = Field(False, description="The tail's logits were not finite: fail the generation, no replay.")
+    echo: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="Unsigned replies only (a tail that does not hold the session has no key): the MAC of the "
+        "round answered. The head takes such a reply only as 'replay the session', never as final.",
+    )
+
+    @model_validator(mode="after")
+    def _echo_only_to_replay(self) -> ErrorReply:
+        if self.echo is not None and not (self.retryable and not self.busy and not self.non_finite):
+            raise ValueError("an echoed (unsigned) error reply can only ask for a replay")
+        return self
 
 
 HeadMessage = Annotated[RoundPacket | ClosePacket, Field(discriminator="kind")]
@@ -141,18 +189,62 @@ _TAIL = TypeAdapter(TailMessage)
 _SESSION_ID = TypeAdapter(SessionId)
 
 
-def encode_round(packet_fields: dict, tensors: dict[str, torch.Tensor]) -> tuple[RoundPacket, dict]:
-    """Build a RoundPacket from header fields + tensors and return it with its stream fields."""
+def session_key() -> bytes:
+    """A new session's key (random, KEY_BYTES long)."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def _mac(key: bytes, direction: bytes, fields: dict) -> bytes:
+    """HMAC-SHA256 over the header and every tensor field (in name order), each length-prefixed."""
+    mac = hmac.new(key, direction, hashlib.sha256)
+    for name in sorted(k for k in fields if k != MAC):
+        value = fields[name]
+        mac.update(len(name).to_bytes(4, "big") + name + len(value).to_bytes(8, "big"))
+        mac.update(value)
+    return mac.digest()
+
+
+def seal(key: bytes, fields: dict[bytes, bytes], *, reply: bool = False) -> dict[bytes, bytes]:
+    """The stream fields with their MAC (`m`) under the session's key."""
+    return {**fields, MAC: _mac(key, _REPLY if reply else _REQUEST, fields)}
+
+
+def authentic(key: bytes, fields: dict, *, reply: bool = False) -> bool:
+    """Whether the entry's MAC verifies under `key` (constant time)."""
+    got = fields.get(MAC) if isinstance(fields, dict) else None
+    if not isinstance(got, bytes) or len(got) != hashlib.sha256().digest_size:
+        return False
+    if not all(isinstance(k, bytes) and isinstance(v, bytes) for k, v in fields.items()):
+        return False
+    return hmac.compare_digest(got, _mac(key, _REPLY if reply else _REQUEST, fields))
+
+
+def encode_round(
+    packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes
+) -> tuple[RoundPacket, dict[bytes, bytes]]:
+    """Build a RoundPacket from header fields + tensors and return it with its sealed stream fields (a round
+    that opens a session, start_pos 0, carries the key)."""
     metas, raws = {}, {}
     for name, t in tensors.items():
         metas[name], raws[TENSOR_PREFIX + name.encode()] = encode_tensor(t)
-    packet = RoundPacket(**packet_fields, tensors=metas)
-    return packet, {HEADER: packet.model_dump_json().encode(), **raws}
+    opens = packet_fields.get("start_pos") == 0
+    packet = RoundPacket(**packet_fields, tensors=metas, key=key.hex() if opens else None)
+    return packet, seal(key, {HEADER: packet.model_dump_json().encode(), **raws})
 
 
-def encode_message(msg: BaseModel) -> dict[bytes, bytes]:
-    """Stream fields of a header-only message (close, verdict, error)."""
-    return {HEADER: msg.model_dump_json().encode()}
+def encode_message(msg: BaseModel, key: bytes | None = None) -> dict[bytes, bytes]:
+    """Stream fields of a header-only message (close, verdict, error), sealed with the session's key (a
+    reply when it is a tail's message); only an echoed error reply goes unsealed (key None)."""
+    fields = {HEADER: msg.model_dump_json().encode()}
+    if key is None:
+        return fields
+    return seal(key, fields, reply=isinstance(msg, Verdict | ErrorReply))
+
+
+def mac_hex(fields: dict) -> str:
+    """The entry's MAC as hex (what an unsigned error reply echoes); '' when it has none."""
+    got = fields.get(MAC) if isinstance(fields, dict) else None
+    return got.hex() if isinstance(got, bytes) else ""
 
 
 def _header(fields: dict, max_bytes: int) -> bytes:
@@ -176,8 +268,11 @@ def _check_version(head: bytes) -> None:
         raise PacketError("header is not JSON: nested too deeply") from None
     if not isinstance(raw, dict):
         raise PacketError("header is not a JSON object")
-    if raw.get("v") != SCHEMA_VERSION:
-        raise PacketError(f"unsupported packet version {raw.get('v')!r} (this build speaks {SCHEMA_VERSION})")
+    if raw.get("v") != PROTOCOL_VERSION:
+        raise PacketError(
+            f"unsupported packet version {raw.get('v')!r}: this build speaks relay protocol {PROTOCOL_VERSION}; "
+            "run head and tail workers of the same ShardFlow release"
+        )
 
 
 def _validation_message(e: ValidationError) -> str:
@@ -185,32 +280,45 @@ def _validation_message(e: ValidationError) -> str:
     return "invalid packet: " + "; ".join(parts)
 
 
-def decode_head_message(
-    fields: dict, *, max_bytes: int = DEFAULTS.max_packet_bytes, device: str | torch.device = "cpu"
-) -> tuple[RoundPacket | ClosePacket, dict[str, torch.Tensor]]:
-    """Validate and decode one head -> tail stream entry; raise PacketError with a clear reason."""
+def decode_head_header(fields: dict, *, max_bytes: int = DEFAULTS.max_packet_bytes) -> RoundPacket | ClosePacket:
+    """Validate one head -> tail entry's header and its fields (tensors declared, a MAC), decoding no tensor:
+    the caller checks the MAC (`authentic`) before `round_tensors` touches the bytes."""
     head = _header(fields, max_bytes)
     _check_version(head)
     try:
         msg = _HEAD.validate_json(head)
     except ValidationError as e:
         raise PacketError(_validation_message(e)) from None
-    if isinstance(msg, ClosePacket):
-        return msg, {}
-    expected = {TENSOR_PREFIX + n.encode() for n in msg.tensors} | {HEADER}
+    names = msg.tensors if isinstance(msg, RoundPacket) else {}
+    expected = {TENSOR_PREFIX + n.encode() for n in names} | {HEADER, MAC}
     if set(fields) != expected:
-        extra = sorted(k.decode(errors="replace") for k in set(fields) ^ expected)
+        extra = sorted(k.decode(errors="replace") if isinstance(k, bytes) else str(k) for k in set(fields) ^ expected)
         raise PacketError(f"packet fields do not match its header: {extra}")
-    tensors = {
+    return msg
+
+
+def round_tensors(msg: RoundPacket, fields: dict, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a round whose header `decode_head_header` accepted."""
+    return {
         name: decode_tensor(meta, fields[TENSOR_PREFIX + name.encode()], device=device)
         for name, meta in msg.tensors.items()
     }
-    return msg, tensors
+
+
+def decode_head_message(
+    fields: dict, *, max_bytes: int = DEFAULTS.max_packet_bytes, device: str | torch.device = "cpu"
+) -> tuple[RoundPacket | ClosePacket, dict[str, torch.Tensor]]:
+    """Validate and decode one head -> tail stream entry (its MAC unchecked); raise PacketError with a clear
+    reason."""
+    msg = decode_head_header(fields, max_bytes=max_bytes)
+    return msg, round_tensors(msg, fields, device=device) if isinstance(msg, RoundPacket) else {}
 
 
 def decode_tail_message(fields: dict) -> Verdict | ErrorReply:
-    """Validate and decode one tail -> head reply."""
+    """Validate and decode one tail -> head reply (the caller checks its MAC, or its echo)."""
     head = _header(fields, DEFAULTS.max_header_bytes + 64)
+    if not set(fields) <= {HEADER, MAC}:
+        raise PacketError("a reply holds only a header and a MAC")
     _check_version(head)
     try:
         return _TAIL.validate_json(head)
@@ -262,6 +370,15 @@ def peek_session(fields: object) -> tuple[str | None, int | None]:
         return sid, rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None
     except Exception:
         return None, None
+
+
+def peek_version(fields: object) -> object:
+    """Best-effort `v` of a packet's header (None when it has none)."""
+    try:
+        raw = json.loads(fields[HEADER])  # type: ignore[index]
+        return raw.get("v") if isinstance(raw, dict) else None
+    except Exception:
+        return None
 
 
 def peek_head_batch(fields: object) -> tuple[str, int] | None:

@@ -51,6 +51,25 @@ class Settings(BaseSettings):
         256, ge=1, description="Requests `shardflow serve` handles at once; more are answered 429."
     )
     api_timeout_s: float = Field(3600.0, gt=0, description="Longest a completion request waits for its job.")
+    api_body_timeout_s: float = Field(
+        30.0, gt=0, description="Longest `shardflow serve` waits for a request's whole body (a slower one is 408)."
+    )
+    api_max_json_depth: int = Field(64, ge=4, description="Deepest nesting of a JSON body (or Batch API line).")
+    api_liveness_s: float = Field(
+        1.0, gt=0, description="How long `shardflow serve` trusts its last look at the head workers' heartbeats."
+    )
+    api_result_grace_s: float = Field(
+        2.0, ge=0, description="How long serve re-reads a job recorded finished whose result it cannot read yet."
+    )
+    api_shutdown_s: float = Field(
+        10.0, ge=0, description="How long a stopping `shardflow serve` lets requests in flight finish."
+    )
+    api_model_name: str | None = Field(
+        None, description="The model name serve lists and accepts (None: the head's target directory or hub id)."
+    )
+    api_shared_batches: bool = Field(
+        False, description="Every API key of `shardflow serve` sees every batch and file (else only its own)."
+    )
     # --- generation ---
     draft_k: int = Field(8, description="Draft tokens proposed per round (K).")
     ngram_max: int = Field(3, description="Longest n-gram the prompt-lookup drafter matches.")
@@ -160,6 +179,15 @@ class Settings(BaseSettings):
     )
     max_sessions: int = Field(256, description="Sessions a tail keeps KV caches for (least recent go).")
     session_ttl_s: float = Field(600.0, description="Idle time after which a tail drops a session.")
+    head_check_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often a tail checks that the heads of its sessions still run (their `head:NAME` keys): a "
+        "restarted head's sessions go at once, a silent one's after its reply timeout (workers/tail/liveness.py).",
+    )
+    head_recheck_s: float = Field(
+        0.05, gt=0, description="Soonest a tail checks the heads again when it is full or sees a head's new boot."
+    )
 
 
 DEFAULTS = Settings()

@@ -16,10 +16,11 @@ from click.testing import CliRunner
 
 from producer.cli import main
 from relay_broker.streams import publish
-from schemas.packets import HEADER, DeadLetterRecord, Verdict, encode_message, encode_round
+from schemas.packets import HEADER, MAC, DeadLetterRecord, Verdict, encode_message
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import DEFAULTS
 from tests.conftest import PROMPTS
+from tests.relay_util import reseal, sealed_round
 from tests.test_parity import NEW, head_for, reference
 from workers.head.runtime import generate
 
@@ -38,7 +39,7 @@ def valid_round(sid: str, hidden_size: int, n: int = 3) -> dict:
         max_new=4,
         q_kind="none",
     )
-    return encode_round(header, {"hidden": torch.randn(n, hidden_size)})[1]
+    return sealed_round(header, {"hidden": torch.randn(n, hidden_size)})
 
 
 def bad_packets(rnd: random.Random, hidden_size: int, vocab: int) -> tuple[list[dict], list[dict], Counter]:
@@ -61,17 +62,17 @@ def bad_packets(rnd: random.Random, hidden_size: int, vocab: int) -> tuple[list[
         elif pick == 2:
             fields = valid_round(sid, hidden_size)
             head = json.loads(fields[HEADER])
-            head["v"] = 2
-            add("wrong version", {**fields, HEADER: json.dumps(head).encode()})
+            head["v"] = 1
+            add("wrong version", reseal({**fields, HEADER: json.dumps(head).encode()}))
         elif pick == 3:
             fields = valid_round(sid, hidden_size)
-            raw = next(k for k in fields if k != HEADER)
-            add("truncated", {**fields, raw: fields[raw][: rnd.randrange(len(fields[raw]))]})
+            raw = next(k for k in fields if k not in (HEADER, MAC))
+            add("truncated", reseal({**fields, raw: fields[raw][: rnd.randrange(len(fields[raw]))]}))
         elif pick == 4:
             fields = valid_round(sid, hidden_size)
             head = json.loads(fields[HEADER])
             head["tensors"]["hidden"]["shape"] = [1 << 20, hidden_size]
-            add("oversized tensor", {**fields, HEADER: json.dumps(head).encode()})
+            add("oversized tensor", reseal({**fields, HEADER: json.dumps(head).encode()}))
         elif pick == 5 and i < 40:
             add("oversized header", {HEADER: b"{" + b" " * (1 << 20) + b"}"})
         elif pick == 6:
@@ -79,13 +80,13 @@ def bad_packets(rnd: random.Random, hidden_size: int, vocab: int) -> tuple[list[
             head = json.loads(fields[HEADER])
             head["input_ids"] = [vocab + 7]
             head["tensors"]["hidden"]["shape"] = [1, hidden_size]
-            raw = next(k for k in fields if k != HEADER)
-            add("out of vocabulary", {HEADER: json.dumps(head).encode(), raw: fields[raw][: 4 * hidden_size]})
+            raw = next(k for k in fields if k not in (HEADER, MAC))
+            add("out of vocabulary", reseal({HEADER: json.dumps(head).encode(), raw: fields[raw][: 4 * hidden_size]}))
         elif pick == 7:
             fields = valid_round(sid, hidden_size)
             head = json.loads(fields[HEADER])
             head["round_id"] = -3
-            add("invalid field", {**fields, HEADER: json.dumps(head).encode()})
+            add("invalid field", reseal({**fields, HEADER: json.dumps(head).encode()}))
         elif pick == 8:
             fields = valid_round(sid, hidden_size)
             add("extra field", {**fields, b"t.evil": b"\x00" * 8})
@@ -95,6 +96,11 @@ def bad_packets(rnd: random.Random, hidden_size: int, vocab: int) -> tuple[list[
             good.append(fields)
             add("duplicate", fields)
             add("duplicate", fields)
+        elif pick == 9:  # a round changed by someone without the session's key
+            fields = valid_round(sid, hidden_size)
+            head = json.loads(fields[HEADER])
+            head["input_ids"][0] += 1
+            add("forged", {**fields, HEADER: json.dumps(head).encode()})
         else:
             add("garbage", {HEADER: b'{"v": 1, "kind": "round", "session_id": "' + sid.encode() + b'"'})
     return out, good, kinds
@@ -140,6 +146,7 @@ def test_fuzzed_streams_dead_letter_everything_and_real_generations_finish(
     assert all(r.reason and r.tail_id == "fuzzed" for r in records)
     assert sum("duplicate or late round" in r.reason for r in records) == kinds["duplicate"]
     assert sum("version" in r.reason for r in records) >= kinds["wrong version"]
+    assert sum("MAC" in r.reason for r in records) == kinds["forged"]
     # the tail is still serving: one more real generation
     req = GenerationRequest(prompt=PROMPTS[7], max_new_tokens=NEW, chat_template=False)
     assert generate_with(req) == reference(FAMILY, hf_models[FAMILY], tokenizers[FAMILY])[7]
@@ -164,6 +171,7 @@ def junk_replies(sid: str, vocab: int) -> list[dict]:
         {b"x": b"1"},
         {HEADER: b"\xff\x00 not json"},
         {HEADER: b'{"v": 2, "kind": "verdict"}'},
+        {HEADER: b'{"v": 3, "kind": "verdict"}'},
         {HEADER: b'{"v": 1, "kind": "verdict", "session_id": "' + sid.encode() + b'"}'},
         {HEADER: b"[]", b"t.x": b"\x00" * 64},
         {HEADER: b"[" * 100_000},  # deeper than the JSON parser's recursion limit
@@ -212,5 +220,5 @@ def test_junk_in_live_reply_streams_never_fails_a_generation(models, hf_models, 
     assert set(refused) == {"poisoned0", "poisoned1", "poisoned2"}
     assert max(refused.values()) <= DEFAULTS.reply_dead_letters_max  # a flood is counted, not all stored
     reasons = " ".join(r.reason for r in records if r.refused_by == "head")
-    for why in ("no header", "not JSON", "nested too deeply", "version", "naming session someone-else", "not sent"):
+    for why in ("no header", "not JSON", "nested too deeply", "version", "invalid packet", "MAC does not verify"):
         assert why in reasons, why

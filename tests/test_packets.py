@@ -1,4 +1,5 @@
-"""Bad packets get clear errors (logged, and to their session); the tail keeps serving others."""
+"""Bad packets get clear errors (logged and dead-lettered; a session's own head, whose packets carry its MAC,
+also gets the error as a reply); the tail keeps serving others."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import torch
 from relay_broker.streams import ReplyReader, publish
 from schemas.packets import (
     HEADER,
+    DeadLetterRecord,
     decode_head_message,
     decode_tail_message,
-    encode_round,
     head_batch_incomplete,
     peek_head_batch,
 )
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from tests.conftest import PROMPTS
+from tests.relay_util import reseal, sealed_round
 from workers.head.runtime import HeadRuntime, generate
 
 CAP = 200_000
@@ -41,35 +43,44 @@ def round_header(sid: str, **over) -> dict:
 
 def good_fields(sid: str, hidden_size: int = 64, n: int = 3, **over) -> dict:
     over.setdefault("input_ids", [1 + i % 9 for i in range(n - len(over.get("draft_ids", [])))])
-    return encode_round(round_header(sid, **over), {"hidden": torch.randn(n, hidden_size)})[1]
+    return sealed_round(round_header(sid, **over), {"hidden": torch.randn(n, hidden_size)})
 
 
-def bad_packets() -> list[tuple[str | None, dict, str]]:
-    """(session it names, stream fields, expected error fragment)."""
+def bad_packets() -> list[tuple[str | None, dict, str, bool]]:
+    """(session it names, stream fields, expected error fragment, whether its session gets a reply): a packet
+    its MAC vouches for (sealed by the session's head, however odd) is answered; one that cannot be checked
+    (a header that does not parse) or does not verify is only dead-lettered, except a round for a session the
+    tail does not hold (answered unsigned, echoing its MAC) and another protocol version (answered unsigned:
+    a head of that version logs why)."""
     trunc = good_fields("trunc")
     trunc[b"t.hidden"] = trunc[b"t.hidden"][:-5]
+    trunc = reseal(trunc)
     wrong_v = good_fields("wrongv")
     wrong_v[HEADER] = json.dumps({**json.loads(wrong_v[HEADER]), "v": 99}).encode()
     extra = good_fields("extra")
     extra[HEADER] = json.dumps({**json.loads(extra[HEADER]), "surprise": 1}).encode()
     dense = good_fields("sparseq", draft_ids=[5], sampling=SamplingParams(temperature=1.0), q_kind="point", n=4)
     dense[HEADER] = json.dumps({**json.loads(dense[HEADER]), "q_kind": "sparse"}).encode()
-    bad_idx = encode_round(
+    bad_idx = sealed_round(
         round_header("badidx", draft_ids=[5], sampling=SamplingParams(temperature=1.0), q_kind="sparse"),
         {"hidden": torch.randn(4, 64), "q_idx": torch.tensor([[999999]], dtype=torch.int32), "q_val": torch.ones(1, 1)},
-    )[1]
+    )
+    forged = good_fields("forged")
+    forged[b"t.hidden"] = torch.randn(3, 64).numpy().tobytes()
+    badtype = reseal({HEADER: good_fields("badtype")[HEADER], b"t.hidden": b"\x00" * 100})
     return [
-        (None, {b"x": b"1"}, ""),
-        (None, {HEADER: b"{not json"}, ""),
-        ("trunc", trunc, "truncated"),
-        ("wrongv", wrong_v, "unsupported packet version 99"),
-        ("extra", extra, "Extra inputs are not permitted"),
-        ("big", good_fields("big", n=CAP // 256 + 10), "exceeds the cap"),
-        ("ghost", good_fields("ghost", round_id=3, start_pos=7), "unknown session ghost"),
-        ("narrow", good_fields("narrow", hidden_size=32), "hidden states must be"),
-        ("sparseq", dense, "needs 2 q tensors"),
-        ("badidx", bad_idx, "outside the vocabulary"),
-        ("badtype", {HEADER: good_fields("badtype")[HEADER], b"t.hidden": b"\x00" * 100}, "needs 768 bytes, got 100"),
+        (None, {b"x": b"1"}, "", False),
+        (None, {HEADER: b"{not json"}, "", False),
+        ("trunc", trunc, "truncated", True),
+        ("wrongv", wrong_v, "unsupported packet version 99", True),
+        ("extra", extra, "Extra inputs are not permitted", False),
+        ("big", good_fields("big", n=CAP // 256 + 10), "exceeds the cap", False),
+        ("ghost", good_fields("ghost", round_id=3, start_pos=7), "unknown session ghost", True),
+        ("narrow", good_fields("narrow", hidden_size=32), "hidden states must be", True),
+        ("sparseq", dense, "needs 2 q tensors", False),
+        ("badidx", bad_idx, "outside the vocabulary", True),
+        ("badtype", badtype, "needs 768 bytes, got 100", True),
+        ("forged", forged, "MAC of a packet for session forged does not verify", False),
     ]
 
 
@@ -96,16 +107,21 @@ def test_bad_packets_get_clear_errors_while_others_run(guarded_tail, redis_clien
     worker = threading.Thread(target=real_generations)
     worker.start()
     for _ in range(3):
-        for _, fields, _ in packets:
+        for _, fields, _, _ in packets:
             publish(redis_client, names.shared_requests, fields, maxlen=1000)
     worker.join(120)
     assert not worker.is_alive()
 
-    for sid, _, fragment in bad_packets():
+    dead = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in redis_client.xrange(names.dead_letters)]
+    for sid, _, fragment, answered in bad_packets():
         if sid is None:
             continue
-        reply = decode_tail_message(ReplyReader(redis_client, names.reply(sid)).next(30))
-        assert reply.kind == "error" and fragment in reply.error, (sid, reply)
+        assert any(d.session_id == sid and fragment in d.reason for d in dead), (sid, fragment)
+        if answered:
+            reply = decode_tail_message(ReplyReader(redis_client, names.reply(sid)).next(30))
+            assert reply.kind == "error" and fragment in reply.error, (sid, reply)
+        else:
+            assert not redis_client.exists(names.reply(sid)), sid
     for p in PROMPTS[:6]:
         ids = torch.tensor([tok.encode(p)])
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)

@@ -7,9 +7,21 @@ import torch
 from pydantic import ValidationError
 
 from schemas.errors import PacketError
-from schemas.packets import HEADER, Verdict, decode_head_message, decode_tail_message, encode_message, encode_round
+from schemas.packets import (
+    HEADER,
+    MAC,
+    ErrorReply,
+    Verdict,
+    authentic,
+    decode_head_header,
+    decode_head_message,
+    decode_tail_message,
+    encode_message,
+    seal,
+)
 from schemas.requests import GenerationRequest, SamplingParams
 from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
+from tests.relay_util import TEST_KEY, sealed_round
 from workers.speculative.sampling import decode_q, encode_q
 
 
@@ -57,7 +69,7 @@ def test_round_packet_round_trip():
     q[0, 3], q[0, 7] = 0.75, 0.25
     kind, qt = encode_q(q)
     assert kind == "sparse"
-    _, fields = encode_round(
+    fields = sealed_round(
         header(sampling=SamplingParams(temperature=1.0), q_kind=kind), {"hidden": torch.randn(3, 8), **qt}
     )
     msg, tensors = decode_head_message(fields)
@@ -78,11 +90,11 @@ def test_round_packet_round_trip():
 )
 def test_round_packet_validation(over, msg):
     with pytest.raises(ValidationError, match=msg):
-        encode_round(header(**over), {"hidden": torch.randn(3, 8)})
+        sealed_round(header(**over), {"hidden": torch.randn(3, 8)})
 
 
 def test_packet_fields_must_match_header():
-    _, fields = encode_round(header(), {"hidden": torch.randn(3, 8)})
+    fields = sealed_round(header(), {"hidden": torch.randn(3, 8)})
     fields[b"t.extra"] = b"123"
     with pytest.raises(PacketError, match="do not match"):
         decode_head_message(fields)
@@ -90,11 +102,40 @@ def test_packet_fields_must_match_header():
         decode_head_message(fields, max_bytes=50)
 
 
+def test_rounds_and_replies_are_sealed_with_the_session_key():
+    """Every relay message carries an HMAC-SHA256 of its header and tensors under its session's key: any
+    changed byte, another key, or a reply passed off as a round (or the reverse) fails the check; only a round
+    that opens a session (start_pos 0) carries the key."""
+    opening = sealed_round(header(), {"hidden": torch.randn(3, 8)})
+    assert authentic(TEST_KEY, opening) and decode_head_header(opening).key == TEST_KEY.hex()
+    later = sealed_round(header(start_pos=5, round_id=1), {"hidden": torch.randn(3, 8)})
+    assert authentic(TEST_KEY, later) and decode_head_header(later).key is None
+    assert not authentic(bytes(32), later)
+    for name in (HEADER, b"t.hidden"):
+        changed = dict(later)
+        changed[name] = bytes([changed[name][0] ^ 1]) + changed[name][1:]
+        assert not authentic(TEST_KEY, changed), name
+    assert not authentic(TEST_KEY, {k: v for k, v in later.items() if k != MAC})
+    assert not authentic(TEST_KEY, {**later, MAC: b"short"})
+    v = Verdict(session_id="s", round_id=2, accepted=1, tokens=[4, 5], next_token=5)
+    reply = encode_message(v, TEST_KEY)
+    assert authentic(TEST_KEY, reply, reply=True) and not authentic(TEST_KEY, reply)
+    assert not authentic(TEST_KEY, seal(TEST_KEY, {HEADER: reply[HEADER]}), reply=True)  # a round's MAC on a reply
+
+
+def test_an_echoed_error_can_only_ask_for_a_replay():
+    echo = "ab" * 32
+    assert ErrorReply(session_id="s", round_id=1, error="lost", retryable=True, echo=echo).echo == echo
+    for bad in (dict(non_finite=True), dict(busy=True), dict(retryable=False)):
+        with pytest.raises(ValidationError, match="only ask for a replay"):
+            ErrorReply(session_id="s", round_id=1, error="x", echo=echo, **{"retryable": True, **bad})
+
+
 def test_tail_message_round_trip_and_errors():
     v = Verdict(session_id="s", round_id=2, accepted=1, tokens=[4, 5], next_token=5)
     assert decode_tail_message(encode_message(v)) == v
     with pytest.raises(PacketError, match="version"):
-        decode_tail_message({HEADER: b'{"v": 2, "kind": "verdict"}'})
+        decode_tail_message({HEADER: b'{"v": 1, "kind": "verdict"}'})
 
 
 @pytest.mark.parametrize(

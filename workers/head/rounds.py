@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -17,10 +18,13 @@ from schemas.packets import (
     DeadLetterRecord,
     ErrorReply,
     Verdict,
+    authentic,
     decode_tail_message,
     encode_message,
     encode_round,
+    mac_hex,
     raw_header,
+    session_key,
 )
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from workers.head.batching import HeadWork
@@ -65,6 +69,8 @@ class RoundLoop:
             raise
         self.stream = names.shared_requests
         self.pinned = False
+        self.key = session_key()  # MACs every round and reply of this generation (schemas/packets.py)
+        self.head = runtime.beacons.ensure(r, names)  # announced before the first round: tails see it alive
         self.tail_closed = False  # a final verdict came: the tail dropped the session, its reply stream expires
         self.settings = runtime.settings
         self.reader = ReplyReader(r, names.reply(session_id), dead_stream=names.dead_letters, settings=self.settings)
@@ -137,6 +143,7 @@ class RoundLoop:
         q_kind, q_tensors = self._q(draft)
         header = dict(
             session_id=self.sid,
+            head=self.head,
             round_id=rid,
             start_pos=start,
             input_ids=self.pending,
@@ -148,7 +155,7 @@ class RoundLoop:
             replay=self.replay_next,
             head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
         )
-        _, fields = encode_round(header, {"hidden": hidden, **q_tensors})
+        _, fields = encode_round(header, {"hidden": hidden, **q_tensors}, self.key)
         busy = 0  # a full tail answered "busy": the same round again after a wait (no replay spent)
         while True:
             try:
@@ -171,10 +178,10 @@ class RoundLoop:
         return self._commit(verdict, start)
 
     def _replay(self, why: ReplyTimeout | RemoteError) -> None:
-        """The tail holding this session is gone, cut off, or answered with an error (which anyone able to
-        write the reply stream could forge, so it costs a replay, not the generation): rebuild the session
-        on any live tail by replaying every committed token from position 0 in the next round. The
-        generation fails (with the last reason) once it has used `resume_attempts` replays."""
+        """The tail holding this session is gone, cut off, lost the session, or answered with an error (a
+        tail's own, MAC'd: a forged one never gets here): rebuild the session on any live tail by replaying
+        every committed token from position 0 in the next round. The generation fails (with the last reason)
+        once it has used `resume_attempts` replays."""
         if self.replays >= self.settings.resume_attempts:
             raise type(why)(f"{why} (after {self.replays} replays onto other tails)")
         self.replays += 1
@@ -190,8 +197,9 @@ class RoundLoop:
         timeout = self.reply_timeout_s if self.reply_timeout_s is not None else self.settings.reply_timeout_s
         deadline = time.monotonic() + timeout
         reply = self.reader.publish_then_next(self.stream, fields, timeout)
+        sent = mac_hex(fields)
         while True:
-            msg = self._reply_to(rid, reply, drafts, remaining)
+            msg = self._reply_to(rid, reply, drafts, remaining, sent)
             if isinstance(msg, ErrorReply):
                 if msg.busy and rid == msg.round_id and not self.pinned:  # only a new session's round: no cache
                     raise TailBusy(f"tail {msg.tail_id or '?'} is full: {msg.error}")
@@ -204,18 +212,28 @@ class RoundLoop:
                 return msg
             reply = self.reader.next(max(deadline - time.monotonic(), 0.0))
 
-    def _reply_to(self, rid: int, fields: dict, drafts: list[int], remaining: int) -> Verdict | ErrorReply | None:
-        """The entry as this round's reply, or None (stale, or refused into the dead-letter stream)."""
+    def _reply_to(
+        self, rid: int, fields: dict, drafts: list[int], remaining: int, sent: str
+    ) -> Verdict | ErrorReply | None:
+        """The entry as this round's reply, or None (stale, or refused into the dead-letter stream). A reply
+        counts only if its MAC verifies under the session's key, or it is an unsigned "replay it" that echoes
+        this round's MAC (`sent`): a tail that lost the session has no key to sign with."""
         try:
             msg = decode_tail_message(fields)
         except PacketError as e:
             return self._refuse(str(e), fields, None)
+        if not authentic(self.key, fields, reply=True):
+            echoed = isinstance(msg, ErrorReply) and msg.echo is not None and hmac.compare_digest(msg.echo, sent)
+            if not echoed:
+                return self._refuse("its MAC does not verify under the session's key", fields, msg)
         if msg.session_id != self.sid:
             return self._refuse(f"a reply naming session {msg.session_id}", fields, msg)
-        if msg.round_id is not None and msg.round_id < rid:
+        if msg.round_id is None:  # never final, never a replay: a reply must say which round it answers
+            return self._refuse("an error reply naming no round", fields, msg)
+        if msg.round_id < rid:
             log.debug("session %s: dropping a stale reply for round %s", self.sid, msg.round_id)
             return None
-        if msg.round_id is not None and msg.round_id > rid:
+        if msg.round_id > rid:
             return self._refuse(f"a reply to round {msg.round_id}, which was not sent", fields, msg)
         problem = verdict_problem(msg, drafts, remaining, self.vocab_size) if isinstance(msg, Verdict) else None
         return self._refuse(problem, fields, msg) if problem else msg
@@ -288,7 +306,7 @@ class RoundLoop:
             self.reader.flush()  # dead letters of the last round
             if self.tail_closed:
                 return
-            bye = encode_message(ClosePacket(session_id=self.sid))
+            bye = encode_message(ClosePacket(session_id=self.sid), self.key)
             close_session(
                 self.r, self.stream, bye, self.names.reply(self.sid), maxlen=self.settings.request_stream_maxlen
             )

@@ -2,17 +2,20 @@
 
     shardflow head --target MODEL --layers 0:14 [--draft DRAFT] --queue shardflow --redis-url URL
 
-RQ's default worker forks per job, which would lose loaded models and CUDA state; this is a
-`SimpleWorker` that (1) runs only allow-listed job functions (RQ would import any name a job record
-holds, so anyone able to write to Redis could run code), (2) uses the JSON serializer (no pickle),
-(3) heartbeats every few seconds while a job runs and looks for abandoned jobs often, so a killed
-worker's job is retried within seconds rather than minutes, (4) announces its model so producers
-can check prompts against the context length before enqueueing, and (5) runs RQ's scheduler (which
-enqueues retries when their backoff is due) as a thread of its own process, not a forked child, with
-its locks kept without Lua (`workers/head/scheduler.py`): a SIGKILL or an out-of-memory kill of the head
-leaves no process behind, and the head's Redis user needs no scripting. `--concurrency N` runs N such
-workers as threads of one process sharing the loaded models, so one generation drafts and runs the
-lower shard while others wait for their verdicts (each is an ordinary RQ worker with its own jobs).
+RQ's default worker forks per job, which would lose loaded models and CUDA state; this is one
+`SimpleWorker` per head process that (1) runs only allow-listed job functions (RQ would import any name a
+job record holds, so anyone able to write to Redis could run code), (2) uses the JSON serializer (no
+pickle), (3) replaces RQ's one-job-at-a-time loop with its `Dispatcher` (`workers/head/dispatcher.py`):
+up to `--concurrency` jobs in flight at once (default: what the batch slots hold), each on a thread of
+this process sharing the loaded models, dequeued, started and finished in a few pipelined round trips,
+while one housekeeping thread heartbeats the worker and every running job each `heartbeat_s` and runs
+RQ's maintenance each `maintenance_s` (a killed head's jobs are retried within seconds, not minutes);
+a job its user cancelled ends `canceled`, never failed, (4) announces its model so producers can check
+prompts against the context length before enqueueing, (5) runs RQ's scheduler (which enqueues retries
+when their backoff is due) as a thread of its own process, not a forked child, with its locks kept
+without Lua (`workers/head/scheduler.py`): a SIGKILL or an out-of-memory kill of the head leaves no
+process behind, and the head's Redis user needs no scripting, and (6) restarts its loop with backoff when
+it ends on an error (Redis lost, a forged key of the wrong type) rather than on a stop request.
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ class HeadWorker(SimpleWorker):
             connection=r,
             **kwargs,
         )
+        if runtime is not None:  # tails know this head by its worker name (workers/head/beacon.py)
+            runtime.beacons.rename(self.name)
         if model_info is not None:
             for q in queues:
                 r.set(self.names.model_info(q), model_info.model_dump_json())

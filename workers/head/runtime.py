@@ -39,6 +39,7 @@ from workers.engine.sizing import (
     slot_cost,
 )
 from workers.head.batching import Batcher
+from workers.head.beacon import Beacons
 from workers.head.groups import GroupPlan
 from workers.head.prompts import encode_prompt
 from workers.head.rounds import RoundLoop
@@ -73,7 +74,9 @@ class HeadRuntime:
     lock: threading.RLock = field(default_factory=threading.RLock)  # one batch computes at a time
     settings: Settings = field(default_factory=Settings)
     plugins: Registry = field(default_factory=Registry)
+    name: str | None = None  # how tails know this head (its worker name; default: host-pid-random)
     batcher: Batcher = field(init=False)
+    beacons: Beacons = field(init=False)
 
     def __post_init__(self) -> None:
         if self.engine is None:
@@ -82,6 +85,7 @@ class HeadRuntime:
         groups = self.settings.head_groups or (None if self.shard.device.type == "cuda" else 1)
         plan = GroupPlan(fixed=groups)
         self.batcher = Batcher(self.engine, self.lock, plan, linger_s(self.shard, self.settings))
+        self.beacons = Beacons(self.name, self.settings)
 
     @classmethod
     def load(

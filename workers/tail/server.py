@@ -3,8 +3,10 @@
 Run it with `shardflow tail --target MODEL --layers A:B --redis-url URL`. It reads new sessions from
 the shared request stream (one consumer group for all tail replicas) and later rounds from its own
 stream, verifies each round's drafts, rolls its cache back to the committed prefix, and replies on the
-session's reply stream. A bad packet gets a logged error (and an error reply when it names a session);
-the worker keeps serving everyone else.
+session's reply stream. Every round is checked against its session's key (its MAC, schemas/packets.py)
+before anything touches a cache: a forged one is dead-lettered, never answered, and changes nothing. A
+bad packet of the session's own head gets a logged error and a (MAC'd) error reply; the worker keeps
+serving everyone else. Sessions of heads that died or restarted are freed (workers/tail/liveness.py).
 """
 
 from __future__ import annotations
@@ -23,18 +25,31 @@ import torch
 
 from relay_broker.retry import ride_out
 from relay_broker.streams import GroupReader, Reply
-from schemas.errors import NonFiniteError, PacketError, SessionError, ShardFlowError, TailBusy, TransportError
+from schemas.errors import (
+    ForgedPacket,
+    NonFiniteError,
+    PacketError,
+    SessionError,
+    ShardFlowError,
+    TailBusy,
+    TransportError,
+)
 from schemas.keys import Keys
 from schemas.packets import (
+    PROTOCOL_VERSION,
     ClosePacket,
     DeadLetterRecord,
     ErrorReply,
     RoundPacket,
     Verdict,
-    decode_head_message,
+    authentic,
+    decode_head_header,
     encode_message,
+    mac_hex,
     peek_session,
+    peek_version,
     raw_header,
+    round_tensors,
 )
 from schemas.settings import Settings
 from workers.engine.isolate import run_isolated
@@ -45,6 +60,7 @@ from workers.engine.sizing import linger_s
 from workers.speculative.sampling import decode_q, round_generator, warp
 from workers.speculative.stopping import cut_at_stops
 from workers.speculative.verify import verify_greedy, verify_sampling
+from workers.tail.liveness import HeadWatch
 from workers.tail.sessions import SessionStore, TailSession
 
 log = logging.getLogger("shardflow.tail")
@@ -90,6 +106,7 @@ class Prepared:
 
     packet: RoundPacket
     sess: TailSession
+    key: bytes
     hidden: torch.Tensor
     tensors: dict[str, torch.Tensor]
     fields: dict
@@ -124,6 +141,7 @@ class TailWorker:
                 f"max_sessions ({cfg.max_sessions}) must be at least the batch slots ({self.engine.slots})"
             )
         self.sessions = SessionStore(cfg.max_sessions, cfg.session_ttl_s, release=self.engine.release)
+        self.heads = HeadWatch(r, self.names, cfg)
         wait_s = linger_s(shard, cfg)
         self.linger_ms = max(1, round(wait_s * 1000)) if wait_s > 0 else 0  # a Redis BLOCK time: whole ms
         t = self.engine.step_tokens  # a padded round, logits of every row or of the last (no drafts)
@@ -160,6 +178,7 @@ class TailWorker:
             except (TransportError, redis.RedisError):
                 break  # stopped while Redis was away
             self.sessions.expire()
+            self.heads.sweep(self.sessions)
             self._keepalive()
 
     def _lost_redis(self, e: BaseException, wait_s: float) -> None:
@@ -221,9 +240,14 @@ class TailWorker:
                 later.append(i)
                 continue
             try:
-                prep = self._prepare(fields)
+                msg, key = self._authenticate(fields)
             except Exception as e:
-                out[i] = self._fail_with(sid, rid, e, fields)
+                out[i] = self._refuse(sid, rid, e, fields)
+                continue
+            try:
+                prep = self._prepare(msg, key, fields)
+            except Exception as e:
+                out[i] = self._fail_with(msg.session_id, getattr(msg, "round_id", None), e, fields, key)
                 continue
             if isinstance(prep, Prepared):
                 batch.append((i, prep))
@@ -235,18 +259,60 @@ class TailWorker:
             out[i] = self.handle(entries[i])
         return out
 
-    def _fail_with(self, sid: str | None, rid: int | None, e: Exception, fields: dict) -> Reply | None:
-        """Dead-letter the packet with its reason and answer its session (if it names one) with an error;
-        a session this tail does not hold (restarted, expired) gets a retryable error: the head replays."""
-        if isinstance(e, ShardFlowError):
-            reason, error = str(e), False
+    def _authenticate(self, fields: dict) -> tuple[RoundPacket | ClosePacket, bytes | None]:
+        """The packet's header and its session's key, once its MAC verifies under the key of the session this
+        tail holds (or, for a round that opens a session here, the key it carries). A close for a session
+        not held comes back with no key (nothing to do)."""
+        msg = decode_head_header(fields, max_bytes=self.max_packet_bytes)
+        held = self.sessions.peek(msg.session_id)
+        if held is not None:
+            key = held.key
+        elif isinstance(msg, RoundPacket) and msg.key is not None:
+            key = bytes.fromhex(msg.key)
+        elif isinstance(msg, ClosePacket):
+            return msg, None
         else:
-            reason, error = f"internal error: {type(e).__name__}: {e}", True
-        (log.exception if error else log.warning)("bad packet (session %s, round %s): %s", sid, rid, reason)
-        self._dead.append(DeadLetter(fields, reason, sid, rid))
+            raise SessionError(f"unknown session {msg.session_id} (expired, or this tail restarted)")
+        if not authentic(key, fields):
+            raise ForgedPacket(f"the MAC of a packet for session {msg.session_id} does not verify")
+        return msg, key
+
+    def _refuse(self, sid: str | None, rid: int | None, e: Exception, fields: dict) -> Reply | None:
+        """Dead-letter a packet that did not authenticate, with the reason; touch no session. Two are answered,
+        unsigned (there is no key to sign with): a round for a session this tail does not hold, echoing the
+        round's MAC, so its head replays the session onto a live tail at once; and a packet of another
+        protocol version, so a head of another release logs why (a head of this one refuses the reply)."""
+        self._log_bad(sid, rid, e)
+        self._dead.append(DeadLetter(fields, self._reason(e), sid, rid))
         if sid is None:
             return None
-        self.sessions.drop(sid)  # its cache may be half-updated
+        mac = mac_hex(fields)
+        if isinstance(e, SessionError) and rid is not None and len(mac) == 64:
+            msg = ErrorReply(session_id=sid, round_id=rid, error=str(e), tail_id=self.tail_id, retryable=True, echo=mac)
+        elif isinstance(e, PacketError) and (v := peek_version(fields)) != PROTOCOL_VERSION and isinstance(v, int):
+            msg = ErrorReply(session_id=sid, round_id=rid, error=str(e), tail_id=self.tail_id)
+        else:
+            return None
+        return Reply(self.names.reply(sid), encode_message(msg), self.settings.final_reply_ttl_s)
+
+    @staticmethod
+    def _reason(e: Exception) -> str:
+        return str(e) if isinstance(e, ShardFlowError) else f"internal error: {type(e).__name__}: {e}"
+
+    def _log_bad(self, sid: str | None, rid: int | None, e: Exception) -> None:
+        internal = not isinstance(e, ShardFlowError)
+        (log.exception if internal else log.warning)("bad packet (session %s, round %s): %s", sid, rid, self._reason(e))
+
+    def _fail_with(self, sid: str, rid: int | None, e: Exception, fields: dict, key: bytes | None) -> Reply | None:
+        """Dead-letter an authentic packet that failed with its reason, drop its session (its cache may be
+        half-updated) and answer it with a MAC'd error; a session this tail lost gets a retryable one (the
+        head replays)."""
+        reason = self._reason(e)
+        self._log_bad(sid, rid, e)
+        self._dead.append(DeadLetter(fields, reason, sid, rid))
+        self.sessions.drop(sid)
+        if key is None:
+            return None
         msg = ErrorReply(
             session_id=sid,
             round_id=rid,
@@ -256,42 +322,45 @@ class TailWorker:
             non_finite=isinstance(e, NonFiniteError),
         )
         # a head waiting on this session reads it at once; one that is gone leaves nothing for long
-        return Reply(self.names.reply(sid), encode_message(msg), self.settings.final_reply_ttl_s)
+        return Reply(self.names.reply(sid), encode_message(msg, key), self.settings.final_reply_ttl_s)
 
-    def _session_for(self, p: RoundPacket) -> TailSession | None:
+    def _session_for(self, p: RoundPacket, key: bytes) -> TailSession | None:
         sess = self.sessions.get(p.session_id)
         if sess is not None and p.round_id <= sess.last_round:
             return None  # duplicate or late
         if p.start_pos == 0:  # a new session, or one replayed onto this tail
+            if self.heads.new_boot(p.head):  # its head restarted? the old one's sessions may go now
+                self.heads.sweep(self.sessions, urgent=True)
             if sess is not None:
                 self.sessions.drop(p.session_id)  # a replay onto this tail: its old cache goes back first
             need = len(p.input_ids) + p.max_new + len(p.draft_ids) + 1  # positions the session may hold
             cache = self.engine.acquire(overflow=False, need=need)  # full: busy (caches never outgrow memory)
+            if cache is None and self.heads.sweep(self.sessions, urgent=True):  # dead heads' sessions go first
+                cache = self.engine.acquire(overflow=False, need=need)
             if cache is None:
                 raise TailBusy(f"the caches of tail {self.tail_id} that hold {need} positions are all in use")
-            return self.sessions.open(p.session_id, cache)
+            return self.sessions.open(p.session_id, cache, key, p.head)
         if sess is None:
             raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
         if p.start_pos != sess.cache.length:
             raise SessionError(f"round {p.round_id} starts at {p.start_pos}, the session holds {sess.cache.length}")
         return sess
 
-    def _prepare(self, fields: dict) -> Prepared | Reply | None:
-        """Decode and check one entry: a round to run, or the reply to send at once (None: nothing)."""
-        msg, tensors = decode_head_message(fields, max_bytes=self.max_packet_bytes, device=self.shard.device)
-        if isinstance(msg, ClosePacket):
+    def _prepare(self, msg: RoundPacket | ClosePacket, key: bytes | None, fields: dict) -> Prepared | Reply | None:
+        """Check one authentic entry: a round to run, or the reply to send at once (None: nothing)."""
+        if isinstance(msg, ClosePacket) or key is None:
             self.sessions.drop(msg.session_id)
             return None
         vocab = self.shard.config.vocab_size
         if max(msg.input_ids + msg.draft_ids) >= vocab:
             raise PacketError(f"token ids must be below the vocabulary size {vocab}")
         try:
-            sess = self._session_for(msg)
+            sess = self._session_for(msg, key)
         except TailBusy as e:  # the head waits and sends the round again: nothing to dead-letter
             busy = ErrorReply(
                 session_id=msg.session_id, round_id=msg.round_id, error=str(e), tail_id=self.tail_id, busy=True
             )
-            return Reply(self.names.reply(msg.session_id), encode_message(busy), self.settings.final_reply_ttl_s)
+            return Reply(self.names.reply(msg.session_id), encode_message(busy, key), self.settings.final_reply_ttl_s)
         if sess is None:  # duplicate or late: answer again with the verdict already sent, if it was the last one
             dup = self.sessions.get(msg.session_id)
             last = dup.last_reply if dup is not None and dup.last_round == msg.round_id else None
@@ -302,6 +371,7 @@ class TailWorker:
             return (
                 Reply(self.names.reply(msg.session_id), last, self.settings.reply_ttl_s) if last is not None else None
             )
+        tensors = round_tensors(msg, fields, device=self.shard.device)
         hidden = tensors["hidden"]
         cfg = self.shard.config
         if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != cfg.hidden_size:
@@ -313,7 +383,7 @@ class TailWorker:
         end = msg.start_pos + hidden.shape[0]
         if self.engine.static and end > self.engine.max_len:
             raise PacketError(f"round ends at position {end}, beyond this tail's cache of {self.engine.max_len}")
-        return Prepared(msg, sess, hidden.to(self.shard.dtype), tensors, fields)
+        return Prepared(msg, sess, key, hidden.to(self.shard.dtype), tensors, fields)
 
     @torch.inference_mode()
     def _rounds(self, batch: list[Prepared]) -> list[Reply | None]:
@@ -322,7 +392,7 @@ class TailWorker:
         return run_isolated(batch, self._rounds_together, _rewind, self._fail_prepared) if batch else []
 
     def _fail_prepared(self, p: Prepared, e: Exception) -> Reply | None:
-        return self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields)
+        return self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields, p.key)
 
     def _rounds_together(self, batch: list[Prepared]) -> list[Reply | None]:
         t0 = time.perf_counter()
@@ -343,7 +413,7 @@ class TailWorker:
                     raise non_finite_error("logits", self.shard.layer_range, self.shard.dtype)
                 out.append(self._verify(p, lg, forward_ms, len(batch)))
             except Exception as e:
-                out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields))
+                out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields, p.key))
         return out
 
     @staticmethod
@@ -389,7 +459,7 @@ class TailWorker:
             tail_id=self.tail_id,
             timings={"tail_forward_ms": forward_ms, "verify_ms": (time.perf_counter() - t1) * 1000, "batch": batch},
         )
-        sess.last_round, sess.last_reply = p.round_id, encode_message(verdict)
+        sess.last_round, sess.last_reply = p.round_id, encode_message(verdict, prep.key)
         stream = self.names.reply(p.session_id)
         if finish is None:
             return Reply(stream, sess.last_reply, self.settings.reply_ttl_s)

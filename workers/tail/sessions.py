@@ -1,5 +1,6 @@
-"""The tail's sessions: one KV cache per generation it serves, dropped when least recently used beyond
-a cap, when idle too long, or when the generation ends (see workers/tail/server.py)."""
+"""The tail's sessions: one KV cache per generation it serves, with the session's key and its head, dropped
+when least recently used beyond a cap, when idle too long, when its head is gone (workers/tail/liveness.py),
+or when the generation ends (see workers/tail/server.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from schemas.packets import HeadRef
 from workers.engine.shard import Cache
 
 log = logging.getLogger("shardflow.tail")
@@ -17,6 +19,8 @@ log = logging.getLogger("shardflow.tail")
 @dataclass
 class TailSession:
     cache: Cache
+    key: bytes = b""  # every round of the session is MAC'd with it (schemas/packets.py)
+    head: HeadRef | None = None
     last_round: int = -1
     last_reply: dict | None = None
     touched: float = field(default_factory=time.monotonic)
@@ -38,6 +42,13 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def peek(self, sid: str) -> TailSession | None:
+        """The session, without counting it as used (for a packet not yet authenticated)."""
+        return self._by_id.get(sid)
+
+    def items(self) -> list[tuple[str, TailSession]]:
+        return list(self._by_id.items())
+
     def get(self, sid: str) -> TailSession | None:
         sess = self._by_id.get(sid)
         if sess is not None:
@@ -45,9 +56,9 @@ class SessionStore:
             sess.touched = time.monotonic()
         return sess
 
-    def open(self, sid: str, cache: Cache) -> TailSession:
+    def open(self, sid: str, cache: Cache, key: bytes = b"", head: HeadRef | None = None) -> TailSession:
         self.drop(sid)
-        self._by_id[sid] = sess = TailSession(cache)
+        self._by_id[sid] = sess = TailSession(cache, key, head)
         while len(self._by_id) > self.max_sessions:
             old = next(iter(self._by_id))
             log.info("session %s dropped (more than %d sessions)", old, self.max_sessions)

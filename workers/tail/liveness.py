@@ -1,0 +1,72 @@
+"""Which of a tail's sessions belong to heads that are gone.
+
+A running head keeps `{prefix}:head:{name}` set to its boot id, expiring after its reply timeout
+(workers/head/beacon.py). A session is its head's if the key still names the boot the session's rounds
+carried. Its head is gone when the key names another boot (the head restarted under the same name: its old
+sessions go at once) or when the key has expired and the session has been silent longer than that head's
+reply timeout (the head was killed; it would have replayed elsewhere by then anyway). The tail checks every
+`head_check_s`, and at once (at most every `head_recheck_s`) when it is full or sees a head's new boot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+from schemas.keys import Keys
+from schemas.packets import HeadRef
+from schemas.settings import Settings
+from workers.tail.sessions import SessionStore
+
+log = logging.getLogger("shardflow.tail")
+
+
+class HeadWatch:
+    """Drops the sessions of heads that died or restarted (one MGET per check)."""
+
+    def __init__(self, r: redis.Redis, names: Keys, settings: Settings) -> None:
+        self.r, self.names, self.settings = r, names, settings
+        self._last = 0.0
+        self._boots: dict[str, str] = {}  # the last boot seen per head name (heads are few)
+
+    def due(self, urgent: bool = False) -> bool:
+        wait = self.settings.head_recheck_s if urgent else self.settings.head_check_s
+        return time.monotonic() - self._last >= wait
+
+    def new_boot(self, head: HeadRef) -> bool:
+        """Note the head of a session opening here; whether an earlier one of that name had another boot (the
+        head restarted: a check is worth making now)."""
+        seen = self._boots.get(head.name)
+        self._boots[head.name] = head.boot
+        return seen is not None and seen != head.boot
+
+    def sweep(self, sessions: SessionStore, urgent: bool = False) -> int:
+        """Drop the sessions whose head is gone (when a check is due); how many were dropped."""
+        if not self.due(urgent):
+            return 0
+        self._last = time.monotonic()
+        held = [(sid, s) for sid, s in sessions.items() if s.head is not None]
+        names = sorted({s.head.name for _, s in held})  # type: ignore[union-attr]
+        if not names:
+            return 0
+        try:
+            boots = dict(zip(names, self.r.mget([self.names.head(n) for n in names]), strict=True))
+        except redis.RedisError as e:  # nothing is dropped on a guess
+            log.debug("head check skipped: %s", e)
+            return 0
+        now, dropped = time.monotonic(), 0
+        for sid, s in held:
+            head = s.head
+            assert head is not None
+            boot = boots[head.name]
+            if boot is not None and boot.decode(errors="replace") == head.boot:
+                continue
+            if boot is None and now - s.touched <= head.reply_timeout_s:
+                continue  # its key expired (or Redis lost it) but the session spoke recently
+            why = "restarted" if boot is not None else f"silent for over {head.reply_timeout_s:.0f}s"
+            log.info("session %s dropped: its head %s %s", sid, head.name, why)
+            sessions.drop(sid)
+            dropped += 1
+        return dropped
