@@ -323,7 +323,9 @@ class Client:
             job.meta.pop("error", None)
             job.retries_left = self.settings.job_retries
             job.save()
-            self.r.delete(self.keys.cancel(job.id), self.keys.tokens(job.id))
+            # the cancel flag only: the token stream is the head's (read only to producers); the attempt
+            # that runs the retry keeps it when it resumes from a checkpoint and resets it otherwise
+            self.r.delete(self.keys.cancel(job.id))
             if job.id in registry:
                 registry.requeue(job)
             else:

@@ -225,8 +225,14 @@ ROLE_NEEDS = {
         ("GET", f"{PREFIX}:result:j"),
         ("GET", f"{PREFIX}:model:{QUEUE}"),
         ("XREAD", "STREAMS", f"{PREFIX}:tokens:j", "0"),
-        ("DEL", f"{PREFIX}:tokens:j"),
+        ("XREAD", "COUNT", "64", "BLOCK", "10", "STREAMS", f"{PREFIX}:tokens:j", f"{PREFIX}:tokens:k", "0", "5-0"),
+        ("TYPE", f"{PREFIX}:tokens:j"),  # a key another client type-broke is read no more
+        ("MGET", f"{PREFIX}:result:j", f"{PREFIX}:result:k"),
         ("SET", f"{PREFIX}:cancel:j", "1", "EX", "60"),
+        ("DEL", f"{PREFIX}:cancel:j"),
+        ("EXISTS", f"{PREFIX}:batch:b", "rq:group:b"),
+        ("HSET", f"{PREFIX}:api:file:f", "a", "b"),
+        ("ZADD", f"{PREFIX}:api:batches", "1", "b"),
         ("INFO", "server"),
     ],
     "head": [  # an RQ worker and its scheduler thread (lock without Lua), and the head's relay keys
@@ -247,12 +253,22 @@ ROLE_NEEDS = {
         ("XADD", T, "*", "h", "x"),
         ("XREAD", "STREAMS", f"{PREFIX}:reply:s", "0"),
         ("DEL", f"{PREFIX}:reply:s"),
-        ("SET", f"{PREFIX}:result:j", "{}", "NX"),
-        ("SET", f"{PREFIX}:ckpt:j", "{}"),
-        ("XADD", f"{PREFIX}:tokens:j", "*", "text", "x"),
+        ("XADD", f"{PREFIX}:tail:t1:requests", "MAXLEN", "~", "100", "*", "h", "x"),
+        ("SET", f"{PREFIX}:result:j", "{}", "NX", "EX", "60"),
+        ("GET", f"{PREFIX}:result:j"),
+        ("SET", f"{PREFIX}:ckpt:j", "{}", "EX", "60"),
+        ("GET", f"{PREFIX}:ckpt:j"),
+        ("DEL", f"{PREFIX}:ckpt:j"),
+        ("XADD", f"{PREFIX}:tokens:j", "5-0", "text", "x"),
+        ("EXPIRE", f"{PREFIX}:tokens:j", "60"),
+        ("DEL", f"{PREFIX}:tokens:j"),  # a fresh attempt of a retried job resets its stream
+        ("XREVRANGE", f"{PREFIX}:tokens:j", "+", "-", "COUNT", "1"),  # is a refused write's entry there?
         ("EXISTS", f"{PREFIX}:cancel:j"),
         ("SET", f"{PREFIX}:model:{QUEUE}", "{}"),
         ("XADD", f"{PREFIX}:dead-letters", "MAXLEN", "~", "100", "*", "h", "x"),  # a refused reply's record
+        ("SET", f"{PREFIX}:head:h1", "boot", "PX", "30000"),  # its liveness key
+        ("GET", f"{PREFIX}:head:h1"),
+        ("DEL", f"{PREFIX}:head:h1"),
     ],
     "tail": [  # its consumer group on the request streams, replies, dead letters
         ("XGROUP", "CREATE", T, "g", "$", "MKSTREAM"),
@@ -261,10 +277,14 @@ ROLE_NEEDS = {
         ("XDEL", T, "1-0"),
         ("XAUTOCLAIM", T, "g", "c", "1000", "0"),
         ("XINFO", "CONSUMERS", T, "g"),
-        ("EXPIRE", f"{PREFIX}:tail:t1:requests", "3600"),
-        ("XADD", f"{PREFIX}:reply:s", "*", "a", "b"),
+        ("XGROUP", "DELCONSUMER", T, "g", "c"),
+        ("XGROUP", "CREATE", f"{PREFIX}:tail:t1:requests", "g", "0", "MKSTREAM"),
+        ("EXPIRE", f"{PREFIX}:tail:t1:requests", "3600"),  # its own stream outlives it
+        ("XADD", f"{PREFIX}:reply:s", "MAXLEN", "~", "64", "*", "a", "b"),
         ("EXPIRE", f"{PREFIX}:reply:s", "60"),
-        ("XADD", f"{PREFIX}:dead-letters", "*", "a", "b"),
+        ("XADD", f"{PREFIX}:dead-letters", "MAXLEN", "~", "100", "*", "a", "b"),
+        ("GET", f"{PREFIX}:head:h1"),  # is a session's head still running?
+        ("MGET", f"{PREFIX}:head:h1", f"{PREFIX}:head:h2"),
     ],
 }
 

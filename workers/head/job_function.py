@@ -80,6 +80,7 @@ class Progress:
     accepted: int = 0
     flushed_chars: int = 0
     text: str = ""
+    fresh_stream: bool = True  # no checkpoint: the first write drops an earlier attempt's stale token stream
     _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "progress"), repr=False)
     _inflight: Future | None = field(default=None, repr=False)
 
@@ -87,6 +88,7 @@ class Progress:
         """Continue after a checkpoint: its text is on the token stream already."""
         self.text = self.tokenizer.decode(generated, skip_special_tokens=True).rstrip("\ufffd")  # type: ignore[attr-defined]
         self.flushed_chars = len(self.text)
+        self.fresh_stream = False
 
     def on_tokens(self, new: list[int], generated: list[int]) -> None:
         self.rounds += 1
@@ -138,6 +140,8 @@ class Progress:
             # redis-py sends the pipeline again, Redis refuses the repeated id instead of streaming the text twice.
             entry = f"{len(self.text)}-{int(final)}"
             fields = {b"text": delta.encode(), b"final": b"1" if final else b"0"}
+            if self.fresh_stream:  # a retried job that starts over (producers cannot reset it: head-only writes)
+                pipe.delete(self.keys.tokens(self.job.id))
             pipe.xadd(self.keys.tokens(self.job.id), fields, id=entry)
             pipe.expire(self.keys.tokens(self.job.id), self.ttl)
         pipe.exists(self.keys.cancel(self.job.id))
@@ -147,6 +151,7 @@ class Progress:
                 raise reply
         cancelled = replies[-1]
         self.flushed_chars = len(self.text)
+        self.fresh_stream = self.fresh_stream and not (delta or final)
         if cancelled and not final:
             raise JobCancelled("cancelled by user")
         return result_json is None or bool(replies[0])
