@@ -9,6 +9,13 @@ keyed by their global index, so a tail's cache simply has no entries for the hea
   CUDA graph; rollback is setting the length, in place (stale entries past it are masked out and
   later overwritten). A `BatchView` runs several slots of a pool as one batched forward.
 
+A released slot is zeroed (in place: the tensors captured graphs read stay the same). Masking alone does not
+keep stale entries out of attention's output: a masked probability of 0 times a NaN value is NaN (and a NaN
+key's score stays NaN under a -inf bias), so one sequence's non-finite keys/values, forged or a real float16
+overflow, would fail every later sequence of its slot. Zeroed, what a slot holds past its length is only the
+current sequence's own (finite while its outputs are: its rows attend to them, masked). One memset per
+layer per release costs far less than masking keys/values in every round (bench/slot_hygiene.py).
+
 Both answer `positions(start, n)` and `mask(pos)` so a shard builds its attention mask the same way.
 """
 
@@ -129,8 +136,19 @@ class KVPool:
             return None
 
     def release(self, cache: StaticKVCache) -> None:
+        """Give a slot back, zeroed: nothing of its last sequence reaches the next one's attention. Once per
+        cache (a second release would zero and free a slot another sequence may hold by then)."""
+        if cache.released:
+            return
         cache.crop(0)
+        cache.released = True
+        self.clear(cache.slot)
         self._free.append(cache.slot)
+
+    def clear(self, slot: int) -> None:
+        """Zero one slot's keys and values of every layer in place (one memset each; with CUDA graphs on the
+        stream they replay on, so a later replay reads the zeros)."""
+        torch._foreach_zero_([t[slot] for t in (*self.keys.values(), *self.values.values())])
 
 
 class StaticKVCache:
@@ -143,6 +161,7 @@ class StaticKVCache:
         self.max_len = pool.max_len
         self._length = 0
         self.pos: torch.Tensor | None = None  # positions of the step being run (device)
+        self.released = False  # given back to the pool (`KVPool.release`)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
