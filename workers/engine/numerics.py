@@ -2,7 +2,9 @@
 with a clear error, never emit text (Qwen2.5 in float16 is known to overflow to inf/NaN).
 
 `finite_rows` checks a batch's outputs with one host sync (the tail: each round's logits; the head: the
-hidden states of a forward, on their way to the host anyway). `non_finite_error` names where it happened.
+hidden states of a forward, on their way to the host anyway), one verdict per sequence: a non-finite one fails
+that generation only (rows of a batch never mix, and a released KV slot is zeroed, workers/engine/kvcache.py,
+so what overflowed never reaches the slot's next sequence). `non_finite_error` names where it happened.
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ class Engine:
         return cache
 
     def release(self, cache: Cache) -> None:
-        """Return a sequence's cache; static slots (and their captured graphs) serve the next sequence.
-        At most `slots` one-slot spare pools are kept; others are freed with their graphs."""
+        """Return a sequence's cache; static slots (zeroed, `KVPool.release`, and their captured graphs) serve
+        the next sequence. At most `slots` one-slot spare pools are kept; others are freed with their graphs."""
         if isinstance(cache, StaticKVCache):
             cache.pool.release(cache)
             if cache.pool in self.pools:
