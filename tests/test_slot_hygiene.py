@@ -54,6 +54,7 @@ class Session:
         self.key, self.cache = session_key(), KVCache()
         self.pending, self.start, self.round = list(prompt), 0, 0
         self.tokens: list[int] = []
+        self.batches: list[float] = []  # rounds in the tail's forward, per verdict
         self.error: ErrorReply | None = None
 
     @property
@@ -86,6 +87,7 @@ class Session:
             return
         assert msg.round_id == self.round and msg.accepted == 0, msg
         self.tokens += msg.tokens
+        self.batches.append(msg.timings.get("batch", 0.0))
         self.start += len(self.pending)
         self.pending, self.round = msg.tokens[-1:], self.round + 1
 
@@ -221,7 +223,7 @@ def test_nan_session_in_a_batch_fails_alone(models, redis_client):
     a = Session(head, "batch-a", first, 6)
     step(tail.worker, [bad, a])  # round 0 of both: one batched forward
     assert bad.error is not None and bad.error.non_finite, bad.error
-    assert a.error is None and len(a.tokens) == 1, a.error
+    assert a.error is None and len(a.tokens) == 1 and a.batches == [2], (a.error, a.batches)
     b = Session(head_shard(target), "batch-b", second, 6)
     run_together(tail.worker, [a, b])
     assert tail.slots[2] == tail.slots[0]  # b took the forged session's slot
