@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import redis
 
@@ -56,7 +57,7 @@ class HeadWatch:
         except redis.RedisError as e:  # nothing is dropped on a guess
             log.debug("head check skipped: %s", e)
             return 0
-        now, dropped = time.monotonic(), 0
+        now, gone = time.monotonic(), Counter()
         for sid, s in held:
             head = s.head
             assert head is not None
@@ -65,8 +66,9 @@ class HeadWatch:
                 continue
             if boot is None and now - s.touched <= head.reply_timeout_s:
                 continue  # its key expired (or Redis lost it) but the session spoke recently
-            why = "restarted" if boot is not None else f"silent for over {head.reply_timeout_s:.0f}s"
-            log.info("session %s dropped: its head %s %s", sid, head.name, why)
+            why = "restarted" if boot is not None else f"was silent for over {head.reply_timeout_s:g}s"
+            gone[(head.name, why)] += 1
             sessions.drop(sid)
-            dropped += 1
-        return dropped
+        for (name, why), n in gone.items():
+            log.warning("dropped %d session(s): their head %s %s", n, name, why)
+        return sum(gone.values())

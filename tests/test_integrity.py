@@ -1,0 +1,200 @@
+"""Integrity under forged input (issue 24): rounds and replies are authenticated per session, and a tail frees
+the sessions of heads that are gone.
+
+- A forged round for a live session, at its right round and position (random hidden states, float64 ones, an
+  "opening" with the forger's own key), sent before the real one: refused into the dead-letter stream, the
+  output unchanged, no replay spent (before: the tail verified the forged round and the victim's output
+  changed, with 0 replays and no error).
+- Forged replies of every kind in a live reply stream (non-finite with no round id or the right one, four
+  retryable errors, busy, plain errors, a wrong echo, verdicts of 0 accepted + 1 token, signed or not): the job
+  finishes identical, with no replay (before: the first failed the job for good; four used up the replays).
+- A head that restarts under its name frees its old sessions at once; a killed one's go once it has been
+  silent longer than its reply timeout; a forger claiming a head's new boot frees nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import torch
+
+from relay_broker.streams import publish
+from schemas.keys import Keys
+from schemas.packets import (
+    HEADER,
+    DeadLetterRecord,
+    ErrorReply,
+    HeadRef,
+    Verdict,
+    decode_tail_message,
+    encode_message,
+    encode_round,
+    session_key,
+)
+from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
+from schemas.settings import Settings
+from tests.conftest import PROMPTS
+from tests.test_parity import NEW, head_for, reference
+from workers.engine.runner import Engine
+from workers.engine.shard import load_shard
+from workers.head.runtime import generate
+from workers.tail.server import TailWorker
+
+FAMILY, SPLIT = "qwen2", 2
+
+
+def _request(i: int) -> GenerationRequest:
+    return GenerationRequest(prompt=PROMPTS[i], max_new_tokens=NEW, chat_template=False, draft=DraftSettings(k=4))
+
+
+def _dead(r, names: Keys) -> list[DeadLetterRecord]:
+    return [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in r.xrange(names.dead_letters)]
+
+
+def test_a_forged_round_for_a_live_session_changes_nothing(models, hf_models, tokenizers, tails, redis_client):
+    ms = models[FAMILY]
+    tail_name = "integrity-rounds"
+    names = tails.get(ms.target, SPLIT, ms.n_layers, ("--name", tail_name))
+    runtime = head_for(ms, SPLIT, ms.drafter)
+    hidden_size = runtime.shard.config.hidden_size
+    prompt = tokenizers[FAMILY].encode(PROMPTS[3])
+    sid, forged = f"victim-{secrets.token_hex(4)}", [0]
+
+    def forge(new: list[int], generated: list[int]) -> None:
+        """Before the head sends its next round: the forger's, at the same round id and position."""
+        forged[0] += 1
+        start = len(prompt) + len(generated) - 1
+        base = dict(
+            session_id=sid,
+            head=runtime.beacons.ref,
+            round_id=forged[0],
+            sampling=SamplingParams(),
+            eos_token_ids=[0],
+            max_new=max(NEW - len(generated), 1),
+            q_kind="none",
+            draft_ids=[],
+        )
+        own_key = session_key()
+        packets = [
+            encode_round(
+                {**base, "start_pos": start, "input_ids": generated[-1:]},
+                {"hidden": torch.randn(1, hidden_size)},
+                own_key,
+            )[1],
+            encode_round(
+                {**base, "start_pos": start, "input_ids": generated[-1:]},
+                {"hidden": torch.randn(1, hidden_size, dtype=torch.float64)},
+                own_key,
+            )[1],
+            # an "opening" of the live session with the forger's own key: a replay of its whole sequence
+            encode_round(
+                {**base, "start_pos": 0, "input_ids": prompt + generated, "replay": True},
+                {"hidden": torch.randn(len(prompt) + len(generated), hidden_size)},
+                own_key,
+            )[1],
+        ]
+        for fields in packets:
+            for stream in (names.tail_requests(tail_name), names.shared_requests):
+                publish(redis_client, stream, fields, maxlen=1000)
+
+    result = generate(_request(3), runtime, redis_client, names=names, session_id=sid, on_tokens=forge)
+    assert result.token_ids == reference(FAMILY, hf_models[FAMILY], tokenizers[FAMILY])[3]
+    assert result.replays == 0 and forged[0] >= 3
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        refused = [d for d in _dead(redis_client, names) if d.session_id == sid and "MAC" in d.reason]
+        if len(refused) >= 3 * 2 * (forged[0] - 1):  # every forged packet of the rounds that followed one
+            break
+        time.sleep(0.2)
+    assert len(refused) >= 3 * 2 * (forged[0] - 1), len(refused)
+
+
+def test_forged_replies_of_every_kind_never_fail_or_change_a_job(models, hf_models, tokenizers, tails, redis_client):
+    ms = models[FAMILY]
+    names = tails.get(ms.target, SPLIT, ms.n_layers, ("--name", "integrity-replies"))
+    runtime = head_for(ms, SPLIT, ms.drafter)
+    sid, rounds = f"replied-{secrets.token_hex(4)}", [0]
+
+    def forge(new: list[int], generated: list[int]) -> None:
+        rounds[0] += 1
+        rid, wrong = rounds[0], session_key()
+        err = dict(session_id=sid, error="forged", tail_id="evil")
+        replies = [
+            ErrorReply(**err, round_id=None, non_finite=True),
+            ErrorReply(**err, round_id=rid, non_finite=True),
+            *(ErrorReply(**err, round_id=rid, retryable=True) for _ in range(4)),
+            ErrorReply(**err, round_id=rid, busy=True),
+            ErrorReply(**err, round_id=rid),
+            ErrorReply(**err, round_id=rid, retryable=True, echo="00" * 32),
+            Verdict(session_id=sid, round_id=rid, accepted=0, tokens=[5], next_token=5, tail_id="evil"),
+        ]
+        pipe = redis_client.pipeline(transaction=False)
+        for msg in replies:
+            pipe.xadd(names.reply(sid), encode_message(msg))  # unsigned
+            pipe.xadd(names.reply(sid), encode_message(msg, wrong))  # signed with another key
+        pipe.execute()
+
+    result = generate(_request(5), runtime, redis_client, names=names, session_id=sid, on_tokens=forge)
+    assert result.token_ids == reference(FAMILY, hf_models[FAMILY], tokenizers[FAMILY])[5]
+    assert result.replays == 0 and rounds[0] >= 2
+    reasons = [d.reason for d in _dead(redis_client, names) if d.session_id == sid and d.refused_by == "head"]
+    assert reasons and all("MAC does not verify" in r for r in reasons), reasons[:3]
+
+
+# --- a tail frees the sessions of heads that are gone (in process, a static tail of two slots) ----------------
+def _tail(target, r, names: Keys) -> TailWorker:
+    shard = load_shard(target, (SPLIT, 4), embed=False, head=True, dtype=torch.float32)
+    engine = Engine(shard, static=True, max_len=128, slots=2, label="tail")
+    return TailWorker(shard, r, names=names, engine=engine, settings=Settings())
+
+
+def _opening(sid: str, head: HeadRef, hidden_size: int) -> dict:
+    header = dict(
+        session_id=sid,
+        head=head,
+        round_id=0,
+        start_pos=0,
+        input_ids=[5, 6, 7],
+        draft_ids=[],
+        sampling=SamplingParams(),
+        eos_token_ids=[],
+        max_new=8,
+        q_kind="none",
+    )
+    return encode_round(header, {"hidden": torch.randn(3, hidden_size)}, session_key())[1]
+
+
+def _answer(worker: TailWorker, fields: dict) -> Verdict | ErrorReply:
+    reply = worker.handle(fields)
+    assert reply is not None
+    return decode_tail_message(reply.fields)
+
+
+def test_a_tail_frees_the_sessions_of_heads_that_restarted_or_died(models, redis_client):
+    names = Keys(f"liveness-{secrets.token_hex(4)}")
+    worker = _tail(models[FAMILY].target, redis_client, names)
+    hidden = worker.shard.config.hidden_size
+    old = HeadRef(name="h1", boot="0000000a", reply_timeout_s=60)
+    redis_client.set(names.head("h1"), old.boot)
+    assert all(isinstance(_answer(worker, _opening(f"s{i}", old, hidden)), Verdict) for i in range(2))
+    # full, its heads alive: a new session waits ("busy"); a forger claiming h1's new boot frees nothing
+    assert _answer(worker, _opening("s2", HeadRef(name="h2", boot="0000000b", reply_timeout_s=60), hidden)).busy
+    time.sleep(Settings().head_recheck_s)
+    forger = HeadRef(name="h1", boot="000000ff", reply_timeout_s=60)
+    assert _answer(worker, _opening("s3", forger, hidden)).busy
+    assert len(worker.sessions) == 2
+    # h1 restarts (its key names the new boot): its old sessions go at once, the new one is served
+    new = HeadRef(name="h1", boot="0000000c", reply_timeout_s=60)
+    redis_client.set(names.head("h1"), new.boot)
+    time.sleep(Settings().head_recheck_s)
+    assert isinstance(_answer(worker, _opening("s4", new, hidden)), Verdict)
+    assert {sid for sid, _ in worker.sessions.items()} == {"s4"}
+    # a killed head (its key expired): its sessions go once silent longer than its reply timeout
+    brief = HeadRef(name="h3", boot="0000000d", reply_timeout_s=0.3)
+    redis_client.set(names.head("h3"), brief.boot)
+    assert isinstance(_answer(worker, _opening("s5", brief, hidden)), Verdict)
+    redis_client.delete(names.head("h3"), names.head("h1"))
+    time.sleep(0.4)
+    worker.heads.sweep(worker.sessions, urgent=True)
+    assert {sid for sid, _ in worker.sessions.items()} == {"s4"}  # s4 spoke recently: kept
