@@ -9,7 +9,17 @@ from pathlib import Path
 
 import click
 
-from producer.client import FINAL, Client, Followed, JobEnded, JobView, TextChunk, WaitTimeout, summary
+from producer.client import (
+    FINAL,
+    Client,
+    Followed,
+    JobEnded,
+    JobView,
+    StreamBroken,
+    TextChunk,
+    WaitTimeout,
+    summary,
+)
 from producer.options import (
     EXIT_BAD_INPUT,
     EXIT_JOB_FAILED,
@@ -103,10 +113,18 @@ def show_follow(client: Client, ids: list[str], timeout: float | None) -> list[J
     """`client.follow`, printing the jobs' text in job order as it commits: the first unfinished job's text
     live (after `[index] `), the text of jobs running beside it held until its turn (jobs run many at a
     time; their text never interleaves), and how jobs that end without their text ended; the views at the
-    end; exit 5 on timeout."""
+    end; exit 5 on timeout. A job whose token stream broke (another client wrote it) is said so on stderr:
+    the rest of its text comes from its stored result (see `follow_text` for a stream that is not its text)."""
+    return follow_text(client, ids, timeout)[0]
+
+
+def follow_text(client: Client, ids: list[str], timeout: float | None) -> tuple[list[JobView], bool]:
+    """`show_follow`, and whether all that was printed is the jobs' text: False when a job's token stream
+    held text that is not its result's (said on stderr, with how to print the stored result)."""
     client.on_retry = _say_retry
     shown = _InOrder(len(ids))
     views: list[JobView] = []
+    true_text = True
     try:
         for event in client.follow(ids, timeout=timeout):
             if isinstance(event, TextChunk):
@@ -116,11 +134,26 @@ def show_follow(client: Client, ids: list[str], timeout: float | None) -> list[J
                 shown.add(
                     v.index, f"{v.status}: {v.error or ''}" if v.status != "finished" else "", True, own_line=True
                 )
+            elif isinstance(event, StreamBroken):
+                true_text = true_text and event.repaired
+                _say_broken(event)
             elif isinstance(event, Followed):
                 views = event.views
     except WaitTimeout as e:
         fail(str(e), EXIT_TIMEOUT)
-    return views
+    return views, true_text
+
+
+def _say_broken(event: StreamBroken) -> None:
+    v = event.view
+    if event.repaired:
+        click.echo(f"note: [{v.index}] {v.job_id}: {event.reason}; the rest of its text is from its result", err=True)
+    else:
+        click.echo(
+            f"error: [{v.index}] {v.job_id}: {event.reason}; the text printed for it is not its result's "
+            f"(`shardflow results {v.job_id}` prints that)",
+            err=True,
+        )
 
 
 class _InOrder:
@@ -246,7 +279,7 @@ def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix
             if as_json
             else "\n".join(
                 f"{q['queue']}: {q['queued']} queued, {q['started']} started, {q['finished']} finished, "
-                f"{q['failed']} failed, {q['workers']} workers"
+                f"{q['failed']} failed, {q['canceled']} canceled, {q['workers']} workers"
                 for q in info["queues"]
             )
             or "no queues"
@@ -311,8 +344,9 @@ def results(
         from producer.openai_out import results_command
 
         sys.exit(results_command(client, ids, output, follow or wait, timeout))
+    true_text = True
     if follow:
-        views = show_follow(client, ids, timeout)
+        views, true_text = follow_text(client, ids, timeout)
     elif wait:
         views = show_wait(client, ids, timeout)
     else:
@@ -325,7 +359,7 @@ def results(
             fail(f"cannot write {output}: {e.strerror or e}", EXIT_BAD_INPUT)
     elif not follow or jsonl:
         _print_views(views, jsonl)
-    sys.exit(_exit_for(views))
+    sys.exit(_exit_for(views) if true_text else EXIT_JOB_FAILED)
 
 
 @click.command()

@@ -29,9 +29,10 @@ from pydantic import ValidationError
 from rq import Queue, Retry, Worker
 from rq.group import Group
 from rq.job import Job, JobStatus
-from rq.registry import FailedJobRegistry
+from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from producer.follow import Streamed
 from producer.views import (  # noqa: F401  (re-exported: the producer API's types)
     FINAL,
     Batch,
@@ -40,6 +41,7 @@ from producer.views import (  # noqa: F401  (re-exported: the producer API's typ
     JobEnded,
     JobView,
     NotFound,
+    StreamBroken,
     TextChunk,
     WaitTimeout,
     summary,
@@ -197,24 +199,38 @@ class Client:
         with self.r.pipeline(transaction=False) as pipe:
             for jid in job_ids:
                 pipe.hgetall(Job.key_for(jid))
-            raws = pipe.execute()
-        out: list[Job | str | None] = []
-        for jid, raw in zip(job_ids, raws, strict=True):
-            job = SafeJob(jid, connection=self.r, serializer=JSONSerializer) if raw else None
-            try:
-                if job is not None:
-                    job.restore(raw)  # SafeJob's: a bad field leaves `_unreadable` set, not an error
-                    job = f"unreadable job record ({job._unreadable})" if job._unreadable else job
-            except Exception as e:  # no data field at all
-                job = f"unreadable job record ({type(e).__name__})"
-            out.append(job)
-        return out
+            raws = pipe.execute(raise_on_error=False)
+        return [self._restore(jid, raw) for jid, raw in zip(job_ids, raws, strict=True)]
+
+    def _restore(self, jid: str, raw: object) -> Job | str | None:
+        """One job from its record's fields (see `jobs`)."""
+        if isinstance(raw, redis.ResponseError):  # a key of another type where the record should be
+            return f"unreadable job record ({str(raw).split(' ', 1)[0]})"
+        job = SafeJob(jid, connection=self.r, serializer=JSONSerializer) if raw else None
+        try:
+            if job is not None:
+                job.restore(raw)  # type: ignore[arg-type]  # SafeJob's: a bad field leaves `_unreadable` set
+                return f"unreadable job record ({job._unreadable})" if job._unreadable else job
+        except Exception as e:  # no data field at all
+            return f"unreadable job record ({type(e).__name__})"
+        return None
 
     def views(self, job_ids: list[str]) -> list[JobView]:
-        stored = self.r.mget([self.keys.result(j) for j in job_ids]) if job_ids else []
+        """How the jobs stand, in one round trip: their records, then their results. In that order: a head
+        stores a result before RQ records the job finished, so a job read finished has its result read too
+        (read the other way round, a job finishing in between would look finished with no result)."""
+        if not job_ids:
+            return []
+        with self.r.pipeline(transaction=False) as pipe:
+            for jid in job_ids:
+                pipe.hgetall(Job.key_for(jid))
+            pipe.mget([self.keys.result(j) for j in job_ids])
+            *raws, stored = pipe.execute(raise_on_error=False)
+        if isinstance(stored, Exception):
+            raise stored
         return [
-            self._view(i, jid, job, raw)
-            for i, (jid, job, raw) in enumerate(zip(job_ids, self.jobs(job_ids), stored, strict=True))
+            self._view(i, jid, self._restore(jid, raw), result)
+            for i, (jid, raw, result) in enumerate(zip(job_ids, raws, stored, strict=True))
         ]
 
     @staticmethod
@@ -268,42 +284,70 @@ class Client:
     def follow(self, job_ids: list[str], *, timeout: float | None = None) -> Iterator[FollowEvent]:
         """The jobs' text as it commits (TextChunk), each job that ends without an end marker (JobEnded), then
         once every job is final Followed; WaitTimeout and Redis going away as in `wait`. Token streams can be
-        written by other clients: an entry that is not a text chunk is skipped, a stream not asked for is
-        ignored, and a finished job whose stream holds nothing more at the next read counts as ended."""
+        written by other clients (producer/follow.py): only the head's entries are taken, a key that is no
+        stream is read no more, a stream not asked for is ignored, a finished job whose stream holds nothing
+        more at the next read counts as ended, and a finished job's text is checked against its stored result
+        (StreamBroken: completed from it, or not its text). Never a silently truncated text."""
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        last_id: dict[str, str | bytes] = dict.fromkeys(job_ids, "0-0")
-        index = {jid: i for i, jid in enumerate(job_ids)}
-        job_of = {self.keys.tokens(j).encode(): j for j in job_ids}
-        ended, finished = set[str](), set[str]()  # finished: seen finished before this pass's read
+        jobs = {jid: Streamed(i, self.keys.tokens(jid)) for i, jid in enumerate(job_ids)}
+        finished = set[str]()  # seen finished before this pass's read
         while True:
-            streams = {self.keys.tokens(j): last_id[j] for j in job_ids if j not in ended}
-            fed: set[str] = set()
-            cfg = self.settings
-            read = partial(self.r.xread, streams, count=cfg.follow_read_count, block=cfg.follow_block_ms)
-            for stream, entries in (self._ride_out(read, deadline) if streams else None) or []:
-                jid = job_of.get(stream)
-                if jid is None:
-                    continue
-                fed.add(jid)
-                for entry_id, fields in entries:
-                    last_id[jid] = entry_id
-                    chunk = token_chunk(fields)
-                    if chunk is not None:
-                        if chunk[1]:
-                            ended.add(jid)
-                        yield TextChunk(jid, index[jid], *chunk)
+            chunks, fed = self._read_text(jobs, deadline)
+            yield from chunks
             views = self._ride_out(lambda: self.views(job_ids), deadline)
             for v in views:
-                gone = v.status in FINAL and v.status != "finished"
-                if v.job_id not in ended and (gone or (v.job_id in finished and v.job_id not in fed)):
-                    ended.add(v.job_id)  # a finished one: a read since it was seen finished found nothing more
-                    yield JobEnded(v)
+                job = jobs[v.job_id]
+                if job.settled:
+                    continue
+                if v.status == "finished" and (job.ended or (v.job_id in finished and v.job_id not in fed)):
+                    yield from job.settle(v)  # a read since it was seen finished found nothing more
+                elif v.status in FINAL and v.status != "finished":
+                    job.settled = True
+                    if not job.ended:
+                        yield JobEnded(v)
             finished = {v.job_id for v in views if v.status == "finished"}
-            if all(v.status in FINAL for v in views) and ended >= finished:
+            if all(v.status in FINAL for v in views) and all(j.settled for j in jobs.values()):
                 yield Followed(views)
                 return
             if time.monotonic() > deadline:
                 raise WaitTimeout(timeout or 0.0, views)
+
+    def _read_text(self, jobs: dict[str, Streamed], deadline: float) -> tuple[list[TextChunk], set[str]]:
+        """One blocking read of the streams still followed: the head's next chunks, and the jobs whose streams
+        had entries. A key of another type (it fails the whole read) is found and read no more."""
+        streams = {job.key: job.last_id for job in jobs.values() if job.reading}
+        if not streams:
+            time.sleep(self.settings.poll_interval_s)
+            return [], set()
+        cfg = self.settings
+        read = partial(self.r.xread, streams, count=cfg.follow_read_count, block=cfg.follow_block_ms)
+        try:
+            got = self._ride_out(read, deadline) or []
+        except redis.ResponseError:
+            if not self._drop_non_streams([j for j in jobs.values() if j.reading]):
+                raise
+            return [], set()
+        job_of = {job.key.encode(): (jid, job) for jid, job in jobs.items()}
+        chunks: list[TextChunk] = []
+        fed: set[str] = set()
+        for stream, entries in got:
+            if stream not in job_of:
+                continue
+            jid, job = job_of[stream]
+            fed.add(jid)
+            chunks += [c for entry_id, fields in entries if (c := job.take(jid, entry_id, fields)) is not None]
+        return chunks, fed
+
+    def _drop_non_streams(self, jobs: list[Streamed]) -> int:
+        """Mark the jobs whose token-stream key holds another type (another client wrote it) unreadable."""
+        with self.r.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.type(job.key)
+            kinds = pipe.execute()
+        bad = [(job, kind) for job, kind in zip(jobs, kinds, strict=True) if kind not in (b"stream", b"none")]
+        for job, kind in bad:
+            job.unreadable = f"its token stream's key holds a {kind.decode(errors='replace')}, not a stream"
+        return len(bad)
 
     def _ride_out(self, fn: Callable[[], T], deadline: float) -> T:
         """fn(), retried while Redis is unreachable (telling `on_retry`) until the deadline; then TransportError."""
@@ -314,9 +358,10 @@ class Client:
 
     # --- actions --------------------------------------------------------------------------------
     def retry(self, job_ids: list[str]) -> list[str]:
-        """Re-enqueue the failed, stopped or canceled jobs among job_ids, keeping their ids and batch."""
+        """Re-enqueue the failed, stopped or canceled jobs among job_ids, keeping their ids and batch (taken off
+        the failed or canceled registry; a job that left a checkpoint resumes from it)."""
         done = []
-        registry = FailedJobRegistry(queue=self.queue)
+        registries = [FailedJobRegistry(queue=self.queue), CanceledJobRegistry(queue=self.queue)]
         for job in self.jobs(job_ids):
             if not isinstance(job, Job) or job.get_status(refresh=False) not in RETRYABLE:
                 continue
@@ -326,7 +371,8 @@ class Client:
             # the cancel flag only: the token stream is the head's (read only to producers); the attempt
             # that runs the retry keeps it when it resumes from a checkpoint and resets it otherwise
             self.r.delete(self.keys.cancel(job.id))
-            if job.id in registry:
+            registry = next((reg for reg in registries if job.id in reg), None)
+            if registry is not None:
                 registry.requeue(job)
             else:
                 self.queue.enqueue_job(job)
@@ -337,7 +383,8 @@ class Client:
         return FailedJobRegistry(queue=self.queue).get_job_ids()
 
     def cancel(self, job_ids: list[str]) -> list[str]:
-        """Cancel queued jobs now; ask running ones to stop at their next progress update."""
+        """Cancel queued jobs now; ask running ones to stop at their next progress update (their head records
+        them `canceled`, as RQ does the queued ones: never failed)."""
         done = []
         for job in self.jobs(job_ids):
             if not isinstance(job, Job):

@@ -73,13 +73,26 @@ class JobEnded:
 
 
 @dataclass(frozen=True)
+class StreamBroken:
+    """A finished job whose token stream disagrees with its stored result: another client wrote or type-broke
+    the stream (`reason` says how; the head reports what it saw in the result's `stream_broken`). `repaired`:
+    what was streamed is the start of the result's text, and the rest of it follows as the job's last
+    TextChunk. Otherwise what was streamed is not the job's text (`view.result["text"]` is), and a JobEnded
+    follows unless an end marker came."""
+
+    view: JobView
+    reason: str
+    repaired: bool
+
+
+@dataclass(frozen=True)
 class Followed:
     """The last event of `Client.follow`: every job is final; their views, in the order followed."""
 
     views: list[JobView]
 
 
-FollowEvent = TextChunk | JobEnded | Followed
+FollowEvent = TextChunk | JobEnded | StreamBroken | Followed
 
 
 def token_chunk(fields: dict) -> tuple[str, bool] | None:
@@ -88,3 +101,13 @@ def token_chunk(fields: dict) -> tuple[str, bool] | None:
     if not isinstance(text, bytes) or final not in (b"0", b"1") or len(fields) != 2:
         return None
     return text.decode("utf-8", errors="replace"), final == b"1"
+
+
+def entry_end(entry_id: bytes | str) -> tuple[int, int] | None:
+    """(where the text ends, in characters; 1 for an end marker, else 0) of a head's token-stream entry id
+    (`END-SEQ`, workers/head/job_function.py), or None for an id that cannot be one."""
+    raw = entry_id.decode(errors="replace") if isinstance(entry_id, bytes) else entry_id
+    end, _, seq = raw.partition("-")
+    if not (end.isascii() and end.isdigit() and seq in ("0", "1")):
+        return None
+    return int(end), int(seq)

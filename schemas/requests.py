@@ -14,6 +14,7 @@ SessionId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 FinishReason = Literal["eos", "length", "stop"]
 BUILTIN_DRAFTERS = ("model", "ngram", "none")
+STREAM_BROKEN_MAX = 512  # characters of GenerationResult.stream_broken
 # a value of a plugin drafter's `draft.options` (bounded: any producer can send one)
 PluginValue = (
     bool | int | float | Annotated[str, Field(max_length=1024)] | Annotated[list[TokenId], Field(max_length=1 << 16)]
@@ -142,3 +143,9 @@ class GenerationResult(BaseModel):
     timings: RoundTimings
     resumed_tokens: int = Field(0, description="Tokens taken from a checkpoint (a retried job resumed).")
     replays: int = Field(0, description="Times the session was replayed onto a live tail (tail crash).")
+    stream_broken: str | None = Field(
+        None,
+        max_length=STREAM_BROKEN_MAX,
+        description="Why the job's token stream stopped being written, if it did (another client wrote or "
+        "type-broke it): its text there is incomplete, this result's is whole. None: the stream holds it all.",
+    )

@@ -13,7 +13,9 @@ through RQ's scheduler, abandoned-job cleanup by heartbeat expiry) and changes h
   end only after that transaction);
 - **run**: each job on a thread of its own (`generate` batches every generation's rounds on the GPU);
 - **finish**: one transaction per job (result, finished registry, execution cleanup, worker counters);
-  a failure goes through RQ's `handle_job_failure` (retries, failed registry);
+  a failure goes through RQ's `handle_job_failure` (retries, failed registry); a job its user cancelled
+  (JobCancelled, workers/head/job_function.py) ends `canceled` (status, canceled registry), as RQ's own
+  cancel leaves a queued job: never failed, never retried by RQ (`shardflow retry` resumes it);
 - **housekeeping** on a thread of its own, never between a free slot and the next dequeue: one pipelined
   heartbeat of the worker and every running job each `heartbeat_s`, RQ's maintenance each `maintenance_s`.
 
@@ -29,15 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import format_exc_info
 from rq.queue import Queue
+from rq.registry import CanceledJobRegistry
 from rq.timeouts import JobTimeoutException
 from rq.utils import now
 from rq.worker import SimpleWorker
 from rq.worker.base import WorkerStatus
+
+from workers.head.job_function import JobCancelled
 
 log = logging.getLogger("shardflow.dispatcher")
 
@@ -187,10 +193,13 @@ class Dispatcher:
                 job.ended_at = now()
                 run.recorded.wait()
                 self._finish(run, value)
-            except BaseException:
+            except BaseException as e:
                 job.ended_at = job.ended_at or now()
                 run.recorded.wait()
-                self._fail(run, sys.exc_info())
+                if isinstance(e, JobCancelled):
+                    self._cancelled(run)
+                else:
+                    self._fail(run, sys.exc_info())
         except BaseException:  # the failure could not be recorded either: heartbeat expiry retries it
             log.exception("job %s: could not record how it ended", job.id)
         finally:
@@ -223,6 +232,24 @@ class Dispatcher:
                 w.set_state(WorkerStatus.IDLE, pipeline=tx)
             tx.execute()
         log.info("job %s finished in %.2fs", job.id, (job.ended_at - job.started_at).total_seconds())  # type: ignore[operator]
+
+    def _cancelled(self, run: Running) -> None:
+        """A job its user cancelled, as one transaction: `canceled` (status, canceled registry) with its
+        execution cleaned up and its record kept as long as a failure's (failure_ttl), never failed."""
+        job, w, ex = run.job, self.w, run.execution
+        job._status = JobStatus.CANCELED
+        ttl = job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
+        canceled = CanceledJobRegistry(job.origin, w.connection, job_class=w.job_class, serializer=w.serializer)
+        with w.connection.pipeline() as tx:
+            job.save(pipeline=tx, include_meta=False, include_result=False)  # status, ended_at, retries_left
+            canceled.add(job, ttl=ttl, pipeline=tx)
+            job.cleanup(ttl, pipeline=tx, remove_from_queue=False)
+            w.cleanup_execution(job, pipeline=tx, execution=ex)
+            w.increment_total_working_time(job.ended_at - job.started_at, tx)  # type: ignore[operator]
+            if len(self.running) <= 1:
+                w.set_state(WorkerStatus.IDLE, pipeline=tx)
+            tx.execute()
+        log.info("job %s cancelled by its user", job.id)
 
     def _fail(self, run: Running, exc_info: Any) -> None:
         job, w = run.job, self.w

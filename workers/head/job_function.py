@@ -10,6 +10,10 @@ function runs in the worker's own process, with the models and settings of its J
 - publishes progress to the job's meta and committed text to a per-job token stream, throttled and off
   the round loop's path (a thread of its own), with a checkpoint of the committed tokens beside them:
   a retried job (its head worker died) resumes there;
+- never fails because of its token stream (a convenience; the result is the truth): a write Redis refuses
+  (another client type-broke the key, or added an entry past the text) is reported once, in the job's meta
+  (`stream_broken`) and its result's `stream_broken`, and the stream is written no more;
+- ends a cancelled generation with JobCancelled, which the dispatcher records `canceled`, never failed;
 - fails without retry on an invalid request, and leaves transient failures to RQ's Retry.
 """
 
@@ -29,7 +33,7 @@ from rq.job import Job
 from schemas.errors import InvalidRequest, JobError, NonFiniteError, ShardFlowError
 from schemas.jobs import Checkpoint, job_ttl, read_result
 from schemas.keys import Keys
-from schemas.requests import GenerationRequest, GenerationResult
+from schemas.requests import STREAM_BROKEN_MAX, GenerationRequest, GenerationResult
 from workers.head.runtime import HeadRuntime, generate
 
 log = logging.getLogger("shardflow.jobs")
@@ -81,6 +85,7 @@ class Progress:
     flushed_chars: int = 0
     text: str = ""
     fresh_stream: bool = True  # no checkpoint: the first write drops an earlier attempt's stale token stream
+    stream_broken: str | None = None  # why the token stream is written no more (None: it holds the text so far)
     _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "progress"), repr=False)
     _inflight: Future | None = field(default=None, repr=False)
 
@@ -125,7 +130,6 @@ class Progress:
             "tokens_per_round": round(len(generated) / max(self.rounds, 1), 3),
             "accepted_per_round": round(self.accepted / max(self.rounds, 1), 3),
         }
-        delta = self.text[self.flushed_chars :]
         pipe = self.r.pipeline(transaction=False)
         if result_json is not None:  # first: a retry finds the result, not the checkpoint
             pipe.set(self.keys.result(self.job.id), result_json, nx=True, ex=self.ttl)
@@ -135,26 +139,69 @@ class Progress:
             pipe.delete(ckpt)
         else:
             pipe.set(ckpt, Checkpoint(token_ids=generated).model_dump_json(), ex=self.ttl)
-        if delta or final:
-            # The entry id is where the text ends (sequence 1 for the end marker): if the connection drops and
-            # redis-py sends the pipeline again, Redis refuses the repeated id instead of streaming the text twice.
-            entry = f"{len(self.text)}-{int(final)}"
-            fields = {b"text": delta.encode(), b"final": b"1" if final else b"0"}
-            if self.fresh_stream:  # a retried job that starts over (producers cannot reset it: head-only writes)
-                pipe.delete(self.keys.tokens(self.job.id))
-            pipe.xadd(self.keys.tokens(self.job.id), fields, id=entry)
-            pipe.expire(self.keys.tokens(self.job.id), self.ttl)
+        written = self._queue_text(pipe, final)
         pipe.exists(self.keys.cancel(self.job.id))
         replies = pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, Exception) and "equal or smaller" not in str(reply):
+        stream_replies = range(written[0], written[0] + 2) if written is not None else range(0)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception) and i not in stream_replies:
                 raise reply
+        if written is not None:
+            self._check_text(replies[written[0]], *written[1:])
+            self.fresh_stream = False
         cancelled = replies[-1]
         self.flushed_chars = len(self.text)
-        self.fresh_stream = self.fresh_stream and not (delta or final)
         if cancelled and not final:
             raise JobCancelled("cancelled by user")
         return result_json is None or bool(replies[0])
+
+    def _queue_text(self, pipe: redis.client.Pipeline, final: bool) -> tuple[int, str, dict[bytes, bytes]] | None:
+        """Queue the text not streamed yet (and, final, the end marker) on `pipe`: (where its XADD is in the
+        pipeline, the entry's id and fields), or None when nothing is written (nothing new; a broken stream)."""
+        delta = self.text[self.flushed_chars :]
+        if self.stream_broken is not None or not (delta or final):
+            return None
+        stream = self.keys.tokens(self.job.id)
+        # The entry id is where the text ends (sequence 1 for the end marker): if the connection drops and
+        # redis-py sends the pipeline again, Redis refuses the repeated id instead of streaming the text twice.
+        entry = f"{len(self.text)}-{int(final)}"
+        fields = {b"text": delta.encode(), b"final": b"1" if final else b"0"}
+        if self.fresh_stream:  # a retried job that starts over (producers cannot reset it: head-only writes)
+            pipe.delete(stream)
+        at = len(pipe)
+        pipe.xadd(stream, fields, id=entry)  # type: ignore[arg-type]
+        pipe.expire(stream, self.ttl)
+        return at, entry, fields
+
+    def _check_text(self, reply: object, entry: str, fields: dict[bytes, bytes]) -> None:
+        """What Redis answered the stream write: a refusal that is not this very entry sent again breaks the
+        stream (`_break`); the generation goes on either way."""
+        if not isinstance(reply, Exception):
+            return
+        text = str(reply)
+        if "equal or smaller" in text:
+            if self._last_entry_is(entry, fields):
+                return  # this pipeline ran before: redis-py sent it again after a dropped connection
+            self._break("another client added an entry past its text (Redis refuses the head's later entries)")
+        elif text.startswith("WRONGTYPE"):
+            self._break("another client replaced it with a key of another type")
+        else:
+            self._break(f"Redis refused the head's write: {text}")
+
+    def _last_entry_is(self, entry: str, fields: dict[bytes, bytes]) -> bool:
+        """Whether the stream's last entry is this one (unreadable, say to a head without XREVRANGE: no)."""
+        try:
+            last = self.r.xrevrange(self.keys.tokens(self.job.id), count=1)
+        except redis.ResponseError:
+            return False
+        return bool(last) and last[0][0] == entry.encode() and last[0][1] == fields
+
+    def _break(self, reason: str) -> None:
+        """Stop writing the token stream and say why: in the job's meta (written with the next flush's), in
+        the result (`finish`), and once in the log. Followers fall back to the stored result's text."""
+        self.stream_broken = f"the token stream broke: {reason}"[:STREAM_BROKEN_MAX]
+        self.job.meta["stream_broken"] = self.stream_broken
+        log.warning("job %s: %s; not written again (the result holds the text)", self.job.id, self.stream_broken)
 
 
 def load_checkpoint(raw: bytes | None, job_id: str) -> list[int]:
@@ -178,9 +225,17 @@ def stored_result(raw: bytes | None, job_id: str) -> dict | None:
 
 def finish(ctx: JobContext, job: Job, progress: Progress, result: GenerationResult, ttl: int) -> dict:
     """Store the result unless a readable one exists (kept `ttl` seconds), end the token stream and drop the
-    checkpoint, in one round trip; return whichever result is stored."""
-    data = result.model_dump(mode="json")
-    if progress.flush(result.token_ids, final=True, result_json=json.dumps(data)):
+    checkpoint, in one round trip; return whichever result is stored. A stream that broke says so in it."""
+    data = result.model_copy(update={"stream_broken": progress.stream_broken}).model_dump(mode="json")
+    ours = progress.flush(result.token_ids, final=True, result_json=json.dumps(data))
+    if progress.stream_broken != data["stream_broken"]:  # it broke at this last write: amend what was stored
+        data["stream_broken"] = progress.stream_broken
+        pipe = ctx.r.pipeline(transaction=False)
+        if ours:
+            pipe.set(ctx.names.result(job.id), json.dumps(data), xx=True, ex=ttl)
+        pipe.hset(job.key, "meta", job.serializer.dumps(job.meta))
+        pipe.execute()
+    if ours:
         return data
     key = ctx.names.result(job.id)
     existing = stored_result(ctx.r.get(key), job.id)
@@ -207,6 +262,7 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
     ttl = job_ttl(job)
     progress = Progress(job, ctx.r, keys, ctx.runtime.tokenizer, ttl, ctx.runtime.settings.progress_interval_s)
     job.meta.pop("error", None)
+    job.meta.pop("stream_broken", None)  # an earlier attempt's: this one writes (or resets) the stream anew
     resume = load_checkpoint(raw_checkpoint, job.id)
     if resume:
         log.info("job %s resumes from a checkpoint of %d tokens", job.id, len(resume))
@@ -223,7 +279,10 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
             )
         finally:
             progress.wait()  # no progress flush may land after what follows
-    except (InvalidRequest, NonFiniteError, JobCancelled) as e:
+    except JobCancelled:  # no failure: the dispatcher records the job canceled (and RQ never retries it)
+        job.retries_left = 0
+        raise
+    except (InvalidRequest, NonFiniteError) as e:
         no_retry(job, f"{type(e).__name__}: {e}" if isinstance(e, NonFiniteError) else str(e))
         raise
     except ShardFlowError as e:
