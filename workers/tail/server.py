@@ -18,7 +18,6 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import redis
 import torch
@@ -38,7 +37,6 @@ from schemas.keys import Keys
 from schemas.packets import (
     PROTOCOL_VERSION,
     ClosePacket,
-    DeadLetterRecord,
     ErrorReply,
     RoundPacket,
     Verdict,
@@ -48,7 +46,6 @@ from schemas.packets import (
     mac_hex,
     peek_session,
     peek_version,
-    raw_header,
     round_tensors,
 )
 from schemas.settings import Settings
@@ -57,59 +54,18 @@ from workers.engine.numerics import finite_rows, non_finite_error
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.engine.sizing import linger_s
-from workers.speculative.sampling import decode_q, round_generator, warp
 from workers.speculative.stopping import cut_at_stops
-from workers.speculative.verify import verify_greedy, verify_sampling
 from workers.tail.liveness import HeadWatch
+from workers.tail.rounds import DeadLetter, Prepared, judge, rewind
 from workers.tail.sessions import SessionStore, TailSession
 
 log = logging.getLogger("shardflow.tail")
 TAIL_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-def _rewind(p: Prepared) -> None:
-    """Back to where the round started (a failed batched forward may have written part of it)."""
-    if p.sess.cache.length > p.packet.start_pos:
-        p.sess.cache.crop(p.packet.start_pos)
-
-
 def default_tail_id() -> str:
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:24]
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-@dataclass
-class DeadLetter:
-    """A refused packet and why, until it is written to the dead-letter stream."""
-
-    fields: dict
-    reason: str
-    session_id: str | None
-    round_id: int | None
-
-    def record(self, stream: bytes | str, entry_id: bytes, tail_id: str) -> dict:
-        return DeadLetterRecord(
-            stream=stream.decode() if isinstance(stream, bytes) else stream,
-            entry_id=entry_id.decode(),
-            reason=self.reason,
-            session_id=self.session_id,
-            round_id=self.round_id,
-            tail_id=tail_id,
-            header=raw_header(self.fields),
-            at=time.time(),
-        ).fields()
-
-
-@dataclass
-class Prepared:
-    """A decoded, checked round waiting for the batched forward."""
-
-    packet: RoundPacket
-    sess: TailSession
-    key: bytes
-    hidden: torch.Tensor
-    tensors: dict[str, torch.Tensor]
-    fields: dict
 
 
 class TailWorker:
@@ -389,7 +345,7 @@ class TailWorker:
     def _rounds(self, batch: list[Prepared]) -> list[Reply | None]:
         """One batched forward over every prepared round, then each round's verification; a forward that
         fails is retried round by round (`run_isolated`), so only the round that fails alone gets an error."""
-        return run_isolated(batch, self._rounds_together, _rewind, self._fail_prepared) if batch else []
+        return run_isolated(batch, self._rounds_together, rewind, self._fail_prepared) if batch else []
 
     def _fail_prepared(self, p: Prepared, e: Exception) -> Reply | None:
         return self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields, p.key)
@@ -416,37 +372,13 @@ class TailWorker:
                 out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields, p.key))
         return out
 
-    @staticmethod
-    def _check_replay(p: RoundPacket, logits: torch.Tensor) -> None:
-        """A replayed session must predict its own last committed token (greedy: as the argmax, up to a
-        rounding-size tie; sampled: with nonzero probability), or this tail is not computing what the
-        first one did."""
-        last = p.input_ids[-1]
-        if p.sampling.greedy:
-            top = float(logits.max())
-            ok = top - float(logits[last]) <= 1e-2 * max(1.0, abs(top))
-        else:
-            ok = float(warp(logits[None], p.sampling)[0, last]) > 0
-        if not ok:
-            raise SessionError(f"replay of session {p.session_id} does not reproduce its last committed token")
-
     def _verify(self, prep: Prepared, logits: torch.Tensor, forward_ms: float, batch: int = 1) -> Reply:
         """Accept a prefix of the drafts, roll the cache back to the committed prefix, build the verdict.
         A final verdict ends the session here: the tail drops it, and the reply stream expires soon after
         (its head, which reads the verdict at once, sends no close and deletes nothing)."""
-        p, sess, tensors = prep.packet, prep.sess, prep.tensors
+        p, sess = prep.packet, prep.sess
         t1 = time.perf_counter()
-        if p.replay:
-            self._check_replay(p, logits[0])
-            logits = logits[1:]
-        if p.sampling.greedy:
-            accepted, nxt = verify_greedy(logits, p.draft_ids)
-        else:
-            drafts = torch.tensor(p.draft_ids, dtype=torch.long, device=logits.device)
-            probs = warp(logits, p.sampling)
-            q = decode_q(p.q_kind, drafts, tensors, probs.shape[-1])
-            gen = round_generator(p.sampling.seed or 0, p.round_id, "verify", logits.device)
-            accepted, nxt = verify_sampling(probs, drafts, q, gen)
+        accepted, nxt = judge(prep, logits)
         tokens, finish = cut_at_stops(p.draft_ids[:accepted] + [nxt], p.eos_token_ids, p.max_new)
         sess.cache.crop(p.start_pos + len(p.input_ids) + accepted)
         verdict = Verdict(
