@@ -64,5 +64,5 @@ class Streamed:
         if self.unreadable:
             return self.unreadable
         if self.foreign:
-            return f"its token stream holds {self.foreign} entries that are not the head's"
+            return f"its token stream holds entries that do not continue its text ({self.foreign})"
         return f"its token stream ended after {len(self.text)} of its {total} characters"

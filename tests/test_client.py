@@ -284,7 +284,7 @@ def test_cli_follow_prints_the_whole_text_of_a_broken_stream(client, redis_serve
     finish(client, job, "Hello world")
     res = cli(client, redis_server, "results", job, "--follow", "--timeout", "30")
     assert res.exit_code == 0 and res.stdout == "[0] Hello world\n", res.output
-    assert "its token stream holds 1 entries that are not the head's; the rest of its text is from" in res.stderr
+    assert "holds entries that do not continue its text (1); the rest of its text is from its result" in res.stderr
 
 
 # --- the views race (issue 25): a job that finishes between two reads ------------------------------------------

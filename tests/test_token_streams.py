@@ -59,6 +59,17 @@ def test_a_broken_stream_is_reported_once_and_never_raised(redis_client, attack,
     assert json.loads(redis_client.get(p.keys.checkpoint(p.job.id)))["token_ids"] == [0, 1, 2, 3]
 
 
+def test_a_flush_sent_again_is_no_break(redis_client):
+    """redis-py sends a pipeline again after a dropped connection: Redis refuses the repeated entry id, and the
+    stream's last entry is that very entry, so nothing broke."""
+    p = progress(redis_client, "resent")
+    p.flush([0, 1], final=False)
+    p.flushed_chars = 0  # as if the reply was lost and the same pipeline ran again
+    p.flush([0, 1], final=False)
+    p.flush([0, 1, 2], final=True)
+    assert p.stream_broken is None and "stream_broken" not in p.job.meta
+
+
 def test_a_stream_broken_at_the_last_write_is_said_in_the_stored_result(redis_client):
     """The break shows only when the end marker is refused: the result just stored is amended to say so."""
     p = progress(redis_client, "broken-last")
