@@ -19,6 +19,13 @@ Workers run with their default flags plus --head-args / --tail-args and a varian
 serve every N in order after a warm-up job). The head reaches Redis through the delay proxy (it is the far
 machine); the tail and the producer connect directly. Writes jobs.json, jobs.md and (with matplotlib)
 jobs.png to --out, worker logs to --out/logs; progress goes to stderr, the table to stdout.
+
+Each job has its own sampling seed by default (job i of every N the same one), so the synthetic drafter's
+accept/reject pattern differs from job to job as real traffic's would; `--same-seed` sends none, as before
+2026-12-02: every job then rejects the same draft positions and a batch steps in lockstep. Greedy outputs
+do not depend on the seed. For each N the bench samples, while the batch runs (bench/usage.py), GPU
+utilization (nvidia-smi every 200 ms: mean and share of samples >= 50%; skipped with a note without
+nvidia-smi or CUDA workers) and the head's and tail's thread counts (/proc/PID/status; max).
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ from bench.jobs_report import (
     summarize,
     write_outputs,
 )
+from bench.jobs_requests import cycle, draft_dict, job_seed, plugin_args, request, seeds_note
 from bench.jobs_singles import merge_singles
+from bench.usage import Usage, brief
 from producer.client import Client, Followed, JobEnded, TextChunk
 from producer.local import stop_processes, wait_for_tails
 from relay_broker.connection import connect
@@ -62,24 +71,6 @@ from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-# --- the synthetic drafter (bench/synthetic.py, a worker plugin) -------------------------------------------
-def draft_dict(kind: str, k: int, alpha: float | None = None, ref: list[int] | None = None) -> dict:
-    """The request's `draft`: the one place that knows the synthetic drafter's request form."""
-    if kind != "synthetic":
-        return {"kind": kind, "k": k}
-    return {"kind": "synthetic", "k": k, "options": {"alpha": alpha, "reference_ids": ref}}
-
-
-def plugin_args(synthetic: bool, random_target: bool) -> list[str]:
-    """Worker flags the synthetic drafter and random targets need (none otherwise)."""
-    return ["--plugin", "bench.synthetic"] if synthetic or random_target else []
-
-
-def cycle(items: list, n: int) -> list:
-    """`items` repeated in order to n entries."""
-    return [items[i % len(items)] for i in range(n)]
 
 
 # --- workers --------------------------------------------------------------------------------------------------
@@ -125,6 +116,7 @@ class Config:
     tail_device: str
     timeout: float
     singles: int  # prompts the N=1 row runs one job at a time
+    seed: int | None  # prompt seed, from which each job's sampling seed comes; None: no seeds (--same-seed)
 
 
 @dataclass
@@ -133,10 +125,6 @@ class Workers:
     head: subprocess.Popen
     tail: subprocess.Popen
     logs: dict[str, Path]  # each worker's log file
-
-
-def request(prompt: list[int], new: int, draft: dict) -> GenerationRequest:
-    return GenerationRequest.model_validate({"prompt_ids": prompt, "max_new_tokens": new, "draft": draft})
 
 
 @contextmanager
@@ -230,28 +218,41 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
     """One batch of N jobs on a variant's workers: its report row. N=1 runs `cfg.singles` prompts one job at a
     time and reports them as one row (bench/jobs_singles.py)."""
     reqs = [
-        request(prompts[i], cfg.new, draft_dict(cfg.kind, cfg.k, cfg.alpha, synth[i] if synth else None))
+        request(
+            prompts[i],
+            cfg.new,
+            draft_dict(cfg.kind, cfg.k, cfg.alpha, synth[i] if synth else None),
+            None if cfg.seed is None else job_seed(cfg.seed, i),
+        )
         for i in range(max(n, cfg.singles if n == 1 else n))
     ]
     say(f"variant {name}: N={n} ..." + (f" ({len(reqs)} prompts, one job at a time)" if len(reqs) > n else ""))
-    if n == 1:
-        singles = []
-        for i, req in enumerate(reqs):
-            one = summarize(run_batch(w.client, [req], cfg.timeout, f"N=1 #{i}"), refs[i : i + 1] if refs else None)
-            for d in one.get("mismatch_detail", []):
-                d["index"] = i
-            singles.append(one)
-        row = {"variant": name, **merge_singles(singles)}
-    else:
-        row = {"variant": name, **summarize(run_batch(w.client, reqs, cfg.timeout, f"N={n}"), refs)}
+    # sampled over the whole batch (N=1: its single jobs one after another)
+    with Usage({"head": w.head.pid, "tail": w.tail.pid}, [cfg.head_device, cfg.tail_device]) as use:
+        if n == 1:
+            singles = []
+            for i, req in enumerate(reqs):
+                batch = run_batch(w.client, [req], cfg.timeout, f"N=1 #{i}")
+                one = summarize(batch, refs[i : i + 1] if refs else None)
+                for d in one.get("mismatch_detail", []):
+                    d["index"] = i
+                singles.append(one)
+            row = {"variant": name, **merge_singles(singles)}
+        else:
+            row = {"variant": name, **summarize(run_batch(w.client, reqs, cfg.timeout, f"N={n}"), refs)}
+    row["usage"], row["seeds"] = use.result, "same (none sent)" if cfg.seed is None else "per job"
     gpu = {"head": cfg.head_device.startswith("cuda"), "tail": cfg.tail_device.startswith("cuda")}
     row["memory_gb"] = {role: process_memory_gb(p.pid, gpu[role]) for role, p in (("head", w.head), ("tail", w.tail))}
     row["memory_parts_gb"] = {role: memory_parts(path) for role, path in w.logs.items()}
     lat, ttft = row["latency_s"], row["ttft_s"]
+    gpu_use, threads = brief(use.result)
     say(
         f"variant {name}: N={n}: {row['aggregate_tokens_per_s']} tok/s aggregate, per-job p50 "
         f"{row['per_job_tokens_per_s']['p50']} tok/s, latency p50/p95 {lat['p50']}/{lat['p95']} s, TTFT p50/p95 "
-        f"{ttft['p50']}/{ttft['p95']} s, mismatches {row['mismatches']}, not finished {len(row['failed'])}"
+        f"{ttft['p50']}/{ttft['p95']} s, mismatches {row['mismatches']}, not finished {len(row['failed'])}; "
+        f"GPU mean / share >= 50%: {gpu_use}"
+        + (f" ({use.result['gpu']['note']})" if use.result["gpu"]["note"] else "")
+        + f"; max threads head / tail {threads}"
     )
     return row
 
@@ -294,7 +295,13 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
 @click.option("--tail-args", default="", help="Extra `shardflow tail` flags for every variant.")
 @click.option("--variant", "variants", multiple=True, help="NAME=HEAD ARGS[ | TAIL ARGS] (repeatable).")
 @click.option("--timeout", type=click.FloatRange(1), default=3600, show_default=True, help="Seconds per batch.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Prompt seed.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Prompt seed (jobs' seeds too).")
+@click.option(
+    "--same-seed",
+    is_flag=True,
+    help="Send no sampling seed (the old lockstep behaviour): every job's synthetic drafter rejects the same "
+    "positions. Default: each job its own seed.",
+)
 @click.option(
     "--distinct",
     type=click.IntRange(1),
@@ -331,6 +338,7 @@ def main(
     variants: tuple[str, ...],
     timeout: float,
     seed: int,
+    same_seed: bool,
     distinct: int | None,
     singles: int | None,
     out: str,
@@ -354,8 +362,10 @@ def main(
         kind = ("model" if model.draft else "ngram") if kind == "auto" else kind
         jobs = max(sizes)
         singles = min(jobs, 8) if singles is None else min(singles, jobs)
-        cfg = Config(kind, k, alpha, new_tokens, dtype, head_device, tail_device, timeout, singles)
+        job_seeds = None if same_seed else seed
+        cfg = Config(kind, k, alpha, new_tokens, dtype, head_device, tail_device, timeout, singles, job_seeds)
         say(f"{model.name}: split {model.split}/{model.layers - model.split}, drafter {kind}, N = {sizes}")
+        say(seeds_note(same_seed))
         base = build_prompts(model, min(distinct or jobs, jobs), prompt_tokens, seed)
         if len({tuple(p) for p in base}) != len(base):
             raise click.ClickException("the prompts built are not distinct; try another --seed")
@@ -370,7 +380,8 @@ def main(
             "new_tokens": new_tokens, "ns": sizes, "delay_ms": delay_ms, "head_device": head_device,
             "tail_device": tail_device, "dtype": dtype, "check": check, "check_device": check_device,
             "variants": [{"name": n, "head_args": h, "tail_args": t} for n, h, t in runs], "distinct": len(base),
-            "singles": singles, "reference_source": "hf generate" if refs is not None else None,
+            "singles": singles, "seeds": seeds_note(same_seed),
+            "reference_source": "hf generate" if refs is not None else None,
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "commit": git_state(REPO),
         }  # fmt: skip
         doc: dict = {"command": [sys.executable, "-m", "bench.jobs", *sys.argv[1:]], "settings": settings, "rows": []}

@@ -20,6 +20,8 @@ import click
 import redis
 from rq.job import Job
 
+from bench.usage import brief
+
 
 def say(msg: str) -> None:
     click.echo(f"[jobs {time.strftime('%H:%M:%S')}] {msg}", err=True)
@@ -333,23 +335,33 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
-def markdown(rows: list[dict]) -> str:
-    """The report's table: one line per (variant, N)."""
-    lines = [
-        "| variant | N | done | aggregate tok/s | per-job tok/s p50 | latency p50 / p95 s | TTFT p50 / p95 s | "
-        "tok/round | rounds/forward head / tail | head / tail mem GB | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+def _stages(x: dict) -> str:  # draft / head / relay / tail ms per round
+    st = x.get("stage_ms_per_round") or {}
+    return " / ".join(_f(st.get(k), ".1f") for k in ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms"))
+
+
+def markdown(rows: list[dict], seeds: str | None = None) -> str:
+    """The report's table: one line per (variant, N); `seeds` (what the jobs' seeds were) above it."""
+    lines = [f"{seeds}", ""] if seeds else []
+    lines += [
+        "| variant | N | done | aggregate tok/s | GPU busy: mean / share >= 50% | max threads head / tail | "
+        "per-job tok/s p50 | latency p50 / p95 s | TTFT p50 / p95 s | tok/round | draft / head / relay / tail ms | "
+        "rounds/forward head / tail | head / tail mem GB | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:
         lat, ttft, mem = x["latency_s"], x["ttft_s"], x.get("memory_gb", {})
         mism = "—" if x["mismatches"] is None else f"{x['mismatches']}/{x['checked']}"
         n, jobs = x.get("n_label", x["n"]), x.get("one_at_a_time", x["n"])  # N=1: maybe jobs one at a time
+        gpu, threads = brief(x.get("usage"))
         lines.append(
-            f"| {x['variant']} | {n} | {x['finished']}/{jobs} | {_f(x['aggregate_tokens_per_s'])} | "
-            f"{_f(x['per_job_tokens_per_s']['p50'])} | {_f(lat['p50'])} / {_f(lat['p95'])} | "
-            f"{_f(ttft['p50'], '.3f')} / {_f(ttft['p95'], '.3f')} | {_f(x['tokens_per_round'])} | "
+            f"| {x['variant']} | {n} | {x['finished']}/{jobs} | {_f(x['aggregate_tokens_per_s'])} | {gpu} | "
+            f"{threads} | {_f(x['per_job_tokens_per_s']['p50'])} | {_f(lat['p50'])} / {_f(lat['p95'])} | "
+            f"{_f(ttft['p50'], '.3f')} / {_f(ttft['p95'], '.3f')} | {_f(x['tokens_per_round'])} | {_stages(x)} | "
             f"{_batched(x['rounds_batched_per_forward'])} | {_f(mem.get('head'))} / {_f(mem.get('tail'))} | {mism} |"
         )
+    notes = {(x.get("usage") or {}).get("gpu", {}).get("note") for x in rows} - {None}
+    lines += [f"\nGPU utilization: {note}" for note in sorted(notes)]
     parts = [x for x in rows if x.get("memory_parts_gb")]
     if parts:
         lines += [
@@ -375,7 +387,7 @@ def write_outputs(out: Path, doc: dict) -> None:
     """jobs.json (everything), jobs.md (the table) and, if matplotlib is installed, jobs.png."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "jobs.json").write_text(json.dumps(doc, indent=2))
-    (out / "jobs.md").write_text(markdown(doc["rows"]))
+    (out / "jobs.md").write_text(markdown(doc["rows"], doc.get("settings", {}).get("seeds")))
     try:
         import matplotlib
 
