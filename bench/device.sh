@@ -5,7 +5,10 @@
 #   bench/device.sh parity    # gpu_parity, batch_check
 #   bench/device.sh profile   # profile_round only (no HF-layers row)
 #   bench/device.sh jobs      # the job path (bench/jobs.py): real tail + head processes, default flags (NS=1,4,...;
-#                             TAIL_DEVICE=cuda:0 on one GPU)
+#                             TAIL_DEVICE=cuda:0 on one GPU; each job its own seed, SAME_SEED=1: none, lockstep;
+#                             GPU utilization and the workers' thread counts per N)
+#   bench/device.sh stages    # bench/stages.py: one group's draft / head / tail at B=1..256 against the floor
+#                             (7B shapes on cuda:0; STAGES_ARGS=... adds flags)
 #   bench/device.sh qparity   # gpu_parity with 4-bit and int8 shards (QUANTS=4bit,int8), in DTYPES (float32;
 #                             float16,bfloat16: against HF generate in that dtype, rounding ties counted apart;
 #                             a part's cap applies to each quant x dtype run)
@@ -39,9 +42,14 @@ case "${part%%:*}" in
     # VARIANT1 / VARIANT2: more worker configurations ("NAME=HEAD ARGS | TAIL ARGS"), after the defaults
     timeout "$LIMIT" python3 -m bench.jobs --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b \
       --synthetic 0.78 --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" --dtype bfloat16 --delay-ms 43 \
-      --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,4,16,64}" --distinct 16 --variant "default=" \
+      --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,4,16,64}" --distinct 16 ${SAME_SEED:+--same-seed} --variant "default=" \
       ${VARIANT1:+--variant "$VARIANT1"} ${VARIANT2:+--variant "$VARIANT2"} \
       --out "$OUT/jobs" 2>&1 | quiet | tee "$OUT/jobs.log" | grep -v "^ " | tail -40
+    ;;
+  stages)
+    # shellcheck disable=SC2086
+    timeout "$LIMIT" python3 -m bench.stages --device cuda:0 ${STAGES_ARGS:-} --out "$OUT/stages" 2>&1 | quiet \
+      | tee "$OUT/stages.log" | tail -30
     ;;
   qparity)
     for q in ${QUANTS//,/ }; do for d in ${DTYPES//,/ }; do
