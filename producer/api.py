@@ -4,11 +4,16 @@
     client = openai.OpenAI(base_url="http://HOST:8000/v1", api_key="key1")
 
 Every completion request becomes one RQ job, as `shardflow enqueue` makes them (bodies validated by the
-pydantic models of schemas/openai.py); a streamed one (`"stream": true`) sends the job's token stream as
-server-sent events, and a client that goes away cancels its job. Bearer keys are required unless the server
-was started with `--no-auth` on a loopback address. Errors come in OpenAI's shape with its status codes:
-400 malformed, 401 no or wrong key, 404 unknown, 413 too large, 429 too many requests at once, 500 a job
-that failed, 503 Redis unreachable, 504 no result within api_timeout_s. Files and batches: producer/api_batches.py.
+pydantic models of schemas/openai.py, strictly, and parsed within size and depth limits); a streamed one
+(`"stream": true`) sends the job's token stream as server-sent events (producer/api_stream.py), and a client
+that goes away cancels its job. Stop sequences are left out of the text returned (OpenAI's rule). A request
+names the model the head workers serve (`/v1/models`, producer/liveness.py) and needs a live head. Bearer
+keys are required unless the server was started with `--no-auth` on a loopback address; each key is a
+tenant of its own batches and files (producer/api_batches.py). Errors come in OpenAI's shape with its status
+codes, in plain words (never an address, a path or an exception's text): 400 malformed, 401 no or wrong key,
+404 unknown (`model_not_found` for a model not served), 408 a body slower than api_body_timeout_s, 413 too
+large, 429 too many requests at once, 500 a job that failed, 503 no live head or Redis unreachable, 504 no
+result within api_timeout_s.
 
 Why Starlette: it is the small, well-kept ASGI core that FastAPI itself is built on; the request models
 already exist (schemas/openai.py), and OpenAI's error shapes are simpler to keep exact without FastAPI's
@@ -19,40 +24,33 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
+import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import anyio
+import redis
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from producer.api_common import ApiConfig, ApiError, Handler
-from producer.client import FINAL, Client, Followed, JobEnded, JobView, NotFound, TextChunk
-from producer.inputs import pydantic_reason
-from schemas.errors import InvalidRequest
-from schemas.openai import (
-    CHAT,
-    TEXT,
-    JobTag,
-    body_for,
-    chunk,
-    completion,
-    error,
-    finish_reason,
-    status_of,
-    usage_chunk,
-)
+from producer.api_common import ApiConfig, ApiError, Handler, Tenant, owner_of, parse_json
+from producer.api_stream import HeldStream, StopHolder, StreamState, stream_events
+from producer.client import FINAL, Client, JobView, NotFound
+from producer.liveness import Liveness, Served
+from producer.openai_out import was_cancelled
+from producer.reasons import plain_reason
+from schemas.errors import InvalidRequest, TransportError
+from schemas.openai import CHAT, TEXT, CompletionBody, body_for, completion, status_of
 
 log = logging.getLogger("shardflow.api")
+ERROR_CLASS = re.compile(r"^(InvalidRequest|NonFiniteError|ValueError|JobError): ")  # a 400 job error's prefix
 
 
 class Api:
@@ -61,6 +59,7 @@ class Api:
     def __init__(self, client: Client, config: ApiConfig) -> None:
         self.client, self.config = client, config
         self.slots = asyncio.Semaphore(config.max_concurrent)
+        self.liveness = Liveness(client, config.served_name)
 
     def app(self) -> Starlette:
         from producer.api_batches import batch_routes
@@ -69,6 +68,7 @@ class Api:
             Route("/v1/chat/completions", self.guard(lambda r: self.complete(r, CHAT)), methods=["POST"]),
             Route("/v1/completions", self.guard(lambda r: self.complete(r, TEXT)), methods=["POST"]),
             Route("/v1/models", self.guard(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self.guard(self.model), methods=["GET"]),
             *batch_routes(self),
         ]
 
@@ -85,11 +85,13 @@ class Api:
 
     # --- what every route does first -------------------------------------------------------------
     def guard(self, handler: Handler) -> Handler:
-        """Authentication, the concurrency limit, and errors in OpenAI's shape around a handler."""
+        """Authentication, the body (read whole, within its deadline, before a slot is taken), the concurrency
+        limit, and errors in OpenAI's shape around a handler."""
 
         async def run(request: Request) -> Response:
             try:
-                self.authenticate(request)
+                request.state.tenant = self.authenticate(request)
+                request.state.body = await self.read_body(request) if request.method == "POST" else b""
                 if self.slots.locked():
                     raise ApiError(429, "too many requests at once; retry shortly", "rate_limit_error")
                 await self.slots.acquire()
@@ -105,40 +107,58 @@ class Api:
                 return response
             except ApiError as e:
                 return e.response()
-            except Exception:  # a bug, or input nothing checked: still OpenAI's shape, and a log line
+            except (ClientDisconnect, OSError):  # the client went away: nobody reads an answer
+                log.info("a client went away during %s %s", request.method, request.url.path)
+                return Response(status_code=499)
+            except Exception:  # a bug: still OpenAI's shape, and the traceback in the log only
                 log.exception("unexpected error in %s %s", request.method, request.url.path)
                 return ApiError(500, "internal error", "server_error").response()
 
         return run
 
-    def authenticate(self, request: Request) -> None:
+    def authenticate(self, request: Request) -> Tenant:
         if self.config.keys is None:
-            return
+            return Tenant("local", sees_all=True)
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.encode("latin-1", errors="replace")  # as the header came (Starlette decodes latin-1)
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k.encode()) for k in self.config.keys):
+        matched = None
+        for key in self.config.keys:  # every key compared, in constant time each
+            if hmac.compare_digest(given, key.encode()):
+                matched = key
+        if scheme.lower() != "bearer" or matched is None:
             raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+        return Tenant(owner_of(matched), matched in self.config.admin_keys or self.config.shared_batches)
 
-    async def body(self, request: Request) -> bytes:
-        """The request body, refused past max_body_bytes before it is all read."""
+    def tenant(self, request: Request) -> Tenant:
+        return request.state.tenant
+
+    async def read_body(self, request: Request) -> bytes:
+        """The whole body, refused past max_body_bytes (413) before it is all read, and past body_timeout_s
+        (408): a client that trickles its body never holds a concurrency slot, and not for long a connection."""
         limit = self.config.max_body_bytes
-        if int(request.headers.get("content-length") or 0) > limit:
-            raise ApiError(413, f"request body over {limit} bytes")
+        declared = request.headers.get("content-length") or "0"
+        if not declared.isdigit() or int(declared) > limit:
+            raise ApiError(413 if declared.isdigit() else 400, f"request body over {limit} bytes")
         data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > limit:
-                raise ApiError(413, f"request body over {limit} bytes")
+        try:
+            with anyio.fail_after(self.config.body_timeout_s):
+                async for part in request.stream():
+                    data += part
+                    if len(data) > limit:
+                        raise ApiError(413, f"request body over {limit} bytes")
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:.0f}s") from None
         return bytes(data)
 
+    async def body(self, request: Request) -> bytes:
+        return request.state.body
+
     async def json_body(self, request: Request) -> object:
-        try:
-            return json.loads(await self.body(request))
-        except ValueError as e:
-            raise ApiError(400, f"the body is not JSON: {e}") from None
+        return await run_in_threadpool(parse_json, request.state.body, self.config.max_json_depth)
 
     async def call(self, fn: Callable, *args: object, **kw: object):
-        """A blocking Client call off the event loop; Redis trouble is a 503."""
+        """A blocking Client call off the event loop; Redis trouble is a 503 in plain words (the details go
+        to the log, never to the client)."""
         try:
             return await run_in_threadpool(fn, *args, **kw)
         except ApiError:
@@ -147,14 +167,69 @@ class Api:
             raise ApiError(404, str(e), code="not_found") from None
         except InvalidRequest as e:
             raise ApiError(400, str(e)) from None
-        except Exception as e:  # Redis unreachable, a forged record: one clean error, never a traceback
-            raise ApiError(503, f"the queue is unavailable: {type(e).__name__}: {e}", "server_error") from None
+        except (redis.ConnectionError, redis.TimeoutError, TransportError, OSError) as e:
+            log.warning("Redis unreachable: %s: %s", type(e).__name__, e)
+            raise ApiError(503, "the queue's Redis is unreachable; retry later", "server_error") from None
+        except Exception as e:  # a Redis refusal, a forged record: one clean error, never a traceback
+            log.warning("the queue failed a request: %s: %s", type(e).__name__, e, exc_info=True)
+            raise ApiError(503, "the queue is unavailable (the server's log says why)", "server_error") from None
+
+    async def views(self, job_ids: list[str]) -> list[JobView]:
+        """The jobs' views, where one is recorded finished but its result does not read yet (a read between
+        the two writes) read again for up to api_result_grace_s."""
+        cfg = self.client.settings
+        views = await self.call(self.client.views, job_ids)
+        deadline = time.monotonic() + cfg.api_result_grace_s
+        while time.monotonic() < deadline:
+            pending = [i for i, v in enumerate(views) if v.status == "finished" and v.result is None]
+            if not pending:
+                break
+            await asyncio.sleep(cfg.poll_interval_s)
+            fresh = await self.call(self.client.views, [job_ids[i] for i in pending])
+            for i, view in zip(pending, fresh, strict=True):
+                views[i] = view
+        return views
+
+    async def no_head(self) -> str | None:
+        """Why no head can run a job now (None: one can)."""
+        served: Served = await self.call(self.liveness.look)
+        return served.why_not()
+
+    def job_failure(self, view: JobView) -> tuple[int, str, str]:
+        """(status, message, kind) of a job that ended without a result, in words a client may read: a request
+        that can never run says why; a failure on the server says only that, with the job's id."""
+        if was_cancelled(view):
+            return 503, "the request was cancelled before it finished", "server_error"
+        status = status_of(view.error)
+        if status < 500 and view.error:
+            return status, ERROR_CLASS.sub("", view.error), "invalid_request_error"
+        if view.status == "finished":
+            return 500, "the job finished but its result could not be read", "server_error"
+        return 500, f"the request failed on the server (`shardflow status {view.job_id}` shows why)", "server_error"
 
     # --- routes ----------------------------------------------------------------------------------
+    def _model(self, served: Served) -> dict:
+        return {"id": served.name, "object": "model", "created": 0, "owned_by": "shardflow"}
+
     async def models(self, _request: Request) -> Response:
-        info = await self.call(self.client.model_info)
-        data = [] if info is None else [{"id": info.target, "object": "model", "created": 0, "owned_by": "shardflow"}]
+        served = await self.call(self.liveness.look)
+        data = [self._model(served)] if served.live and served.name else []
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        served = await self.call(self.liveness.look)
+        if not (served.live and served.name == request.path_params["model"]):
+            raise ApiError(404, "no such model is served here (GET /v1/models lists it)", code="model_not_found")
+        return JSONResponse(self._model(served))
+
+    async def check_model(self, model: str) -> None:
+        """404 for a model the heads do not serve, 503 with no live head (naming why)."""
+        served = await self.call(self.liveness.look)
+        if served.name is not None and model != served.name:
+            message = f"the model {model!r} is not served here (GET /v1/models lists what is)"
+            raise ApiError(404, message, code="model_not_found")
+        if (why := served.why_not()) is not None:
+            raise ApiError(503, why, "server_error", code="no_live_worker")
 
     async def complete(self, request: Request, url: str) -> Response:
         raw = await self.json_body(request)
@@ -162,35 +237,39 @@ class Api:
             body = body_for(url, raw)
             req = body.generation()
         except ValidationError as e:
-            raise ApiError(400, pydantic_reason(e)) from None
-        tag = JobTag(url=url, model=body.model)  # type: ignore[arg-type]
+            raise ApiError(400, plain_reason(e)) from None
+        await self.check_model(body.model)
+        tag = body.tag(url)
         bid = f"api-{secrets.token_hex(12)}"
         batch = await self.call(self.client.enqueue, [req], tags=[tag], retries=0, batch_id=bid)
         jid = batch.job_ids[0]
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
+            holder = StopHolder(tag.stop, body.prompt_text() if isinstance(body, CompletionBody) else "")
             state = StreamState()
-            stream = self.stream(request, jid, tag, usage, state)
-            return HeldStream(stream, media_type="text/event-stream", on_drop=lambda: self.cancel(jid), state=state)
+            events = stream_events(self, request, jid, tag, holder, usage, state, self.config.timeout_s)
+            return HeldStream(events, media_type="text/event-stream", on_drop=lambda: self.cancel(jid), state=state)
         view = await self.wait(request, jid)
         if view is None:  # the client went away (its job is cancelled): nobody reads an answer
             return Response(status_code=499)
         if view.status != "finished" or view.result is None:
-            status = status_of(view.error)
-            kind = "server_error" if status >= 500 else "invalid_request_error"
-            raise ApiError(status, view.error or f"the request {view.status}", kind)
+            status, message, kind = self.job_failure(view)
+            raise ApiError(status, message, kind)
         return JSONResponse(completion(tag, jid, view.result))
 
     async def wait(self, request: Request, jid: str) -> JobView | None:
-        """Poll the job until it ends; a client that disconnects first cancels it (None)."""
+        """Poll the job until it ends; a client that disconnects first cancels it (None); no live head, or no
+        result within timeout_s, cancels it too (a 503 naming why, a 504)."""
         deadline = time.monotonic() + self.config.timeout_s
         try:
             while True:
-                (view,) = await self.call(self.client.views, [jid])
+                (view,) = await self.views([jid])
                 if view.status in FINAL:
                     return view
                 if time.monotonic() > deadline:
                     raise ApiError(504, f"no result within {self.config.timeout_s:.0f}s", "server_error")
+                if (why := await self.no_head()) is not None:
+                    raise ApiError(503, why, "server_error", code="no_live_worker")
                 if await request.is_disconnected():
                     await self.cancel(jid)
                     return None
@@ -199,77 +278,10 @@ class Api:
             await self.cancel(jid)
             raise
 
-    async def stream(
-        self, request: Request, jid: str, tag: JobTag, include_usage: bool, state: StreamState
-    ) -> AsyncIterator[str]:
-        """The job's text as chat.completion.chunk / text_completion events, then its finish and [DONE]; a
-        stream closed early (the client went away) leaves `state.ended` unset, and HeldStream cancels the job."""
-        created = int(time.time())
-        try:
-            if tag.url == CHAT:
-                yield sse(chunk(tag, jid, created, None, None, role=True))
-            events = self.client.follow([jid], timeout=self.config.timeout_s)
-            async for event in iterate_in_threadpool(events):
-                if await request.is_disconnected():  # the client went away: `finally` cancels the job
-                    return
-                if isinstance(event, TextChunk) and event.text:
-                    yield sse(chunk(tag, jid, created, event.text, None))
-                elif isinstance(event, JobEnded | Followed):
-                    view = event.view if isinstance(event, JobEnded) else event.views[0]
-                    if view.status in FINAL:
-                        state.ended = True
-                        async for line in self.finish(view, tag, jid, created, include_usage):
-                            yield line
-                        return
-        except Exception as e:  # Redis lost mid-stream: an error event, then the end
-            yield sse(error(f"the stream broke: {type(e).__name__}: {e}", "server_error"))
-            yield "data: [DONE]\n\n"
-
     async def cancel(self, jid: str) -> None:
         """Cancel a job whose client went away: shielded, as the request's own scope is being cancelled."""
         with anyio.CancelScope(shield=True):
-            await self.call(self.client.cancel, [jid])
-
-    async def finish(self, view: JobView, tag: JobTag, jid: str, created: int, usage: bool) -> AsyncIterator[str]:
-        if view.status != "finished" or view.result is None:
-            yield sse(error(view.error or f"the request {view.status}", "server_error"))
-        else:
-            yield sse(chunk(tag, jid, created, None, finish_reason(view.result.get("finish_reason")) or "stop"))
-            if usage:
-                yield sse(usage_chunk(tag, jid, created, view.result))
-        yield "data: [DONE]\n\n"
-
-
-@dataclass
-class StreamState:
-    ended: bool = False  # the stream sent the job's end: nothing to cancel
-
-
-class HeldStream(StreamingResponse):
-    """A streamed response that, whatever ends its ASGI call (sent, the client gone, cancelled before its body
-    started), closes its body, cancels its job unless the stream sent the job's end, and gives back its
-    concurrency slot."""
-
-    release: Callable[[], None] | None = None
-
-    def __init__(self, content, *, media_type: str, on_drop: Callable[[], Awaitable[None]], state: StreamState):
-        super().__init__(content, media_type=media_type)
-        self.on_drop, self.state = on_drop, state
-
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                closing = getattr(self.body_iterator, "aclose", None)
-                if closing is not None:
-                    await closing()
-                if not self.state.ended:
-                    await self.on_drop()
-            if self.release is not None:
-                self.release()
-                self.release = None
-
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+            try:
+                await self.call(self.client.cancel, [jid])
+            except ApiError as e:  # Redis gone: the job runs to its end, and nobody reads it
+                log.info("could not cancel job %s: %s", jid, e.message)

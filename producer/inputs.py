@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from producer.reasons import plain_reason
 from schemas.errors import InvalidRequest
 from schemas.openai import BatchLine, JobTag
 from schemas.requests import GenerationRequest
@@ -28,13 +29,8 @@ class Parsed:
 
 
 def pydantic_reason(e: ValidationError) -> str:
-    """The first few problems of a pydantic error, as one line."""
-    parts = []
-    for err in e.errors()[:3]:
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
+    """The first few problems of a pydantic error, as one line in plain words (producer/reasons.py)."""
+    return plain_reason(e)
 
 
 def _merge(defaults: dict, line: dict) -> dict:
@@ -107,6 +103,9 @@ def _line_items(lines: list[str], jsonl: bool) -> list[tuple[str, dict | str | N
             obj = json.loads(line)
         except ValueError as e:
             items.append((f"line {n}", None, f"invalid JSON: {e.msg}"))
+            continue
+        except RecursionError:  # nested thousands of levels deep
+            items.append((f"line {n}", None, "invalid JSON: nested too deeply"))
             continue
         items.append(
             (f"line {n}", obj, None) if isinstance(obj, dict) else (f"line {n}", None, "expected a JSON object")

@@ -6,6 +6,10 @@
 Lines come in completion order (join on custom_id); each is flushed as it is written, so an interrupted run
 keeps what it wrote, and a run given the same file appends only the requests not yet in it (a torn last
 line is cut first). Jobs enqueued without a Batch API line get their job id as custom_id.
+
+A completion's text follows OpenAI's rule: a stop sequence that ended the generation is left out (the job's
+GenerationResult, as `shardflow results` prints it, keeps it). A cancelled request is OpenAI's cancelled
+line: no response, error code `batch_cancelled`.
 """
 
 from __future__ import annotations
@@ -21,13 +25,44 @@ from schemas.errors import InvalidRequest
 from schemas.openai import JobTag, output_line
 
 
-def line_for(view: JobView) -> dict:
-    """The output line of a job that ended."""
-    tag = JobTag.model_validate(view.openai) if view.openai else JobTag()
+def was_cancelled(view: JobView) -> bool:
+    """A job that was cancelled: RQ's `canceled` or `stopped`, or a running one ended by its cancel flag, which
+    RQ may record as failed with the head's "cancelled by user"."""
+    return view.status in ("canceled", "stopped") or (view.status == "failed" and view.error == "cancelled by user")
+
+
+def line_for(view: JobView, *, created: int | None = None, detail: bool = True, stops: list[str] | None = None) -> dict:
+    """The output line of a job that ended (`created`, `detail`: schemas/openai.py output_line; `stops`: the
+    request's stop sequences where the job has no OpenAI tag to say them)."""
+    tag = JobTag.model_validate(view.openai) if view.openai else JobTag(stop=stops or [])
     if tag.custom_id is None:
         tag = tag.model_copy(update={"custom_id": view.job_id})
     ok = view.status == "finished" and view.result is not None
-    return output_line(tag, view.job_id, view.result if ok else None, None if ok else view.error or view.status)
+    error = None if ok else view.error or view.status
+    return output_line(
+        tag,
+        view.job_id,
+        view.result if ok else None,
+        error,
+        created=created,
+        cancelled=was_cancelled(view),
+        detail=detail,
+    )
+
+
+def request_stops(client: Client, job_ids: list[str]) -> dict[str, list[str]]:
+    """The stop sequences of jobs' requests, from their records (written by producers: checked)."""
+    out: dict[str, list[str]] = {}
+    for jid, job in zip(job_ids, client.jobs(job_ids), strict=True):
+        try:
+            args = getattr(job, "args", None) if job is not None and not isinstance(job, str) else None
+        except Exception:  # a record whose data does not read: no stops known
+            args = None
+        request = args[0] if isinstance(args, list | tuple) and args and isinstance(args[0], dict) else {}
+        stop = request.get("stop")
+        fits = isinstance(stop, list)
+        out[jid] = [x for x in stop[:16] if isinstance(x, str) and 0 < len(x) <= 256] if fits else []
+    return out
 
 
 def written_ids(path: Path) -> set[str]:
@@ -50,15 +85,19 @@ def written_ids(path: Path) -> set[str]:
 
 
 class Writer:
-    """Appends the lines of jobs as they end, once each."""
+    """Appends the lines of jobs as they end, once each (`client`: to read the stop sequences of jobs enqueued
+    without a Batch API line)."""
 
-    def __init__(self, out: IO[str], skip: set[str]) -> None:
-        self.out, self.done = out, set(skip)
+    def __init__(self, out: IO[str], skip: set[str], client: Client | None = None) -> None:
+        self.out, self.done, self.client = out, set(skip), client
         self.written = 0
 
     def __call__(self, views: list[JobView]) -> None:
-        for v in sorted((v for v in views if v.status in FINAL), key=lambda v: v.index):
-            line = line_for(v)
+        ended = sorted((v for v in views if v.status in FINAL), key=lambda v: v.index)
+        untagged = [v.job_id for v in ended if not v.openai and v.result is not None and v.job_id not in self.done]
+        stops = request_stops(self.client, untagged) if self.client is not None and untagged else {}
+        for v in ended:
+            line = line_for(v, stops=stops.get(v.job_id))
             if line["custom_id"] in self.done:
                 continue
             self.out.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -71,7 +110,7 @@ def write_results(
     client: Client, ids: list[str], out: IO[str], skip: set[str], follow: bool, timeout: float | None
 ) -> tuple[list[JobView], int]:
     """Write the lines of the jobs that ended (with follow: until every job has); (views, lines written)."""
-    writer = Writer(out, skip)
+    writer = Writer(out, skip, client)
     views = client.wait(ids, timeout=timeout, on_progress=writer) if follow else client.views(ids)
     writer(views)
     return views, writer.written

@@ -6,15 +6,21 @@ lines, errors).
     req = line.generation()                         # a GenerationRequest
     out = output_line(tag, job_id, result, error)   # {"id", "custom_id", "response": {...}, "error"}
 
-Request bodies are validated like every other input (unknown fields refused, `n` only 1); a body becomes
-one GenerationRequest. OpenAI's defaults apply (temperature 1, top_p 1); max_tokens defaults to ShardFlow's
-max_new_tokens. The tag a job keeps (`JobTag`: custom_id, endpoint, model) is written by producers, so it
-is validated again wherever it is read.
+Request bodies are validated like every other input (unknown fields refused, `n` only 1, types strict:
+`max_tokens` an integer, never `true` or `"8"`); a body becomes one GenerationRequest. OpenAI's defaults
+apply (temperature 1, top_p 1); max_tokens defaults to ShardFlow's max_new_tokens. The tag a job keeps
+(`JobTag`: custom_id, endpoint, model, stop sequences) is written by producers, so it is validated again
+wherever it is read.
+
+Stop sequences follow OpenAI's rule in what is returned here (completions, stream chunks, Batch output lines):
+the matched stop sequence is left out (`visible_text`). The job's own GenerationResult keeps ShardFlow's rule:
+its text and token ids run up to and including the token that completed the stop string.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,7 +35,7 @@ Stop = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     type: Literal["text"]
     text: str = Field(max_length=1 << 20)
@@ -38,7 +44,7 @@ class TextPart(BaseModel):
 class MessageIn(BaseModel):
     """A chat message as OpenAI sends it: content a string or text parts; 'developer' is a system message."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str, Field(max_length=1 << 20)] | Annotated[list[TextPart], Field(max_length=64)]
@@ -50,15 +56,15 @@ class MessageIn(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     include_usage: bool = False
 
 
 class _Body(BaseModel):
-    """What chat and text completion bodies share."""
+    """What chat and text completion bodies share (types strict: JSON's integers, numbers, booleans as sent)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)
@@ -78,8 +84,15 @@ class _Body(BaseModel):
             raise ValueError("only n = 1 is supported (one choice per request)")
         return n
 
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def tag(self, url: str, custom_id: str | None = None) -> JobTag:
+        """What the job keeps of this body: the endpoint, the model named, the stop sequences."""
+        return JobTag(custom_id=custom_id, url=url, model=self.model, stop=self.stops())  # type: ignore[arg-type]
+
     def _common(self, max_new: int | None) -> dict[str, Any]:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = self.stops()
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
         sampling = SamplingParams(temperature=temperature, top_p=self.top_p or 1.0, seed=self.seed)
         return {"max_new_tokens": max_new or DEFAULTS.max_new_tokens, "sampling": sampling, "stop": stop}
@@ -97,9 +110,11 @@ class ChatBody(_Body):
 class CompletionBody(_Body):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
 
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
     def generation(self) -> GenerationRequest:
-        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-        return GenerationRequest(prompt=prompt, chat_template=False, **self._common(self.max_tokens))
+        return GenerationRequest(prompt=self.prompt_text(), chat_template=False, **self._common(self.max_tokens))
 
 
 def body_for(url: str, body: Any) -> ChatBody | CompletionBody:
@@ -110,7 +125,7 @@ def body_for(url: str, body: Any) -> ChatBody | CompletionBody:
 class BatchLine(BaseModel):
     """One line of a Batch API input file."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     custom_id: CustomId
     method: Literal["POST"]
@@ -127,17 +142,31 @@ class BatchLine(BaseModel):
         return body_for(self.url, self.body).generation()
 
     def tag(self) -> JobTag:
-        return JobTag(custom_id=self.custom_id, url=self.url, model=str(self.body["model"]))
+        return body_for(self.url, self.body).tag(self.url, self.custom_id)
 
 
 class JobTag(BaseModel):
     """What a job keeps of the OpenAI request it came from (in its meta, under `openai`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     custom_id: CustomId | None = None
     url: Endpoint = CHAT
     model: str = Field("shardflow", min_length=1, max_length=256)
+    stop: list[Stop] = Field(default_factory=list, max_length=16)  # left out of the text returned
+
+
+def visible_text(text: str, stops: Sequence[str], reason: str | None) -> str:
+    """A result's text as OpenAI returns it: a generation that ended on a stop string (`reason` "stop") without
+    the stop string. ShardFlow ends at the first token after which the text ends with a stop string, which may
+    have begun in the prompt: then the whole generated text is the end of the stop string, and nothing is left.
+    With several matching, the longest (the earliest to begin) goes."""
+    if reason != "stop" or not stops:
+        return text
+    cuts = [len(text) - len(s) for s in stops if text.endswith(s)]
+    if cuts:
+        return text[: min(cuts)]
+    return "" if any(s.endswith(text) for s in stops) else text
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -161,11 +190,12 @@ def completion(tag: JobTag, job_id: str, result: dict, created: int | None = Non
     """The chat.completion or text_completion object of a finished job's result."""
     created = int(time.time()) if created is None else created
     reason = finish_reason(result.get("finish_reason"))
+    text = visible_text(result.get("text", ""), tag.stop, result.get("finish_reason"))
     if tag.url == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.get("text", "")}}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         choice |= {"logprobs": None, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": result.get("text", ""), "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
     return {**_envelope(tag, job_id, created, False), "choices": [choice], "usage": usage(result)}
 
 
@@ -197,13 +227,34 @@ def status_of(job_error: str | None) -> int:
     return 400 if job_error and any(s in job_error for s in invalid) else 500
 
 
-def output_line(tag: JobTag, job_id: str, result: dict | None, job_error: str | None) -> dict:
-    """A Batch API output line for a job that ended: its completion, or its error with a 4xx/5xx status."""
+CANCELLED_LINE_ERROR = {"code": "batch_cancelled", "message": "This request was cancelled before it finished."}
+SERVER_ERROR = "the request failed on the server (its job id is the request_id; `shardflow status` shows why)"
+
+
+def output_line(
+    tag: JobTag,
+    job_id: str,
+    result: dict | None,
+    job_error: str | None,
+    *,
+    created: int | None = None,
+    cancelled: bool = False,
+    detail: bool = True,
+) -> dict:
+    """A Batch API output line for a job that ended: its completion; a cancelled request in OpenAI's shape (no
+    response, error code `batch_cancelled`); or its error with a 4xx/5xx status. `created` stamps the completion
+    (default: now); `detail` False words a 5xx error without the job's own error text (for `shardflow serve`)."""
     if result is not None:
-        response = {"status_code": 200, "request_id": job_id, "body": completion(tag, job_id, result)}
+        body = completion(tag, job_id, result, created)
+        response = {"status_code": 200, "request_id": job_id, "body": body}
         return {"id": f"batch_req_{job_id}", "custom_id": tag.custom_id, "response": response, "error": None}
+    if cancelled:
+        error_ = dict(CANCELLED_LINE_ERROR)
+        return {"id": f"batch_req_{job_id}", "custom_id": tag.custom_id, "response": None, "error": error_}
     status = status_of(job_error)
     message = job_error or "the request failed"
+    if status >= 500 and not detail:
+        message = SERVER_ERROR
     kind = "invalid_request_error" if status == 400 else "server_error"
     response = {"status_code": status, "request_id": job_id, "body": error(message, kind)}
     return {

@@ -1,6 +1,7 @@
 """OpenAI Batch API files in and out: `shardflow enqueue --file` takes Batch API lines (all-or-nothing, errors by
 line number), `shardflow results --format openai` writes output lines joined on custom_id, as jobs end with
---follow, and a re-run with the same -o appends only what is missing."""
+--follow, and a re-run with the same -o appends only what is missing; a stop sequence is left out of a line's
+text (OpenAI's rule) while the job's own result keeps it, and a cancelled request is OpenAI's cancelled line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from schemas.openai import CHAT, BatchLine, ChatBody, JobTag, output_line
+from schemas.openai import CHAT, TEXT, BatchLine, ChatBody, JobTag, output_line, visible_text
 from tests.conftest import PROMPTS
 from tests.job_env import Env, batch_line, reference, write_jsonl
 
@@ -49,6 +50,22 @@ def test_bodies_become_generation_requests():
     failed = output_line(JobTag(custom_id="x", url=CHAT), "b-00000", None, "InvalidRequest: prompt too long")
     assert failed["response"]["status_code"] == 400 and failed["error"]["message"].startswith("InvalidRequest")
     assert output_line(JobTag(custom_id="x"), "b-1", None, "tail crashed")["response"]["status_code"] == 500
+    hidden = output_line(JobTag(custom_id="x"), "b-1", None, "RuntimeError: /srv/x.py failed", detail=False)
+    assert "/srv" not in json.dumps(hidden) and hidden["response"]["status_code"] == 500
+    cancelled = output_line(JobTag(custom_id="x"), "b-1", None, "cancelled by user", cancelled=True)
+    assert cancelled["response"] is None and cancelled["error"]["code"] == "batch_cancelled"
+    for bad in ({"max_tokens": True}, {"max_tokens": "8"}, {"temperature": "0"}, {"stream": 1}):  # strict types
+        with pytest.raises(ValidationError):
+            BatchLine.model_validate(batch_line("a", **bad))
+
+
+def test_stop_sequences_are_left_out_of_what_is_returned():
+    result = {"text": "The capital is Tokyo", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 4}
+    got = output_line(JobTag(custom_id="x", url=TEXT, stop=["Tok", "Tokyo"]), "b-1", result, None, created=7)
+    body = got["response"]["body"]
+    assert body["choices"][0]["text"] == "The capital is " and body["created"] == 7
+    assert visible_text("yo", ["Tokyo"], "stop") == ""  # the stop sequence began in the prompt
+    assert visible_text("Tokyo", ["Tokyo"], "length") == "Tokyo"  # no stop ended it: the text as it is
 
 
 def test_batch_file_in_and_out(env, hf_models, tokenizers, tmp_path):
@@ -86,6 +103,32 @@ def test_batch_file_in_and_out(env, hf_models, tokenizers, tmp_path):
     assert res.exit_code == 0 and "3 lines written" in res.output
     again = read_jsonl(out)
     assert len(again) == 5 and {x["custom_id"] for x in again} == set(got)
+
+
+def test_results_leave_stop_sequences_out(env, hf_models, tokenizers, tmp_path):
+    """`results --format openai` leaves a stop sequence out of a line's text, for a Batch API line and for a
+    plain prompt with --stop alike; the jobs' own results (`results --json`) keep it."""
+    tok, hf = tokenizers["qwen2"], hf_models["qwen2"]
+    out_ids = reference(hf, tok, PROMPTS[1], 12)
+    full = tok.decode(out_ids)
+    for k in range(3, 12):  # a stop sequence first met where a token ends
+        upto = tok.decode(out_ids[:k])
+        stop, whole = upto[-3:], PROMPTS[1] + upto
+        if full.startswith(upto) and stop.strip() and "\ufffd" not in stop and whole.find(stop) == len(whole) - 3:
+            break
+    lines = [batch_line("stopped", prompt=PROMPTS[1], max_tokens=12, stop=stop)]
+    res = env.cli("enqueue", "--file", write_jsonl(tmp_path / "in.jsonl", lines), "--wait", "--json", "--timeout", "60")
+    assert res.exit_code == 0, res.output
+    args = ("--no-chat-template", "--max-new-tokens", "12", "--stop", stop, "--drafter", "none", "--wait", "--json")
+    plain = env.cli("enqueue", PROMPTS[1], *args)
+    assert plain.exit_code == 0, plain.output
+    for out in (res, plain):
+        batch_id = json.loads(out.output)["batch_id"]
+        got = env.cli("results", batch_id, "--format", "openai")
+        (choice,) = json.loads(got.output)["response"]["body"]["choices"]
+        assert (choice["text"], choice["finish_reason"]) == (upto[:-3], "stop")
+        (view,) = env.client.views(env.client.resolve(batch_id))
+        assert view.result["text"] == upto  # ShardFlow's rule: the job's result keeps it
 
 
 def test_follow_writes_lines_as_jobs_end(env, tmp_path):
