@@ -11,7 +11,8 @@ one pool of max(B) slots per engine; random weights of `random:<preset>` shapes)
 - draft: the drafter's K greedy steps for B sequences (`propose_many`; on CUDA the whole draft is one graph
   replay), each fed one new token, as after a rejection, and read back to the host;
 - head: the lower shard over B x (K+1) token ids (`Engine.forward_many`), the hidden states copied to the
-  host in one copy and checked for non-finite values, as the head's batcher does;
+  host in one copy and checked for non-finite values there, as the head's batcher does today; "head, check
+  on device" is the same forward with one non-finite reduction on the device before the copy;
 - tail: the upper shard + norm + LM head over B x (K+1) hidden rows (`Engine.forward_many`, logits of every
   row), then as the tail does today: a non-finite check per sequence and `verify_greedy` per sequence (one
   host read each); "tail, batched" is the same forward with one non-finite reduction and one argmax over the
@@ -51,7 +52,7 @@ GPU_DEFAULTS = dict(target="random:qwen2.5-7b", draft="random:qwen2.5-0.5b", spl
                     ctx=256, max_len=2048, dtype="bfloat16", iters=20)  # fmt: skip
 CPU_DEFAULTS = dict(target="random:tiny", draft="random:tiny", split=2, b="1,4,16", ctx=32, max_len=256,
                     dtype="float32", iters=5)  # fmt: skip
-STAGES = ("draft", "head", "tail", "tail_batched")
+STAGES = ("draft", "head", "head_batched", "tail", "tail_batched")
 
 
 def sync(dev: torch.device) -> None:
@@ -132,6 +133,16 @@ class Rig:
                 hidden = list(torch.cat(hidden).cpu().split([h.shape[0] for h in hidden]))
         finite_rows(hidden)
 
+    def head_batched(self, b: int) -> None:
+        for c in self.hcaches[:b]:
+            c.crop(self.ctx)
+        with torch.inference_mode():
+            xs = [torch.tensor(r, device=self.dev) for r in self.rows[:b]]
+            flat = torch.cat(self.head.forward_many(self.hcaches[:b], xs, [self.ctx] * b))
+            ok = torch.isfinite(flat).view(b, -1).all(1)  # one reduction for the group
+            flat.cpu()
+            ok.tolist()
+
     def _tail_forward(self, b: int) -> list[torch.Tensor]:
         for c in self.tcaches[:b]:
             c.crop(self.ctx)
@@ -156,8 +167,8 @@ class Rig:
                 accepted += 1
 
     def stage(self, name: str) -> Callable[[int], None]:
-        return {"draft": self.draft, "head": self.head_round, "tail": self.tail_round,
-                "tail_batched": self.tail_batched}[name]  # fmt: skip
+        return {"draft": self.draft, "head": self.head_round, "head_batched": self.head_batched,
+                "tail": self.tail_round, "tail_batched": self.tail_batched}[name]  # fmt: skip
 
 
 def reference_ms(refs: dict[str, Reference], b: int, k: int, ctx: int, dev: torch.device, warm: int, iters: int):
@@ -190,9 +201,10 @@ def markdown(rows: list[dict], reference: bool) -> str:
         floor = r["floor_ms"][s.split("_")[0]]
         return f"{r[s]['ms']:.2f} ({r[s]['ms'] / floor:.3g}×)" if floor > 0 else f"{r[s]['ms']:.2f}"
 
-    head = "| B | draft ms (× floor) | head ms (× floor) | tail ms (× floor) | tail, batched verify ms (× floor) | "
-    head += "floor draft / head / tail ms |" + (" plain PyTorch draft / head / tail ms |" if reference else "")
-    lines = [head, "|---" * (7 if reference else 6) + "|"]
+    head = "| B | draft ms (× floor) | head ms (× floor) | head, check on device ms (× floor) | tail ms (× floor) | "
+    head += "tail, batched verify ms (× floor) | floor draft / head / tail ms |"
+    head += " plain PyTorch draft / head / tail ms |" if reference else ""
+    lines = [head, "|---" * (len(STAGES) + 2 + reference) + "|"]
     for r in rows:
         fl = r["floor_ms"]
         line = f"| {r['b']} | " + " | ".join(cell(r, s) for s in STAGES)
