@@ -28,6 +28,15 @@ def publish(r: redis.Redis, stream: str, fields: dict, *, maxlen: int) -> bytes:
     return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
 
 
+@transport_retry()
+def publish_many(r: redis.Redis, entries: list[tuple[str, dict]], *, maxlen: int) -> None:
+    """Append each (stream, fields) entry, every stream trimmed to about `maxlen`: one round trip."""
+    pipe = r.pipeline(transaction=False)
+    for stream, fields in entries:
+        pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)
+    pipe.execute()
+
+
 class Reply(NamedTuple):
     """A reply for one session's stream; the stream expires ttl_s after it (a session's last verdict
     expires sooner: its head reads it at once and deletes nothing)."""
@@ -201,6 +210,15 @@ class ReplyReader:
         self._take(self._publish_and_read(stream, fields, min(int(timeout_s * 1000), self.settings.block_ms)))
         return self._pop() if self._buffer else self.next(max(deadline - time.monotonic(), 0.0))
 
+    @property
+    def ready(self) -> bool:
+        """An entry is buffered (`pop` returns it without a read)."""
+        return bool(self._buffer)
+
+    def pop(self) -> dict[bytes, bytes]:
+        """The next buffered entry's fields (`ready` must be true)."""
+        return self._pop()
+
     def refuse(self, record: dict) -> None:
         """Dead-letter the entry `next` returned last (`record`: its DeadLetterRecord fields)."""
         self.refused += 1
@@ -255,3 +273,24 @@ class ReplyReader:
             if isinstance(reply, Exception):
                 raise reply
         return replies[-1]
+
+
+@transport_retry()
+def read_replies(r: redis.Redis, readers: list[ReplyReader], *, block_ms: int | None, count: int) -> None:
+    """One round trip for many sessions' reply streams: every reader's queued dead letters, then one XREAD
+    from where each stopped (blocking up to block_ms; None: not at all); the entries land in each reader's
+    buffer (`ready`, `pop`)."""
+    pipe = r.pipeline(transaction=False)
+    dead = sum(reader._queue_dead(pipe) for reader in readers)
+    pipe.xread({reader.stream: reader.last_id for reader in readers}, count=count, block=block_ms)
+    replies = pipe.execute(raise_on_error=False)
+    for reader in readers:
+        reader._dead.clear()
+    for reply in replies[dead:]:
+        if isinstance(reply, Exception):
+            raise reply
+    by_stream = {reader.stream.encode(): reader for reader in readers}
+    for stream, entries in replies[-1] or []:
+        if (reader := by_stream.get(stream)) is not None and entries:
+            reader._buffer.extend(entries)
+            reader.last_id = entries[-1][0]

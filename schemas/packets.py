@@ -247,12 +247,16 @@ def mac_hex(fields: dict) -> str:
     return got.hex() if isinstance(got, bytes) else ""
 
 
-def _header(fields: dict, max_bytes: int) -> bytes:
+class Oversized(PacketError):
+    """A packet larger than the cap (its header may still be read, to answer its own head)."""
+
+
+def _header(fields: dict, max_bytes: int | None) -> bytes:
     if not isinstance(fields, dict) or HEADER not in fields:
         raise PacketError("packet has no header field 'h'")
     total = sum(len(k) + len(v) for k, v in fields.items())
-    if total > max_bytes:
-        raise PacketError(f"packet of {total} bytes exceeds the cap of {max_bytes}")
+    if max_bytes is not None and total > max_bytes:
+        raise Oversized(f"packet of {total} bytes exceeds the cap of {max_bytes}")
     head = fields[HEADER]
     if len(head) > DEFAULTS.max_header_bytes:
         raise PacketError(f"header of {len(head)} bytes exceeds the cap of {DEFAULTS.max_header_bytes}")
@@ -280,9 +284,12 @@ def _validation_message(e: ValidationError) -> str:
     return "invalid packet: " + "; ".join(parts)
 
 
-def decode_head_header(fields: dict, *, max_bytes: int = DEFAULTS.max_packet_bytes) -> RoundPacket | ClosePacket:
+def decode_head_header(
+    fields: dict, *, max_bytes: int | None = DEFAULTS.max_packet_bytes
+) -> RoundPacket | ClosePacket:
     """Validate one head -> tail entry's header and its fields (tensors declared, a MAC), decoding no tensor:
-    the caller checks the MAC (`authentic`) before `round_tensors` touches the bytes."""
+    the caller checks the MAC (`authentic`) before `round_tensors` touches the bytes. A packet over
+    `max_bytes` raises Oversized (None: no cap, for reading the header of one that is)."""
     head = _header(fields, max_bytes)
     _check_version(head)
     try:

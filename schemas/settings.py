@@ -128,6 +128,12 @@ class Settings(BaseSettings):
         description="A worker captures its CUDA graphs for batches attending up to this many positions when it "
         "starts; batches of longer sequences capture theirs at first use.",
     )
+    verify_warp_rows: int = Field(
+        128,
+        ge=1,
+        description="Most logits rows of sampled rounds a tail warps at once (temperature, top-k, top-p: about 30 "
+        "bytes per row and vocabulary entry while it runs) when it verifies a batch; more rows run in more steps.",
+    )
     head_groups: int | None = Field(
         None,
         ge=1,
@@ -143,6 +149,12 @@ class Settings(BaseSettings):
         True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/engine/fused.py)."
     )
     max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
+    head_poll_ms: int = Field(
+        50,
+        ge=1,
+        description="Longest a head's step loop blocks reading verdicts while nothing is ready to compute (a new "
+        "job waits at most this long to start).",
+    )
     reply_timeout_s: float = Field(
         15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."
     )

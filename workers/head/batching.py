@@ -1,15 +1,16 @@
-"""Batching the head's compute across generations in flight (flat combining).
+"""Batching the head's compute across generations in flight.
 
-Each generation's thread submits its round's work (draft up to k tokens, then run the lower shard
-over [uncached committed tokens, drafts]) and takes the compute lock; whichever thread gets the lock
-runs everything queued by then as one batch: the model drafts of all of them, greedy or sampled, advance
-together per draft model (`propose_many`: one batched draft-model forward per draft position, or for an
-all-greedy batch the whole draft as one graph replay; plugin sessions around a model session get their
-inner model's draft, then `finish` it), n-gram proposals run in one call (`propose_ngram_many`), and the
-lower shard runs once over every sequence's round. Other drafters propose one by one. Generations in flight
-are split into groups whose rounds interleave (workers/head/groups.py). If a batch fails,
-each of its generations is retried alone (its caches rolled back to where the round started, a sampled
-draft's generator to its state as submitted), so one bad sequence fails only itself.
+The head's step loop (workers/head/loop.py) hands `compute` each group it assembled. `run` is the same
+compute for callers on threads of their own (flat combining): each thread submits its round's work (draft
+up to k tokens, then run the lower shard over [uncached committed tokens, drafts]) and takes the compute
+lock; whichever thread gets the lock runs everything queued by then as one batch. Either way the model
+drafts of a batch, greedy or sampled, advance together per draft model (`propose_many`: one batched
+draft-model forward per draft position, or for an all-greedy batch the whole draft as one graph replay;
+plugin sessions around a model session get their inner model's draft, then `finish` it), n-gram proposals
+run in one call (`propose_ngram_many`), and the lower shard runs once over every sequence's round. Other
+drafters propose one by one. If a batch fails, each of its generations is retried alone (its caches rolled
+back to where the round started, a sampled draft's generator to its state as submitted), so one bad
+sequence fails only itself.
 """
 
 from __future__ import annotations
@@ -181,6 +182,11 @@ class Batcher:
                 if now >= deadline:
                     return
                 self._cv.wait(min(deadline - now, self.linger_s) if starting else deadline - now)
+
+    def compute(self, batch: list[HeadWork]) -> None:
+        """Compute a batch the caller assembled (the head's step loop, holding the runtime's lock): every
+        item's draft and hidden states, or its error."""
+        self._compute(batch)
 
     def _compute(self, batch: list[HeadWork]) -> None:
         """The batch as one forward; if that fails, each item alone (`run_isolated`): only an item that

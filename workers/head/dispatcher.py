@@ -11,7 +11,10 @@ through RQ's scheduler, abandoned-job cleanup by heartbeat expiry) and changes h
 - **fetch + start**: one pipeline reads the records, one transaction starts them all (execution records,
   started registry, status, the worker's state), sent while the jobs begin to compute (a job records its
   end only after that transaction);
-- **run**: each job on a thread of its own (`generate` batches every generation's rounds on the GPU);
+- **run**: each job's generation goes to the head's step loop (workers/head/loop.py: one thread steps every
+  generation in flight); no thread per job: its start (`start_generation`) runs on this loop's thread, its
+  end (`end_generation`: the result stored, then RQ's records) on one of a fixed few `finisher` threads once
+  the step loop has resolved it;
 - **finish**: one transaction per job (result, finished registry, execution cleanup, worker counters);
   a failure goes through RQ's `handle_job_failure` (retries, failed registry); a job its user cancelled
   (JobCancelled, workers/head/job_function.py) ends `canceled` (status, canceled registry), as RQ's own
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,14 +42,14 @@ from rq.job import Job, JobStatus
 from rq.job_lifecycle import format_exc_info
 from rq.queue import Queue
 from rq.registry import CanceledJobRegistry
-from rq.timeouts import JobTimeoutException
 from rq.utils import now
 from rq.worker import SimpleWorker
 from rq.worker.base import WorkerStatus
 
-from workers.head.job_function import JobCancelled
+from workers.head.job_function import JobCancelled, Started, end_generation, run_generation, start_generation
 
 log = logging.getLogger("shardflow.dispatcher")
+FINISHERS = 4  # threads that store results and record ends (each a few Redis round trips)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Dispatcher:
         self.running: dict[str, Running] = {}
         self.cond = threading.Condition()
         self.completed = 0
+        self.finisher = ThreadPoolExecutor(FINISHERS, "finisher")  # ends of jobs: results and RQ's records
 
     # --- the loop -------------------------------------------------------------------------------------
     def serve(self, burst: bool) -> bool:
@@ -173,9 +178,9 @@ class Dispatcher:
                     self.running[run.job.id] = run
             # the jobs start computing while their start transaction travels (their first round needs a round
             # trip of its own anyway); each records how it ended only after that transaction has run
-            for run in started:  # daemon threads: a cold shutdown (a second stop signal) does not wait for them
+            for run in started:
                 log.info("job %s started (%d in flight)", run.job.id, len(self.running))
-                threading.Thread(target=self._run, args=(run,), daemon=True, name=f"job-{run.job.id}").start()
+                self._begin(run)
             try:
                 tx.execute()
             finally:
@@ -183,13 +188,34 @@ class Dispatcher:
                     run.recorded.set()
 
     # --- run, finish ------------------------------------------------------------------------------------
-    def _run(self, run: Running) -> None:
+    def _begin(self, run: Running) -> None:
+        """Hand the job's generation to the step loop (its function must be the allow-listed run_generation);
+        its end runs on a finisher thread once the loop resolves it."""
+        job = run.job
+        try:
+            fn = job.func  # SafeJob's allow-list: anything else raises
+            if getattr(fn, "func", None) is not run_generation:
+                raise TypeError(f"job function {job.func_name!r} is not a generation")
+            timeout = job.timeout or run.queue.DEFAULT_TIMEOUT
+            started = start_generation(self.w.job_context, job, *job.args, timeout_s=timeout, **job.kwargs)
+        except BaseException:
+            self.finisher.submit(self._end, run, None, sys.exc_info())
+            return
+        if started.future is None:
+            self.finisher.submit(self._end, run, started, None)
+        else:
+            started.future.add_done_callback(lambda _: self.finisher.submit(self._end, run, started, None))
+
+    def _end(self, run: Running, started: Started | None, failed: Any) -> None:
+        """Record how the job ended: finished (its result stored), canceled, or failed (RQ's retries)."""
         job, w = run.job, self.w
         try:
             try:
-                timeout = job.timeout or run.queue.DEFAULT_TIMEOUT
-                with w.death_penalty_class(timeout, JobTimeoutException, job_id=job.id):
-                    value = job.perform()
+                if failed is not None:
+                    raise failed[1].with_traceback(failed[2])
+                assert started is not None
+                value = end_generation(self.w.job_context, started)
+                job._result = value
                 job.ended_at = now()
                 run.recorded.wait()
                 self._finish(run, value)

@@ -8,8 +8,8 @@ GenerationRequest). The
 function runs in the worker's own process, with the models and settings of its JobContext, and:
 - returns an already stored result untouched (a re-run cannot clobber a finished result);
 - publishes progress to the job's meta and committed text to a per-job token stream, throttled and off
-  the round loop's path (a thread of its own), with a checkpoint of the committed tokens beside them:
-  a retried job (its head worker died) resumes there;
+  the step loop's path (on the head's few flush threads, `JobContext.flusher`), with a checkpoint of the
+  committed tokens beside them: a retried job (its head worker died) resumes there;
 - never fails because of its token stream (a convenience; the result is the truth): a write Redis refuses
   (another client type-broke the key, or added an entry past the text) is reported once, in the job's meta
   (`stream_broken`) and its result's `stream_broken`, and the stream is written no more;
@@ -34,7 +34,7 @@ from schemas.errors import InvalidRequest, JobError, NonFiniteError, ShardFlowEr
 from schemas.jobs import Checkpoint, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import STREAM_BROKEN_MAX, GenerationRequest, GenerationResult
-from workers.head.runtime import HeadRuntime, generate
+from workers.head.runtime import HeadRuntime, round_loop
 
 log = logging.getLogger("shardflow.jobs")
 
@@ -54,6 +54,8 @@ class JobContext:
     # job id -> (stored result, checkpoint) as the dispatcher read them with the job's record (saves two
     # round trips per job); taken once, then read from Redis as usual
     prefetched: dict[str, tuple[bytes | None, bytes | None]] = field(default_factory=dict)
+    # every job's progress flushes (a fixed few threads, however many jobs are in flight)
+    flusher: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "progress"))
 
 
 def no_retry(job: Job, reason: str) -> None:
@@ -67,10 +69,10 @@ def no_retry(job: Job, reason: str) -> None:
 class Progress:
     """Throttled progress for one job: meta (counts, speed) + committed text on the token stream.
 
-    Flushes between rounds run on a thread of their own, so a far Redis's round trip never stalls the
-    generation (the round loop only hands over a copy of the tokens); at most one is in flight, so
+    Flushes between rounds run on the head's flush threads (`pool`), so a far Redis's round trip never
+    stalls the step loop (it only hands over a copy of the tokens); at most one per job is in flight, so
     token-stream entries stay in order. What a flush finds (a cancel request, a Redis error) is raised
-    in the generation's thread at its next round."""
+    from `on_tokens` at the generation's next round, which fails (or cancels) that generation only."""
 
     job: Job
     r: redis.Redis
@@ -86,8 +88,13 @@ class Progress:
     text: str = ""
     fresh_stream: bool = True  # no checkpoint: the first write drops an earlier attempt's stale token stream
     stream_broken: str | None = None  # why the token stream is written no more (None: it holds the text so far)
-    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "progress"), repr=False)
+    pool: ThreadPoolExecutor | None = field(default=None, repr=False)  # default: a thread of its own
     _inflight: Future | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._own_pool = self.pool is None
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, "progress")
 
     def resume_from(self, generated: list[int]) -> None:
         """Continue after a checkpoint: its text is on the token stream already."""
@@ -105,14 +112,15 @@ class Progress:
             self._inflight = None
         if time.monotonic() - self.last_flush >= self.interval_s:
             self.last_flush = time.monotonic()
-            self._inflight = self._pool.submit(self.flush, list(generated), False)
+            self._inflight = self.pool.submit(self.flush, list(generated), False)  # type: ignore[union-attr]
 
     def wait(self) -> None:
         """Let the flush in flight finish (what it found is not raised: the generation is over)."""
         if self._inflight is not None:
             wait([self._inflight])
             self._inflight = None
-        self._pool.shutdown(wait=True)
+        if self._own_pool:
+            self.pool.shutdown(wait=True)  # type: ignore[union-attr]
 
     def flush(self, generated: list[int], final: bool, result_json: str | None = None) -> bool:
         """Write progress, text and checkpoint (a final flush: end the text, drop the checkpoint), in one
@@ -244,23 +252,33 @@ def finish(ctx: JobContext, job: Job, progress: Progress, result: GenerationResu
     return existing or data
 
 
-def run_generation(ctx: JobContext, payload: dict) -> dict:
-    """RQ job: one generation (the head worker binds `ctx`). Returns the GenerationResult as JSON-ready data."""
-    job = get_current_job()
-    if job is None:
-        raise RuntimeError("run_generation must run inside a ShardFlow head worker")
-    keys = ctx.names
+@dataclass
+class Started:
+    """A job's generation on the head's step loop (`future`), or the result already stored for it."""
+
+    job: Job
+    ttl: int
+    stored: dict | None = None
+    progress: Progress | None = None
+    future: Future[GenerationResult] | None = None
+
+
+def start_generation(ctx: JobContext, job: Job, payload: dict, timeout_s: float | None = None) -> Started:
+    """Begin a job: its stored result if it has one; else validate the request, load its checkpoint and submit
+    the generation to the head's step loop (which fails it past `timeout_s`). Never blocks on the generation."""
     raw_result, raw_checkpoint = ctx.prefetched.pop(job.id, None) or _read_keys(ctx, job.id)
+    ttl = job_ttl(job)
     stored = stored_result(raw_result, job.id)
     if stored is not None:
-        return stored
+        return Started(job, ttl, stored=stored)
     try:
         req = GenerationRequest.model_validate(payload)
     except ValidationError as e:
         no_retry(job, f"invalid request: {e.errors()[0]['msg']}")
         raise InvalidRequest(job.meta["error"]) from None
-    ttl = job_ttl(job)
-    progress = Progress(job, ctx.r, keys, ctx.runtime.tokenizer, ttl, ctx.runtime.settings.progress_interval_s)
+    progress = Progress(
+        job, ctx.r, ctx.names, ctx.runtime.tokenizer, ttl, ctx.runtime.settings.progress_interval_s, pool=ctx.flusher
+    )
     job.meta.pop("error", None)
     job.meta.pop("stream_broken", None)  # an earlier attempt's: this one writes (or resets) the stream anew
     resume = load_checkpoint(raw_checkpoint, job.id)
@@ -268,15 +286,23 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
         log.info("job %s resumes from a checkpoint of %d tokens", job.id, len(resume))
         progress.resume_from(resume)
     try:
+        loop = round_loop(req, ctx.runtime, ctx.r, names=ctx.names, on_tokens=progress.on_tokens, resume=resume)
+    except InvalidRequest as e:  # a prompt the head cannot take (too long, say): never worth retrying
+        no_retry(job, str(e))
+        raise
+    return Started(job, ttl, progress=progress, future=ctx.runtime.loop_for(ctx.r).submit(loop, timeout_s))
+
+
+def end_generation(ctx: JobContext, started: Started) -> dict:
+    """Wait for the generation (once its Future is done this does not block) and store its result; raise what
+    failed it, recorded in the job's meta (JobCancelled: the dispatcher records the job canceled)."""
+    if started.stored is not None:
+        return started.stored
+    job, progress = started.job, started.progress
+    assert started.future is not None and progress is not None
+    try:
         try:
-            result = generate(
-                req,
-                ctx.runtime,
-                ctx.r,
-                names=ctx.names,
-                on_tokens=progress.on_tokens,
-                resume=resume,
-            )
+            result = started.future.result()
         finally:
             progress.wait()  # no progress flush may land after what follows
     except JobCancelled:  # no failure: the dispatcher records the job canceled (and RQ never retries it)
@@ -289,7 +315,17 @@ def run_generation(ctx: JobContext, payload: dict) -> dict:
         job.meta["error"] = f"{type(e).__name__}: {e}"
         job.save_meta()
         raise
-    return finish(ctx, job, progress, result, ttl)
+    return finish(ctx, job, progress, result, started.ttl)
+
+
+def run_generation(ctx: JobContext, payload: dict) -> dict:
+    """RQ job: one generation (the head worker binds `ctx`), start to end in the calling thread (RQ's own
+    `Job.perform`; the dispatcher uses `start_generation` / `end_generation` and no thread per job). Returns
+    the GenerationResult as JSON-ready data."""
+    job = get_current_job()
+    if job is None:
+        raise RuntimeError("run_generation must run inside a ShardFlow head worker")
+    return end_generation(ctx, start_generation(ctx, job, payload))
 
 
 def _read_keys(ctx: JobContext, job_id: str) -> tuple[bytes | None, bytes | None]:

@@ -1,17 +1,20 @@
-"""One generation's round loop on the head (see workers/head/runtime.py for the entry point)."""
+"""One generation's state on the head, stepped by the head's loop (workers/head/loop.py; entry point:
+`generate` in workers/head/runtime.py)."""
 
 from __future__ import annotations
 
+import enum
 import hmac
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import redis
 import torch
 
 from relay_broker.streams import ReplyReader, close_session
-from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeout, ShardFlowError, TailBusy
+from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeout, ShardFlowError
 from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
@@ -36,8 +39,34 @@ from workers.speculative.stopping import StopStrings
 log = logging.getLogger("shardflow.head")
 
 
+class Outcome(enum.Enum):
+    """What a reply-stream entry (or its absence) did to a generation's round in flight."""
+
+    IGNORED = "ignored"  # stale or refused: keep waiting
+    BUSY = "busy"  # a full tail: the same round again after `busy_wait_s`
+    REPLAY = "replay"  # the next round replays the session onto a live tail
+    COMMITTED = "committed"  # the verdict is committed: compute the next round
+    FINISHED = "finished"
+
+
+@dataclass
+class OpenRound:
+    """A round from its work to its verdict."""
+
+    rid: int
+    start: int
+    remaining: int
+    work: HeadWork
+    fields: dict[bytes, bytes] = field(default_factory=dict)
+    mac: str = ""
+    sent_at: float = 0.0
+    busy: int = 0  # "busy" answers so far (the resend waits double each time)
+
+
 class RoundLoop:
-    """State of one generation on the head: caches, committed tokens, stats."""
+    """State of one generation on the head: caches, committed tokens, stats. The head's step loop
+    (workers/head/loop.py) drives it: `next_work` (batched with other generations' by the loop), `packet`,
+    `sent`, then `take` for each entry of its reply stream (or `timed_out`)."""
 
     def __init__(
         self,
@@ -79,26 +108,108 @@ class RoundLoop:
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
         self.length = DraftLength(req.draft.k)  # this generation's draft length (adapted if asked)
-        runtime.batcher.enter()  # counted in flight until `_close`: the batcher's groups are sized from it
+        self.round: OpenRound | None = None  # the round computed and sent, until its verdict
+        self.finish: FinishReason | None = None
+        self.started = time.perf_counter()
 
-    def run(self) -> GenerationResult:
-        start = time.perf_counter()
-        finish = self._already_finished()
-        try:
-            while finish is None:
-                # round ids continue past a checkpoint (each round commits a token): sampled rounds of a
-                # resumed job never reuse an earlier attempt's per-round seeds
-                finish = self._round(self.resumed + self.rounds)
-                self.rounds += 1
-        finally:
-            self._close()
-        self.t.total_ms = (time.perf_counter() - start) * 1000
+    # --- the steps the head's loop (workers/head/loop.py) drives: no method blocks -------------------------
+    def begin(self) -> FinishReason | None:
+        """Start the clock; a finish if the checkpoint already ends the generation."""
+        self.started = time.perf_counter()
+        self.finish = self._already_finished()
+        return self.finish
+
+    def next_work(self) -> HeadWork:
+        """This round's drafting and lower-shard work (round ids continue past a checkpoint: each round
+        commits a token, so sampled rounds of a resumed job never reuse an earlier attempt's seeds)."""
+        rid = self.resumed + self.rounds
+        remaining = self.req.max_new_tokens - len(self.generated)
+        start = len(self.committed) - len(self.pending)
+        k = min(self.length.k, remaining - 1) if self.drafter is not None else 0
+        gen = round_generator(self.req.sampling.seed or 0, rid, "draft", self.drafter.device) if k > 0 else None
+        work = HeadWork(self.drafter, self.committed, k, self.req.sampling, gen, self.cache, self.pending, start)
+        work.route = self.stream
+        self.round = OpenRound(rid, start, remaining, work)
+        return work
+
+    def packet(self) -> dict[bytes, bytes]:
+        """The computed round as sealed stream fields (kept for a resend to a full tail)."""
+        rnd = self.round
+        assert rnd is not None and rnd.work.draft is not None and rnd.work.hidden is not None
+        draft, work = rnd.work.draft, rnd.work
+        q_kind, q_tensors = self._q(draft)
+        header = dict(
+            session_id=self.sid,
+            head=self.head,
+            round_id=rnd.rid,
+            start_pos=rnd.start,
+            input_ids=self.pending,
+            draft_ids=draft.tokens,
+            sampling=self.req.sampling,
+            eos_token_ids=self.rt.eos_token_ids,
+            max_new=rnd.remaining,
+            q_kind=q_kind,
+            replay=self.replay_next,
+            head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
+        )
+        _, rnd.fields = encode_round(header, {"hidden": work.hidden, **q_tensors}, self.key)
+        rnd.mac = mac_hex(rnd.fields)
+        return rnd.fields
+
+    def sent(self) -> float:
+        """The round went out: the time by which its verdict must come (the reply timeout)."""
+        assert self.round is not None
+        self.round.sent_at = time.perf_counter()
+        timeout = self.reply_timeout_s if self.reply_timeout_s is not None else self.settings.reply_timeout_s
+        return time.monotonic() + timeout
+
+    def take(self, fields: dict) -> Outcome:
+        """One entry of the reply stream for the round in flight: ignored (stale, or refused into the dead-letter
+        stream), a full tail's "busy" (the seconds to wait before the same round goes again), a replay, or
+        the round committed (finished or not). Raises what fails the generation."""
+        rnd = self.round
+        assert rnd is not None and rnd.work.draft is not None
+        msg = self._reply_to(rnd.rid, fields, rnd.work.draft.tokens, rnd.remaining, rnd.mac)
+        if msg is None:
+            return Outcome.IGNORED
+        if isinstance(msg, ErrorReply):
+            if msg.busy and not self.pinned:  # only a new session's round: no cache
+                rnd.busy += 1
+                return Outcome.BUSY
+            if msg.non_finite:  # the same inputs overflow again on any tail: no replay
+                raise NonFiniteError(f"tail {msg.tail_id or '?'}: {msg.error}")
+            if msg.retryable:  # the tail lost this session (restarted under the same name, say)
+                return self._replay(ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}"))
+            return self._replay(RemoteError(f"tail {msg.tail_id or '?'} failed round {rnd.rid}: {msg.error}"))
+        self.replay_next = False
+        wait_s = time.perf_counter() - rnd.sent_at
+        if not rnd.busy:  # the link and the tail, without waits for a full tail
+            self.rt.batcher.plan.note_wait(wait_s)
+        self.t.head_batch_rounds += rnd.work.batch
+        self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s))
+        self.finish = self._commit(msg, rnd.start)
+        self.rounds += 1
+        self.round = None
+        return Outcome.FINISHED if self.finish is not None else Outcome.COMMITTED
+
+    def timed_out(self) -> Outcome:
+        """No verdict within the reply timeout: replay (raises once the replays are used up)."""
+        return self._replay(ReplyTimeout(f"no reply on {self.reader.stream} within the reply timeout"))
+
+    def busy_wait_s(self) -> float:
+        """How long to wait before sending the round again to a full tail (doubling, capped)."""
+        assert self.round is not None
+        return min(self.settings.tail_busy_wait_s * 2 ** (self.round.busy - 1), self.settings.tail_busy_max_s)
+
+    def result(self) -> GenerationResult:
+        assert self.finish is not None
+        self.t.total_ms = (time.perf_counter() - self.started) * 1000
         n = len(self.generated)
         return GenerationResult(
             session_id=self.sid,
             text=self.rt.tokenizer.decode(self.generated, skip_special_tokens=True),
             token_ids=self.generated,
-            finish_reason=finish,
+            finish_reason=self.finish,
             prompt_tokens=len(self.prompt),
             completion_tokens=n,
             rounds=self.rounds,
@@ -111,6 +222,10 @@ class RoundLoop:
             resumed_tokens=self.resumed,
             replays=self.replays,
         )
+
+    def run(self) -> GenerationResult:
+        """Run to the end on the runtime's loop for this connection (blocking the caller only)."""
+        return self.rt.loop_for(self.r).submit(self).result()
 
     def _already_finished(self) -> FinishReason | None:
         """A checkpoint can end where the generation did (the head died before storing the result)."""
@@ -129,55 +244,7 @@ class RoundLoop:
             return "point", {}
         return encode_q(draft.q)
 
-    def _round(self, rid: int) -> FinishReason | None:
-        remaining = self.req.max_new_tokens - len(self.generated)
-        start = len(self.committed) - len(self.pending)
-        k = min(self.length.k, remaining - 1) if self.drafter is not None else 0
-        gen = round_generator(self.req.sampling.seed or 0, rid, "draft", self.drafter.device) if k > 0 else None
-        work = HeadWork(self.drafter, self.committed, k, self.req.sampling, gen, self.cache, self.pending, start)
-        work.route = self.stream
-        self.rt.batcher.run(work)  # generations in flight share the models: their rounds run batched
-        draft, hidden = work.draft, work.hidden
-        assert draft is not None and hidden is not None
-        t0 = time.perf_counter()
-        q_kind, q_tensors = self._q(draft)
-        header = dict(
-            session_id=self.sid,
-            head=self.head,
-            round_id=rid,
-            start_pos=start,
-            input_ids=self.pending,
-            draft_ids=draft.tokens,
-            sampling=self.req.sampling,
-            eos_token_ids=self.rt.eos_token_ids,
-            max_new=remaining,
-            q_kind=q_kind,
-            replay=self.replay_next,
-            head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
-        )
-        _, fields = encode_round(header, {"hidden": hidden, **q_tensors}, self.key)
-        busy = 0  # a full tail answered "busy": the same round again after a wait (no replay spent)
-        while True:
-            try:
-                verdict = self._await(rid, fields, draft.tokens, remaining)
-                break
-            except TailBusy as e:
-                wait = min(self.settings.tail_busy_wait_s * 2**busy, self.settings.tail_busy_max_s)
-                log.debug("session %s: %s; round %d again in %.2fs", self.sid, e, rid, wait)
-                busy += 1
-                time.sleep(wait)
-            except (ReplyTimeout, RemoteError) as e:
-                self._replay(e)
-                return None
-        self.replay_next = False
-        wait_s = time.perf_counter() - t0
-        if not busy:  # the link and the tail, without waits for a full tail
-            self.rt.batcher.plan.note_wait(wait_s)
-        self.t.head_batch_rounds += work.batch
-        self._account(draft, verdict, (work.draft_s, work.head_s, wait_s))
-        return self._commit(verdict, start)
-
-    def _replay(self, why: ReplyTimeout | RemoteError) -> None:
+    def _replay(self, why: ReplyTimeout | RemoteError) -> Outcome:
         """The tail holding this session is gone, cut off, lost the session, or answered with an error (a
         tail's own, MAC'd: a forged one never gets here): rebuild the session on any live tail by replaying
         every committed token from position 0 in the next round. The generation fails (with the last reason)
@@ -189,28 +256,8 @@ class RoundLoop:
         self.cache.crop(0)
         self.pending, self.replay_next = list(self.committed), bool(self.generated)  # prompt only: a new round 0
         self.stream, self.pinned = self.names.shared_requests, False
-
-    def _await(self, rid: int, fields: dict, drafts: list[int], remaining: int) -> Verdict:
-        """Publish the round and wait for its verdict until the reply timeout. Replies of earlier rounds
-        are stale and dropped; entries that are not a reply to this round at all are dead-lettered and
-        skipped, so one bad entry in the reply stream never fails the generation."""
-        timeout = self.reply_timeout_s if self.reply_timeout_s is not None else self.settings.reply_timeout_s
-        deadline = time.monotonic() + timeout
-        reply = self.reader.publish_then_next(self.stream, fields, timeout)
-        sent = mac_hex(fields)
-        while True:
-            msg = self._reply_to(rid, reply, drafts, remaining, sent)
-            if isinstance(msg, ErrorReply):
-                if msg.busy and rid == msg.round_id and not self.pinned:  # only a new session's round: no cache
-                    raise TailBusy(f"tail {msg.tail_id or '?'} is full: {msg.error}")
-                if msg.non_finite:  # the same inputs overflow again on any tail: no replay
-                    raise NonFiniteError(f"tail {msg.tail_id or '?'}: {msg.error}")
-                if msg.retryable:  # the tail lost this session (restarted under the same name, say)
-                    raise ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}")
-                raise RemoteError(f"tail {msg.tail_id or '?'} failed round {rid}: {msg.error}")
-            if msg is not None:
-                return msg
-            reply = self.reader.next(max(deadline - time.monotonic(), 0.0))
+        self.round = None
+        return Outcome.REPLAY
 
     def _reply_to(
         self, rid: int, fields: dict, drafts: list[int], remaining: int, sent: str
@@ -295,10 +342,9 @@ class RoundLoop:
             self.on_tokens(new, self.generated)
         return finish
 
-    def _close(self) -> None:
+    def close(self) -> None:
         """Free this generation's slots; unless the tail ended the session itself (a final verdict: the
         usual end, which then costs no round trip), tell it to drop the session and delete the replies."""
-        self.rt.batcher.leave()
         self.rt.engine.release(self.cache)
         if self.drafter is not None:
             self.drafter.close()

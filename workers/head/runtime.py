@@ -41,6 +41,7 @@ from workers.engine.sizing import (
 from workers.head.batching import Batcher
 from workers.head.beacon import Beacons
 from workers.head.groups import GroupPlan
+from workers.head.loop import HeadLoop
 from workers.head.prompts import encode_prompt
 from workers.head.rounds import RoundLoop
 from workers.plugins import DrafterContext, Registry
@@ -86,6 +87,15 @@ class HeadRuntime:
         plan = GroupPlan(fixed=groups)
         self.batcher = Batcher(self.engine, self.lock, plan, linger_s(self.shard, self.settings))
         self.beacons = Beacons(self.name, self.settings)
+        self._loops: dict[int, tuple[redis.Redis, HeadLoop]] = {}
+        self._loops_lock = threading.Lock()
+
+    def loop_for(self, r: redis.Redis) -> HeadLoop:
+        """The step loop that runs this head's generations on connection `r` (one thread, made on first use)."""
+        with self._loops_lock:
+            if id(r) not in self._loops:
+                self._loops[id(r)] = (r, HeadLoop(self, r))
+            return self._loops[id(r)][1]
 
     @classmethod
     def load(
@@ -220,6 +230,37 @@ def _joint_slots(
     return SlotPlan(min(a.slots, b.slots), min(a.short, b.short), a.short_len)
 
 
+def round_loop(
+    req: GenerationRequest,
+    runtime: HeadRuntime,
+    r: redis.Redis,
+    *,
+    names: Keys | None = None,
+    session_id: str | None = None,
+    on_tokens: TokenCallback | None = None,
+    reply_timeout_s: float | None = None,
+    resume: list[int] | None = None,
+) -> RoundLoop:
+    """One split speculative generation's state, ready for the head's step loop (`runtime.loop_for(r)`).
+
+    `resume`: tokens already generated (a checkpoint of an earlier attempt); the generation goes on
+    from there, its first round replaying prompt + those tokens onto a tail."""
+    prompt = runtime.prompt_ids(req)
+    if req.sampling.seed is None and not req.sampling.greedy:
+        req = req.model_copy(update={"sampling": req.sampling.model_copy(update={"seed": secrets.randbits(62)})})
+    return RoundLoop(
+        req=req,
+        runtime=runtime,
+        r=r,
+        names=names or Keys(),
+        session_id=session_id or secrets.token_hex(12),
+        prompt=prompt,
+        on_tokens=on_tokens,
+        reply_timeout_s=reply_timeout_s,
+        resume=resume,
+    )
+
+
 def generate(
     req: GenerationRequest,
     runtime: HeadRuntime,
@@ -231,20 +272,17 @@ def generate(
     reply_timeout_s: float | None = None,
     resume: list[int] | None = None,
 ) -> GenerationResult:
-    """Run one split speculative generation against the tails reachable through `r`.
+    """Run one split speculative generation against the tails reachable through `r`, on the head's step loop
+    (batched with every other generation in flight there); blocks the caller until it ends.
 
     `resume`: tokens already generated (a checkpoint of an earlier attempt); the generation goes on
     from there, its first round replaying prompt + those tokens onto a tail."""
-    prompt = runtime.prompt_ids(req)
-    if req.sampling.seed is None and not req.sampling.greedy:
-        req = req.model_copy(update={"sampling": req.sampling.model_copy(update={"seed": secrets.randbits(62)})})
-    loop = RoundLoop(
-        req=req,
-        runtime=runtime,
-        r=r,
-        names=names or Keys(),
-        session_id=session_id or secrets.token_hex(12),
-        prompt=prompt,
+    loop = round_loop(
+        req,
+        runtime,
+        r,
+        names=names,
+        session_id=session_id,
         on_tokens=on_tokens,
         reply_timeout_s=reply_timeout_s,
         resume=resume,
