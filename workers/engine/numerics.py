@@ -4,7 +4,9 @@ with a clear error, never emit text (Qwen2.5 in float16 is known to overflow to 
 `finite_rows` checks a batch's outputs with one host sync (the tail: each round's logits; the head: the
 hidden states of a forward, on their way to the host anyway), one verdict per sequence: a non-finite one fails
 that generation only (rows of a batch never mix, and a released KV slot is zeroed, workers/engine/kvcache.py,
-so what overflowed never reaches the slot's next sequence). `non_finite_error` names where it happened.
+so what overflowed never reaches the slot's next sequence). `finite_by_row` is the same check over one tensor's
+rows with no sync at all (the tail's batched verification: every row of a batch's logits in one reduction, read
+with the rest of the verdicts). `non_finite_error` names where it happened.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ def finite_rows(outputs: Sequence[torch.Tensor]) -> list[bool]:
     if not outputs:
         return []
     return torch.stack([torch.isfinite(o).all() for o in outputs]).tolist()
+
+
+def finite_by_row(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `rows` [n, V], on its device: whether every value is finite, and the row's greatest value. One
+    reduction (aminmax: a NaN or an inf reaches a row's least or greatest value), no host sync."""
+    low, high = torch.aminmax(rows, dim=-1)
+    return torch.isfinite(low) & torch.isfinite(high), high
 
 
 def non_finite_error(what: str, layer_range: tuple[int, int], dtype: torch.dtype) -> NonFiniteError:

@@ -1,6 +1,9 @@
 """A tail's rounds between decoding and the verdict: what a checked round carries (`Prepared`), how the drafts
 are judged against the target's logits (greedy, or rejection sampling; a replay first checks it reproduces
-its last committed token), and what a refused packet leaves for the dead-letter stream."""
+its last committed token), and what a refused packet leaves for the dead-letter stream.
+
+`judge` judges one round; `plan_rounds` makes the batched verification of a whole batch (`BatchVerify`, with the
+same results), and `BatchClock` times its forward without a sync of its own."""
 
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import torch
 
 from schemas.errors import SessionError
 from schemas.packets import DeadLetterRecord, RoundPacket, raw_header
+from workers.engine.shard import Cache
 from workers.speculative.sampling import decode_q, round_generator, warp
-from workers.speculative.verify import verify_greedy, verify_sampling
+from workers.speculative.verify import BatchVerify, RoundCheck, greedy_replay_ok, verify_greedy, verify_sampling
 from workers.tail.sessions import TailSession
 
 
@@ -62,8 +66,7 @@ def check_replay(p: RoundPacket, logits: torch.Tensor) -> None:
     first one did."""
     last = p.input_ids[-1]
     if p.sampling.greedy:
-        top = float(logits.max())
-        ok = top - float(logits[last]) <= 1e-2 * max(1.0, abs(top))
+        ok = greedy_replay_ok(float(logits.max()), float(logits[last]))
     else:
         ok = float(warp(logits[None], p.sampling)[0, last]) > 0
     if not ok:
@@ -83,3 +86,52 @@ def judge(prep: Prepared, logits: torch.Tensor) -> tuple[int, int]:
     q = decode_q(p.q_kind, drafts, prep.tensors, probs.shape[-1])
     gen = round_generator(p.sampling.seed or 0, p.round_id, "verify", logits.device)
     return verify_sampling(probs, drafts, q, gen)
+
+
+def forward_inputs(batch: list[Prepared]) -> tuple[list[Cache], list[torch.Tensor], list[int], list[int]]:
+    """`Engine.forward_many`'s arguments for a batch of rounds: caches, hidden states, starts, and the logits
+    rows each round verifies (its replay's, one per draft, the bonus)."""
+    rounds = [b.packet for b in batch]
+    wants = [len(p.draft_ids) + 1 + p.replay for p in rounds]
+    return [b.sess.cache for b in batch], [b.hidden for b in batch], [p.start_pos for p in rounds], wants
+
+
+def round_check(prep: Prepared) -> RoundCheck:
+    """What batched verification needs of a prepared round."""
+    p = prep.packet
+    replay = p.input_ids[-1] if p.replay else None
+    return RoundCheck(p.draft_ids, p.sampling, p.round_id, replay, p.q_kind, prep.tensors, p.session_id)
+
+
+def plan_rounds(batch: list[Prepared], device: torch.device, warp_rows: int) -> BatchVerify:
+    """The batch's verification, laid out (and its ids on their way to `device`) before its forward runs."""
+    return BatchVerify([round_check(p) for p in batch], device, warp_rows)
+
+
+class BatchClock:
+    """A batch's forward and verification times with no sync of their own: on CUDA, events around the forward,
+    read once verification has waited for the device anyway; on a CPU, the wall clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.t0 = time.perf_counter()
+        self.events = device.type == "cuda"
+        if self.events:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def forward_done(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Mark the end of the forward (queued, on CUDA) that returned these logits; returns them."""
+        if self.events:
+            self.end.record()
+        self.t1 = time.perf_counter()
+        return logits
+
+    def split(self) -> tuple[float, float]:
+        """(forward ms, verification ms) once the batch is verified."""
+        total = (time.perf_counter() - self.t0) * 1000
+        if self.events:
+            self.end.synchronize()  # done already: verification copied its results after it
+            forward = self.start.elapsed_time(self.end)
+        else:
+            forward = (self.t1 - self.t0) * 1000
+        return forward, max(total - forward, 0.0)

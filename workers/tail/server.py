@@ -50,13 +50,14 @@ from schemas.packets import (
 )
 from schemas.settings import Settings
 from workers.engine.isolate import run_isolated
-from workers.engine.numerics import finite_rows, non_finite_error
+from workers.engine.numerics import non_finite_error
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.engine.sizing import linger_s
 from workers.speculative.stopping import cut_at_stops
+from workers.speculative.verify import Outcome
 from workers.tail.liveness import HeadWatch
-from workers.tail.rounds import DeadLetter, Prepared, judge, rewind
+from workers.tail.rounds import BatchClock, DeadLetter, Prepared, forward_inputs, plan_rounds, rewind
 from workers.tail.sessions import SessionStore, TailSession
 
 log = logging.getLogger("shardflow.tail")
@@ -351,34 +352,26 @@ class TailWorker:
         return self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields, p.key)
 
     def _rounds_together(self, batch: list[Prepared]) -> list[Reply | None]:
-        t0 = time.perf_counter()
-        logits = self.engine.forward_many(
-            [p.sess.cache for p in batch],
-            [p.hidden for p in batch],
-            [p.packet.start_pos for p in batch],
-            [len(p.packet.draft_ids) + 1 + p.packet.replay for p in batch],
-        )
-        if logits[0].is_cuda:  # attribute GPU time to the forward rather than to verification
-            torch.cuda.synchronize(logits[0].device)
-        finite = finite_rows(logits)  # the forward's one host sync on a CPU; after it on CUDA
-        forward_ms = (time.perf_counter() - t0) * 1000
+        clock = BatchClock(self.shard.device)
+        plan = plan_rounds(batch, self.shard.device, self.settings.verify_warp_rows)  # its ids copy during the forward
+        logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch)))
+        judged = plan.run(logits, lambda: non_finite_error("logits", self.shard.layer_range, self.shard.dtype))
+        timings = dict(zip(("tail_forward_ms", "verify_ms"), clock.split(), strict=True)) | {"batch": len(batch)}
         out: list[Reply | None] = []
-        for p, lg, ok in zip(batch, logits, finite, strict=True):
+        for p, got in zip(batch, judged, strict=True):  # the batch's one wait for the device is behind it
             try:
-                if not ok:
-                    raise non_finite_error("logits", self.shard.layer_range, self.shard.dtype)
-                out.append(self._verify(p, lg, forward_ms, len(batch)))
+                out.append(self._verify(p, got, timings))
             except Exception as e:
-                out.append(self._fail_with(p.packet.session_id, p.packet.round_id, e, p.fields, p.key))
+                out.append(self._fail_prepared(p, e))
         return out
 
-    def _verify(self, prep: Prepared, logits: torch.Tensor, forward_ms: float, batch: int = 1) -> Reply:
-        """Accept a prefix of the drafts, roll the cache back to the committed prefix, build the verdict.
-        A final verdict ends the session here: the tail drops it, and the reply stream expires soon after
-        (its head, which reads the verdict at once, sends no close and deletes nothing)."""
-        p, sess = prep.packet, prep.sess
-        t1 = time.perf_counter()
-        accepted, nxt = judge(prep, logits)
+    def _verify(self, prep: Prepared, judged: Outcome, timings: dict[str, float]) -> Reply:
+        """Commit a judged round, or raise its error: crop the cache to the committed prefix, build the verdict. A
+        final verdict ends the session here: the tail drops it, and the reply stream expires soon after (its
+        head, which reads the verdict at once, sends no close and deletes nothing)."""
+        if isinstance(judged, Exception):
+            raise judged
+        (accepted, nxt), p, sess = judged, prep.packet, prep.sess
         tokens, finish = cut_at_stops(p.draft_ids[:accepted] + [nxt], p.eos_token_ids, p.max_new)
         sess.cache.crop(p.start_pos + len(p.input_ids) + accepted)
         verdict = Verdict(
@@ -389,7 +382,7 @@ class TailWorker:
             next_token=nxt if len(tokens) == accepted + 1 else None,
             finish_reason=finish,
             tail_id=self.tail_id,
-            timings={"tail_forward_ms": forward_ms, "verify_ms": (time.perf_counter() - t1) * 1000, "batch": batch},
+            timings=timings,
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict, prep.key)
         stream = self.names.reply(p.session_id)
