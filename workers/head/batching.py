@@ -26,7 +26,7 @@ import torch
 
 from schemas.requests import SamplingParams
 from workers.engine.isolate import run_isolated
-from workers.engine.numerics import finite_rows, non_finite_error
+from workers.engine.numerics import non_finite_error
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache
 from workers.head.groups import GroupPlan
@@ -74,6 +74,22 @@ def _model_session(w: HeadWork) -> ModelDraftSession | None:
         return None
     session = w.drafter.model_session
     return session if isinstance(session, ModelDraftSession) else None
+
+
+def _to_host_checked(hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
+    """The batch's hidden states on the host (copied out before the lock goes: the next batch replays the same
+    graphs) and, per sequence, whether all are finite: one reduction over every row on the device, read back
+    with the copy (one sync for both), never a check per sequence on the host copy."""
+    sizes = [h.shape[0] for h in hidden]
+    rows = torch.cat(hidden)
+    ok_rows = torch.isfinite(rows).all(dim=-1)
+    if rows.is_cuda:
+        rows, ok_rows = rows.cpu(), ok_rows.cpu()
+    bounds = torch.tensor([0, *sizes]).cumsum(0)
+    bad = torch.cumsum(~ok_rows, 0)  # non-finite rows up to each row: a sequence's count is a difference
+    bad = torch.cat([torch.zeros(1, dtype=bad.dtype), bad])
+    finite = (bad[bounds[1:]] == bad[bounds[:-1]]).tolist()
+    return list(rows.split(sizes)), finite
 
 
 def _rewind(w: HeadWork) -> None:
@@ -209,9 +225,7 @@ class Batcher:
         with torch.inference_mode():
             xs = [torch.tensor(w.pending + d.tokens, device=dev) for w, d in zip(batch, drafts, strict=True)]
             hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
-            if dev.type == "cuda":  # copy out before the lock goes: the next batch replays the same graphs
-                hidden = list(torch.cat(hidden).cpu().split([h.shape[0] for h in hidden]))  # one device sync
-        finite = finite_rows(hidden)
+            hidden, finite = _to_host_checked(hidden)
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         batch_id, routes = secrets.token_hex(8), Counter(w.route for w in batch)
