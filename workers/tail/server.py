@@ -38,6 +38,7 @@ from schemas.packets import (
     PROTOCOL_VERSION,
     ClosePacket,
     ErrorReply,
+    Oversized,
     RoundPacket,
     Verdict,
     authentic,
@@ -197,11 +198,13 @@ class TailWorker:
                 later.append(i)
                 continue
             try:
-                msg, key = self._authenticate(fields)
+                msg, key, oversized = self._authenticate(fields)
             except Exception as e:
                 out[i] = self._refuse(sid, rid, e, fields)
                 continue
             try:
+                if oversized is not None:  # its own head's: it hears why
+                    raise oversized
                 prep = self._prepare(msg, key, fields)
             except Exception as e:
                 out[i] = self._fail_with(msg.session_id, getattr(msg, "round_id", None), e, fields, key)
@@ -216,23 +219,27 @@ class TailWorker:
             out[i] = self.handle(entries[i])
         return out
 
-    def _authenticate(self, fields: dict) -> tuple[RoundPacket | ClosePacket, bytes | None]:
+    def _authenticate(self, fields: dict) -> tuple[RoundPacket | ClosePacket, bytes | None, Oversized | None]:
         """The packet's header and its session's key, once its MAC verifies under the key of the session this
-        tail holds (or, for a round that opens a session here, the key it carries). A close for a session
-        not held comes back with no key (nothing to do)."""
-        msg = decode_head_header(fields, max_bytes=self.max_packet_bytes)
+        tail holds (or, for a round that opens a session here, the key it carries); and, for a packet over the
+        cap whose MAC verifies, why it is refused. A close for a session not held comes back with no key."""
+        oversized = None
+        try:
+            msg = decode_head_header(fields, max_bytes=self.max_packet_bytes)
+        except Oversized as e:
+            msg, oversized = decode_head_header(fields, max_bytes=None), e
         held = self.sessions.peek(msg.session_id)
         if held is not None:
             key = held.key
         elif isinstance(msg, RoundPacket) and msg.key is not None:
             key = bytes.fromhex(msg.key)
         elif isinstance(msg, ClosePacket):
-            return msg, None
+            return msg, None, None
         else:
             raise SessionError(f"unknown session {msg.session_id} (expired, or this tail restarted)")
         if not authentic(key, fields):
             raise ForgedPacket(f"the MAC of a packet for session {msg.session_id} does not verify")
-        return msg, key
+        return msg, key, oversized
 
     def _refuse(self, sid: str | None, rid: int | None, e: Exception, fields: dict) -> Reply | None:
         """Dead-letter a packet that did not authenticate, with the reason; touch no session. Two are answered,
