@@ -10,6 +10,8 @@ a head's RQ worker record would be (producer/liveness.py reads them)."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -271,3 +273,29 @@ def test_batch_lines_name_the_model_served(bare, tmp_path):
         upload = bare.client.files.create(file=f, purpose="batch")
     with pytest.raises(openai.BadRequestError, match="line 1: the model 'gpt-4o' is not served here"):
         bare.client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+
+
+def serve_args(url: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "producer", "serve", "--no-auth", "--port", str(port), "--redis-url", url]
+
+
+def test_a_taken_port_is_one_line_and_no_url(bare):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        res = subprocess.run(serve_args(bare.url, taken.getsockname()[1]), capture_output=True, text=True, timeout=60)
+    out = (res.stdout + res.stderr).strip().splitlines()
+    assert res.returncode == 4 and len(out) == 1 and "cannot listen on" in out[0] and "http://" not in out[0]
+
+
+def test_the_url_comes_once_bound_and_sigterm_exits_0(bare):
+    proc = subprocess.Popen(serve_args(bare.url, 0), stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # port 0: the URL names the port actually bound
+        base = line.strip().rsplit(" ", 1)[-1]
+        assert base.startswith("http://127.0.0.1:") and not base.endswith(":0/v1"), line
+        assert httpx.get(f"{base}/models", timeout=10).status_code == 200
+        proc.terminate()
+        assert proc.wait(20) == 0
+    finally:
+        proc.kill()

@@ -1,6 +1,7 @@
 """`shardflow serve`'s limits and batch cancelling, on a serve process of its own with small limits: a body
 over the limit is 413, a request past the concurrency limit is 429, both in OpenAI's error shape and with
-nothing enqueued; a cancelled batch's jobs stop and it ends `cancelled`."""
+nothing enqueued; a cancelled batch's jobs stop and it ends `cancelled`, each request an OpenAI cancelled line
+(no response, `batch_cancelled`), counted in `failed` with the error file's other lines."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 def small(models, redis_server, redis_client, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api-limits")
     env = Env("apilim", models, redis_server, redis_client, tmp)
-    limits = {"SHARDFLOW_API_MAX_BODY_BYTES": "4096", "SHARDFLOW_API_MAX_CONCURRENT": "1"}
+    limits = {
+        "SHARDFLOW_API_MAX_BODY_BYTES": "4096",
+        "SHARDFLOW_API_MAX_CONCURRENT": "1",
+        "SHARDFLOW_API_MODEL_NAME": "tiny",
+    }
     proc, base = start_serve(env, tmp / "serve.log", KEY, limits)
     yield SimpleNamespace(env=env, base=base, client=openai.OpenAI(base_url=base, api_key=KEY, max_retries=0))
     proc.terminate()
@@ -75,7 +80,13 @@ def test_a_cancelled_batch_stops(small, tmp_path):
     batch = small.client.batches.cancel(batch.id)
     assert batch.status in ("cancelling", "cancelled")
     batch = wait_batch(small.client, batch, "cancelled", 60)
-    assert batch.request_counts.failed == 3 and batch.error_file_id and batch.output_file_id is None
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (3, 0, 3)  # failed: the lines of the error file
+    assert batch.error_file_id and batch.output_file_id is None and batch.cancelled_at and batch.cancelling_at
+    assert batch.completed_at is None
     errors = [json.loads(x) for x in small.client.files.content(batch.error_file_id).text.splitlines()]
     assert sorted(x["custom_id"] for x in errors) == ["c0", "c1", "c2"]
-    assert all(x["response"]["status_code"] >= 400 and x["error"] for x in errors)
+    for x in errors:  # OpenAI's line for a request its batch's cancelling stopped: no response, no 500
+        assert x["response"] is None and x["error"]["code"] == "batch_cancelled", x
+    (view,) = small.env.client.views([errors[0]["id"].removeprefix("batch_req_")])
+    assert view.status == "canceled"  # in RQ too, never failed
