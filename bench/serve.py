@@ -113,6 +113,7 @@ def main(tiny: bool, smollm: bool, target: str | None, ns: str, new_tokens: int,
         head = spawn(["head", *opts, "--layers", f"0:{model.split}", "--queue", PREFIX], outdir / "head.log")
         port = free_port()
         serve_args = ["-m", "producer", "serve", "--no-auth", "--port", str(port), *opts[2:], "--queue", PREFIX]
+        serve_args += ["--served-model-name", "bench"]  # the name the requests below give
         api = subprocess.Popen([sys.executable, *serve_args], stdout=(outdir / "serve.log").open("ab"), stderr=-2)
         try:
             r = connect(server.url)

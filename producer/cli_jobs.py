@@ -314,7 +314,8 @@ def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix
     default="shardflow",
     show_default=True,
     help="openai: Batch API output lines of the requests that ended (with --follow: as they end, in that "
-    "order); with -o, a file that already holds some gets only the rest.",
+    "order; a stop sequence that ended a request is left out of its text, OpenAI's rule); with -o, a file that "
+    "already holds some gets only the rest.",
 )
 @click.option(
     "-o",
@@ -337,7 +338,9 @@ def results(
     redis_url: str,
     prefix: str,
 ) -> None:
-    """Results of a batch (or one job): text, token counts, finish reason, timings."""
+    """Results of a batch (or one job): text, token counts, finish reason, timings. A generation a stop string
+    ended keeps it: its text and token ids run through the token that completed it (--format openai and
+    `shardflow serve` leave it out, as OpenAI does)."""
     client = _client(redis_url, prefix, queue)
     ids = run_guarded(lambda: client.resolve(batch))
     if fmt == "openai":

@@ -12,6 +12,10 @@
 Jobs are RQ jobs (JSON serializer) on one queue, one per prompt, grouped under a batch id (an RQ
 Group of the same name) with deterministic ids `{batch}-{index:05d}`; results are also kept,
 write-once, under `{prefix}:result:{job_id}`.
+
+Stop strings: a result (GenerationResult) that a stop string ended keeps it, in its text and token ids (the
+generation stops after the token that completed it). OpenAI's formats leave it out: `shardflow serve`'s
+responses and Batch output lines (producer/openai_out.py, schemas/openai.py `visible_text`).
 """
 
 from __future__ import annotations

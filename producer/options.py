@@ -341,7 +341,11 @@ def generation_options(fn: Callable) -> Callable:
             click.option(
                 "--seed", type=click.IntRange(0, (1 << 63) - 1), default=None, help="Seed for reproducible sampling."
             ),
-            click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+            click.option(
+                "--stop",
+                multiple=True,
+                help="Stop string (repeatable): the result's text keeps it; --format openai and serve leave it out.",
+            ),
             click.option(
                 "--drafter",
                 "draft_kind",
