@@ -26,9 +26,10 @@ def finite_rows(outputs: Sequence[torch.Tensor]) -> list[bool]:
 
 
 def finite_by_row(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of `rows` [n, V], on its device: whether every value is finite, and the row's greatest value. One
-    reduction (aminmax: a NaN or an inf reaches a row's least or greatest value), no host sync."""
-    low, high = torch.aminmax(rows, dim=-1)
+    """Per row of `rows` [n, V], on its device: whether every value is finite, and the row's greatest value, from
+    its least and greatest values (a NaN or an inf reaches one of them): one reduction on CUDA (aminmax), no host
+    sync. On a CPU amin and amax apart are faster than aminmax there."""
+    low, high = torch.aminmax(rows, dim=-1) if rows.is_cuda else (rows.amin(dim=-1), rows.amax(dim=-1))
     return torch.isfinite(low) & torch.isfinite(high), high
 
 

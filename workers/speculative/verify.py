@@ -190,21 +190,18 @@ class BatchVerify:
         self.ids = ids.copy(self.device) if self.checks else torch.zeros(0, dtype=torch.long)
 
     def _lay_out_greedy(self, ids: _ToDevice) -> None:
-        """Per greedy row the draft it must equal (-1 at bonus and replay rows: never an argmax) and its round
-        (replay rows go to a round past the last); per round where its drafts start; the replays' rows."""
-        want, segment, starts, replays = [], [], [], []
-        n = len(self.greedy)
-        for g, i in enumerate(self.greedy):
+        """Per greedy row the draft it must equal (-1 at bonus and replay rows: never an argmax), per round where
+        its drafts start, and the replays' rows."""
+        want, starts, replays = [], [], []
+        for i in self.greedy:
             c, at = self.checks[i], self.start[i]
             if c.replay_token is not None:
                 replays.append((at, c.replay_token))
                 want.append(-1)
-                segment.append(n)
                 at += 1
             starts.append(at)
             want += [*c.drafts, -1]
-            segment += [g] * (len(c.drafts) + 1)
-        self.g_ids = (ids.add(want), ids.add(segment), ids.add(starts))
+        self.g_ids = (ids.add(want), ids.add(starts))
         self.g_replays = [i for i in self.greedy if self.checks[i].replay_token is not None]
         self.g_replay_of = {i: j for j, i in enumerate(self.g_replays)}
         self.g_at: dict[str, slice] = {}
@@ -278,16 +275,17 @@ class BatchVerify:
         return out  # type: ignore[return-value]
 
     def _greedy_on_device(self, rows: torch.Tensor, high: torch.Tensor, host: _ToHost) -> None:
-        """One argmax over the greedy rows and one comparison with the drafts: per round the first row whose
-        argmax is not its draft (its bonus row at the latest), so (accepted, next) for every round at once."""
+        """One argmax over the greedy rows and one comparison with the drafts: per round the first row from its
+        first draft's on whose argmax is not its draft (its bonus row at the latest: rounds never run into each
+        other), so (accepted, next) for every round at once."""
         if not self.greedy:
             return
-        n, size, dev = len(self.greedy), self.greedy_rows, rows.device
-        want, segment, starts = (self.ids[s] for s in self.g_ids)
+        size = self.greedy_rows
+        want, starts = (self.ids[s] for s in self.g_ids)
         best = rows[:size].argmax(dim=-1)
-        missed = torch.where(best != want, torch.arange(size, device=dev), size)
-        first = torch.full((n + 1,), size, dtype=torch.long, device=dev).scatter_reduce_(0, segment, missed, "amin")
-        first = first[:n].clamp_max(size - 1)  # a bonus row always misses (-1): the clamp only guards indexing
+        missed = torch.where(best != want, torch.arange(size, device=rows.device), size)
+        next_miss = missed.flip(0).cummin(0).values.flip(0)  # per row, the first miss at or after it
+        first = next_miss[starts].clamp_max(size - 1)  # the clamp only guards the indexing
         self.g_at = {"accepted": host.add(first - starts), "next": host.add(best[first])}
         if self.g_replays:
             r, t = (self.ids[s] for s in self.g_replay_ids)
@@ -309,8 +307,7 @@ class BatchVerify:
         vocab = rows.shape[-1]
         for ch in self.chunks:
             ch.probs = warp(rows[ch.start : ch.start + ch.size], ch.sampling)
-            low, high = torch.aminmax(ch.probs, dim=-1)
-            ch.at["ok"] = host.add((low >= 0) & torch.isfinite(high))
+            ch.at["ok"] = host.add(finite_by_row(ch.probs)[0])  # warped rows are >= 0 unless NaN
             pr, pt, rr, rt = (self.ids[s] for s in ch.ids)
             ch.at["px"] = host.add(ch.probs[pr, pt])
             if ch.replays:
@@ -345,8 +342,7 @@ class BatchVerify:
             return  # point: q(x) = 1 at each draft; none: no q (an error when there are drafts)
         s.q = q
         s.at["qx"] = host.add(q.gather(1, d[:, None])[:, 0])
-        low, high = torch.aminmax(q, dim=-1)
-        s.at["q_ok"] = host.add(torch.isfinite(low) & torch.isfinite(high))
+        s.at["q_ok"] = host.add(finite_by_row(q)[0])
 
     def _decide(self, s: _Sampled, got: list[float]) -> Exception | tuple[int, torch.Tensor]:
         """A sampled round's acceptances, as `verify_sampling` decides them from the same values, and the
@@ -392,15 +388,3 @@ class BatchVerify:
         checked here, since a multinomial over it would stop a CUDA device (an assert) rather than fail a round."""
         t = c.sampling.temperature
         return NonFiniteError(f"the target's probabilities of row {j} are not finite (temperature {t} too small?)")
-
-
-def verify_batch(
-    logits: Sequence[torch.Tensor],
-    checks: Sequence[RoundCheck],
-    warp_rows: int,
-    non_finite: Callable[[], Exception] | None = None,
-) -> list[Outcome]:
-    """`BatchVerify(checks, ...).run(logits)` in one call (the plan made once the logits exist)."""
-    if not checks:
-        return []
-    return BatchVerify(checks, logits[0].device, warp_rows).run(logits, non_finite)
