@@ -166,11 +166,14 @@ class GroupReader:
         pipe = self.r.pipeline(transaction=False)
         for record in dead_letters or []:
             pipe.xadd(self.dead_stream, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
-        for stream, entry_id, reply in done:
+        acked: set[tuple[bytes | str, bytes]] = set()
+        for stream, entry_id, reply in done:  # a group entry comes once per session it holds: acked once
             if reply is not None:
                 add_reply(pipe, reply, self.settings.reply_stream_maxlen)
-            pipe.xack(stream, self.group, entry_id)
-            pipe.xdel(stream, entry_id)
+            if (stream, entry_id) not in acked:
+                acked.add((stream, entry_id))
+                pipe.xack(stream, self.group, entry_id)
+                pipe.xdel(stream, entry_id)
         pipe.execute()
 
 

@@ -149,6 +149,11 @@ class Settings(BaseSettings):
         True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/engine/fused.py)."
     )
     max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
+    group_messages: bool = Field(
+        True,
+        description="A head sends a group's rounds for one tail stream as one entry (schemas/groups.py), not one "
+        "entry per session.",
+    )
     head_poll_ms: int = Field(
         50,
         ge=1,

@@ -5,7 +5,7 @@ Each step it
    run batched with the other rounds of their group);
 2. computes one group of the generations that are ready: drafts for all of them at once and the lower
    shard once over all of them (`Batcher.compute`, workers/head/batching.py), seals each round and
-   publishes the whole group in one round trip;
+   publishes the group as one entry per tail stream (schemas/groups.py), in one round trip;
 3. reads the reply streams of every generation waiting for a verdict in one round trip (blocking briefly
    only when nothing is ready to compute), commits the verdicts (which streams text and progress through
    each generation's callback), sends again the rounds a full tail answered "busy" once their wait is over,
@@ -32,6 +32,7 @@ import redis
 from rq.timeouts import JobTimeoutException
 
 from relay_broker.streams import publish_many, read_replies
+from schemas.groups import pack_group
 from schemas.requests import GenerationResult
 from workers.head.rounds import Outcome, RoundLoop
 
@@ -162,15 +163,22 @@ class HeadLoop:
         if not out:
             return
         try:
-            publish_many(
-                self.r, [(stream, fields) for _, stream, fields in out], maxlen=self.settings.request_stream_maxlen
-            )
+            publish_many(self.r, self._entries(out), maxlen=self.settings.request_stream_maxlen)
         except Exception as e:
             for slot, _, _ in out:
                 self._fail(slot, e)
             return
         for slot, _, _ in out:
             slot.state, slot.due = State.SENT, slot.gen.sent()
+
+    def _entries(self, out: list[tuple[Slot, str, dict]]) -> list[tuple[str, dict]]:
+        """The stream entries for these rounds: one group entry per tail stream (one round goes alone)."""
+        by_stream: dict[str, list[dict]] = {}
+        for _, stream, fields in out:
+            by_stream.setdefault(stream, []).append(fields)
+        if not self.settings.group_messages:
+            return [(stream, fields) for stream, rounds in by_stream.items() for fields in rounds]
+        return [(stream, pack_group(rounds) if len(rounds) > 1 else rounds[0]) for stream, rounds in by_stream.items()]
 
     def _resend(self, now: float) -> None:
         """Rounds a full tail refused, whose wait is over: the same packets again."""

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas.errors import SessionError
+from relay_broker.streams import Entry
+from schemas.errors import PacketError, SessionError
+from schemas.groups import is_group, unpack_group
 from schemas.packets import DeadLetterRecord, RoundPacket, raw_header
 from workers.engine.shard import Cache
 from workers.speculative.sampling import decode_q, round_generator, warp
@@ -135,3 +137,22 @@ class BatchClock:
         else:
             forward = (self.t1 - self.t0) * 1000
         return forward, max(total - forward, 0.0)
+
+
+def expand_groups(entries: list[Entry], max_bytes: int) -> tuple[list[Entry], list[tuple[bytes, bytes, DeadLetter]]]:
+    """The stream entries with each group entry (schemas/groups.py) replaced by its sessions' rounds, each keeping
+    the group's stream and entry id; a group whose container is malformed is refused whole (no part of it can
+    be trusted to be where the index says)."""
+    out: list[Entry] = []
+    bad: list[tuple[bytes, bytes, DeadLetter]] = []
+    for stream, entry_id, fields in entries:
+        if not is_group(fields):
+            out.append((stream, entry_id, fields))
+            continue
+        try:
+            parts = unpack_group(fields, max_bytes=max_bytes)
+        except PacketError as e:
+            bad.append((stream, entry_id, DeadLetter(fields, str(e), None, None)))
+            continue
+        out += [(stream, entry_id, part) for part in parts]
+    return out, bad

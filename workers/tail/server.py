@@ -12,10 +12,6 @@ serving everyone else. Sessions of heads that died or restarted are freed (worke
 from __future__ import annotations
 
 import logging
-import os
-import re
-import secrets
-import socket
 import threading
 import time
 
@@ -58,16 +54,10 @@ from workers.engine.sizing import linger_s
 from workers.speculative.stopping import cut_at_stops
 from workers.speculative.verify import Outcome
 from workers.tail.liveness import HeadWatch
-from workers.tail.rounds import BatchClock, DeadLetter, Prepared, forward_inputs, plan_rounds, rewind
-from workers.tail.sessions import SessionStore, TailSession
+from workers.tail.rounds import BatchClock, DeadLetter, Prepared, expand_groups, forward_inputs, plan_rounds, rewind
+from workers.tail.sessions import TAIL_ID, SessionStore, TailSession, default_tail_id
 
 log = logging.getLogger("shardflow.tail")
-TAIL_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def default_tail_id() -> str:
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:24]
-    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 class TailWorker:
@@ -170,12 +160,18 @@ class TailWorker:
             open_sessions=len(self.sessions),
             linger_ms=self.linger_ms,
         )
-        if entries:
-            replies = self.handle_many([fields for _, _, fields in entries])
-            done = [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(entries, replies, strict=True)]
-            where = {id(fields): (stream, entry_id) for stream, entry_id, fields in entries}
-            dead = [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
-            self.reader.ack_many(done, dead_letters=dead)  # replies, acks and dead letters: one round trip
+        if not entries:
+            return
+        flat, bad = expand_groups(entries, self.max_packet_bytes)  # a group entry: its sessions' rounds
+        done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
+        dead = [letter.record(stream, entry_id, self.tail_id) for stream, entry_id, letter in bad]
+        for at in range(0, len(flat), self.engine.slots):  # a batch's sessions never outnumber the slots
+            chunk = flat[at : at + self.engine.slots]
+            replies = self.handle_many([fields for _, _, fields in chunk])
+            done += [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(chunk, replies, strict=True)]
+            where = {id(fields): (stream, entry_id) for stream, entry_id, fields in chunk}
+            dead += [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
+        self.reader.ack_many(done, dead_letters=dead)  # replies, acks and dead letters: one round trip
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """Packets refused since the last call (each with its reason), for the dead-letter stream."""

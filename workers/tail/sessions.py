@@ -5,6 +5,10 @@ or when the generation ends (see workers/tail/server.py)."""
 from __future__ import annotations
 
 import logging
+import os
+import re
+import secrets
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -14,6 +18,13 @@ from schemas.packets import HeadRef
 from workers.engine.shard import Cache
 
 log = logging.getLogger("shardflow.tail")
+TAIL_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def default_tail_id() -> str:
+    """host-pid-random: a tail's name when it is given none."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:24]
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 @dataclass

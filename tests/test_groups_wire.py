@@ -1,0 +1,81 @@
+"""Group messages (schemas/groups.py): one entry holds a group's rounds; each part comes back exactly as its head
+sealed it; a malformed container is refused whole; a garbage session inside a valid group fails that session
+alone (a real tail process)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import pytest
+import torch
+
+from relay_broker.streams import ReplyReader, publish
+from schemas.errors import PacketError
+from schemas.groups import GROUP, pack_group, unpack_group
+from schemas.packets import HEADER, MAC, ErrorReply, Verdict, authentic, decode_tail_message, session_key
+from schemas.requests import SamplingParams
+from tests.relay_util import TEST_HEAD, announce, sealed_round
+
+
+def _round(sid: str, n: int = 3, hidden: int = 64, key: bytes | None = None, **over) -> dict:
+    header = dict(
+        session_id=sid,
+        round_id=0,
+        start_pos=0,
+        input_ids=[5 + i for i in range(n)],
+        draft_ids=[],
+        sampling=SamplingParams(),
+        eos_token_ids=[0],
+        max_new=4,
+        q_kind="none",
+        **over,
+    )
+    return sealed_round(header, {"hidden": torch.randn(n, hidden)}, key or session_key())
+
+
+def test_parts_come_back_exactly_as_sealed():
+    rounds = [_round(f"g{i}", n=2 + i) for i in range(5)]
+    packed = pack_group(rounds)
+    assert set(packed) == {GROUP, HEADER, MAC, b"t.hidden"}
+    assert len(packed[b"t.hidden"]) == sum(len(r[b"t.hidden"]) for r in rounds)  # one [sum of rows, hidden] tensor
+    assert unpack_group(packed, max_bytes=1 << 24) == rounds
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda g: {**g, HEADER: g[HEADER][:-1]},
+        lambda g: {**g, MAC: g[MAC] + b"x"},
+        lambda g: {**g, b"t.hidden": g[b"t.hidden"][:-4]},
+        lambda g: {**g, b"t.extra": b"1"},
+        lambda g: {**g, GROUP: b"[" * 50_000},
+        lambda g: {**g, GROUP: json.dumps({**json.loads(g[GROUP]), "v": 1}).encode()},
+        lambda g: {**g, GROUP: json.dumps({**json.loads(g[GROUP]), "parts": []}).encode()},
+    ],
+)
+def test_a_malformed_container_is_refused_whole(spoil):
+    packed = pack_group([_round("a"), _round("b")])
+    with pytest.raises(PacketError):
+        unpack_group(spoil(packed), max_bytes=1 << 24)
+    with pytest.raises(PacketError, match="exceeds the cap"):
+        unpack_group(packed, max_bytes=100)
+
+
+def test_a_garbage_session_inside_a_valid_group_fails_alone(models, tails, redis_client):
+    ms = models["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers)
+    announce(redis_client, names, TEST_HEAD)
+    keys = {f"grp-{i}-{secrets.token_hex(3)}": session_key() for i in range(4)}
+    sids = list(keys)
+    rounds = [_round(sid, key=keys[sid]) for sid in sids]
+    rounds[1] = {**rounds[1], b"t.hidden": torch.full((3, 64), float("nan")).numpy().tobytes()}  # its MAC fails
+    rounds[2] = _round(sids[2], key=keys[sids[2]], n=3, hidden=32)  # wrong hidden size: a clear error
+    publish(redis_client, names.shared_requests, pack_group(rounds), maxlen=1000)
+    for i in (0, 3):
+        fields = ReplyReader(redis_client, names.reply(sids[i])).next(30)
+        assert authentic(keys[sids[i]], fields, reply=True)
+        assert isinstance(decode_tail_message(fields), Verdict)
+    bad = decode_tail_message(ReplyReader(redis_client, names.reply(sids[2])).next(30))
+    assert isinstance(bad, ErrorReply) and "hidden states must be" in bad.error
+    assert not redis_client.exists(names.reply(sids[1]))  # forged: dead-lettered, unanswered
