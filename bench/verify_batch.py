@@ -46,7 +46,7 @@ def make_round(rnd: random.Random, i: int, args: argparse.Namespace, sampled: bo
     if kind == "point" and args.q == "sparse":  # a drafter's q: half its mass on its draft, the rest on 64 tokens
         q = torch.zeros(k, args.vocab, device=dev)
         q[:, :64] = 0.5 / 64
-        q[torch.arange(k), torch.tensor(drafts, device=dev)] += 0.5
+        q[torch.arange(k, device=dev), torch.tensor(drafts, device=dev)] += 0.5
         kind, tensors = encode_q(q)
     packet = RoundPacket.model_construct(
         session_id=f"bench-{i}",

@@ -163,7 +163,7 @@ class BatchVerify:
     each round alone (tests/test_verify.py compares them).
 
     Made before the logits exist (the host work, and its one host-to-device copy of ids, overlap the forward);
-    `run(logits)` then takes one copy to the host for the batch: every row's finiteness (one reduction over the
+    `run(logits)` (once) then takes one copy to the host for the batch: every row's finiteness (one reduction over the
     concatenated logits), every greedy round's (accepted, next) from one argmax and one comparison with the
     drafts, the replays' checks, and what the sampled rounds decide with. Sampled rounds warp in chunks of at
     most `warp_rows` rows that share their sampling parameters; each keeps its own generator
