@@ -13,11 +13,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from producer.local import spawn_tail, wait_for_tails
+from producer.local import wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from schemas.keys import Keys
+from tests.job_env import spawn, stop_fork_server, tail_args
 from tests.secure_redis import pki, secured  # noqa: F401  (fixtures of the TLS + ACL Redis)
+from tests.zygote import Forked
 from workers.tiny_models import PROMPTS, build_tokenizer, save_noisy_copy, save_tiny_model  # noqa: F401
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -77,20 +79,14 @@ class Tails:
 
     def __init__(self, url: str, logdir: Path) -> None:
         self.url, self.logdir = url, logdir
-        self.procs: dict[tuple, tuple[subprocess.Popen, Keys]] = {}
+        self.procs: dict[tuple, tuple[subprocess.Popen | Forked, Keys]] = {}
 
     def get(self, target: Path, split: int, n_layers: int, extra: tuple[str, ...] = ()) -> Keys:
         key = (str(target), split, extra)
         if key not in self.procs or self.procs[key][0].poll() is not None:
             names = Keys(f"t{len(self.procs)}-{os.getpid()}")
-            proc = spawn_tail(
-                target,
-                (split, n_layers),
-                self.url,
-                prefix=names.prefix,
-                extra=["--threads", "1", *extra],
-                log_path=self.logdir / f"{names.prefix}.log",
-            )
+            args = tail_args(target, (split, n_layers), self.url, names.prefix, ["--threads", "1", *extra])
+            proc = spawn(args, self.logdir / f"{names.prefix}.log")
             wait_for_tails(connect(self.url), names, proc=proc)
             self.procs[key] = (proc, names)
         return self.procs[key][1]
@@ -119,7 +115,9 @@ def tails(redis_server, tmp_path_factory) -> Iterator[Tails]:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Under scripts/test.sh (SHARDFLOW_STRICT_TESTS=1) a skipped test or an empty run fails the suite."""
+    """Under scripts/test.sh (SHARDFLOW_STRICT_TESTS=1) a skipped test or an empty run fails the suite. The fork
+    server (tests/zygote.py) ends here, after the session's fixtures."""
+    stop_fork_server()
     if os.environ.get("SHARDFLOW_STRICT_TESTS") != "1" or exitstatus != 0:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

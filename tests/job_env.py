@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -16,18 +18,47 @@ from rq import Queue
 
 from producer.cli import main
 from producer.client import Client
-from producer.local import spawn_tail, wait_for_tails
+from producer.local import wait_for_tails
 from relay_broker.embedded import free_port
 from schemas.keys import Keys
 from schemas.openai import TEXT
+from tests.zygote import Forked, Zygote
 from workers.tiny_models import PROMPTS
 
 SPLIT = 2
+FORK = os.environ.get("SHARDFLOW_TEST_FORK", "1") != "0"  # 0: every worker process a fresh interpreter
+_fork_server: list[Zygote] = []  # the session's fork server, started at the first spawn (tests/zygote.py)
+
+
+def spawn(args: list[str], log: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen | Forked:
+    """Start `python -m MODULE ...` (a worker, serve) with its output appended to `log`: forked from the session's
+    fork server (tests/zygote.py: the heavy imports done once) where it can be, else as a fresh process."""
+    env = dict(os.environ) if env is None else env
+    if FORK and threading.current_thread() is threading.main_thread():  # it dies with the thread that started it
+        if not _fork_server:
+            _fork_server.append(Zygote(Path(tempfile.mkdtemp(prefix="shardflow-fork-"))))
+        proc = _fork_server[0].spawn(args, env, log)
+        if proc is not None:
+            return proc
+    out = log.open("ab") if log else subprocess.DEVNULL
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def stop_fork_server() -> None:
+    """End the fork server (tests/conftest.py, at the end of the session); a child it still has gets SIGTERM."""
+    while _fork_server:
+        _fork_server.pop().close()
+
+
+def tail_args(target: Path, layers: tuple[int, int], url: str, prefix: str, extra: list[str]) -> list[str]:
+    """The command line producer.local.spawn_tail runs."""
+    where = ["--target", str(target), "--layers", f"{layers[0]}:{layers[1]}", "--redis-url", url, "--prefix", prefix]
+    return [sys.executable, "-m", "producer", "tail", *where, *extra]
 
 
 def head_worker(
     target: Path, url: str, queue: str, prefix: str, log: Path, name: str, extra: tuple[str, ...] = ()
-) -> subprocess.Popen:
+) -> subprocess.Popen | Forked:
     env = {
         **os.environ,
         "SHARDFLOW_HEARTBEAT_TTL_S": "4",
@@ -57,7 +88,7 @@ def head_worker(
         name,
         *extra,
     ]
-    return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+    return spawn(args, log, env)
 
 
 def wait_for_worker(r, queue: str, timeout: float = 60) -> None:
@@ -87,7 +118,7 @@ class Env:
         self.ms, self.url, self.r, self.tmp = models["qwen2"], redis_server.url, redis_client, tmp
         self.queue, self.prefix = f"q-{name}", f"p-{name}"
         self.opts = ["--queue", self.queue, "--prefix", self.prefix, "--redis-url", self.url]
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | Forked] = {}
         self.start_tail(tail_extra)
         self.procs["head"] = head_worker(
             self.ms.target, self.url, self.queue, self.prefix, tmp / "head.log", f"{name}-h1", head_extra
@@ -96,14 +127,10 @@ class Env:
         self.client = Client(redis_client, prefix=self.prefix, queue=self.queue)
 
     def start_tail(self, extra: list[str] | None = None) -> None:
-        proc = spawn_tail(
-            self.ms.target,
-            (SPLIT, self.ms.n_layers),
-            self.url,
-            prefix=self.prefix,
-            extra=["--threads", "1", *(extra or [])],
-            log_path=self.tmp / "tail.log",
+        args = tail_args(
+            self.ms.target, (SPLIT, self.ms.n_layers), self.url, self.prefix, ["--threads", "1", *(extra or [])]
         )
+        proc = spawn(args, self.tmp / "tail.log")
         wait_for_tails(self.r, Keys(self.prefix), proc=proc)
         self.procs["tail"] = proc
 
@@ -123,7 +150,9 @@ def reference(hf, tok, prompt: str, n: int) -> list[int]:
     ].tolist()
 
 
-def start_serve(env: Env, log: Path, key: str, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def start_serve(
+    env: Env, log: Path, key: str, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen | Forked, str]:
     """A `shardflow serve` process for env's queue with one API key (a file of keys), once it answers; (process,
     base URL)."""
     import httpx
@@ -132,9 +161,7 @@ def start_serve(env: Env, log: Path, key: str, extra_env: dict[str, str] | None 
     keys.write_text(f"# keys of this test\n{key}\n")
     port = free_port()
     args = [sys.executable, "-m", "producer", "serve", "--port", str(port), "--api-keys", str(keys), *env.opts]
-    proc = subprocess.Popen(
-        args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, **(extra_env or {})}
-    )
+    proc = spawn(args, log, {**os.environ, **(extra_env or {})})
     base = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 60
     while True:

@@ -64,7 +64,8 @@ def test_a_malformed_container_is_refused_whole(spoil):
 
 def test_a_garbage_session_inside_a_valid_group_fails_alone(models, tails, redis_client):
     ms = models["qwen2"]
-    names = tails.get(ms.target, 2, ms.n_layers)
+    # a tail of its own: the sessions this test opens and leaves open slow every later round on a shared tail
+    names = tails.get(ms.target, 2, ms.n_layers, ("--name", "groups-wire"))
     announce(redis_client, names, TEST_HEAD)
     keys = {f"grp-{i}-{secrets.token_hex(3)}": session_key() for i in range(4)}
     sids = list(keys)
