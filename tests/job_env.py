@@ -22,32 +22,35 @@ from producer.local import wait_for_tails
 from relay_broker.embedded import free_port
 from schemas.keys import Keys
 from schemas.openai import TEXT
-from tests.zygote import Forked, Zygote
+from tests.zygote import Forked, Zygote, plain_env
 from workers.tiny_models import PROMPTS
 
 SPLIT = 2
 FORK = os.environ.get("SHARDFLOW_TEST_FORK", "1") != "0"  # 0: every worker process a fresh interpreter
-_fork_server: list[Zygote] = []  # the session's fork server, started at the first spawn (tests/zygote.py)
+MAX_FORK_SERVERS = 4  # one per environment the workers were started in (tests/zygote.py)
+_fork_servers: dict[frozenset, Zygote] = {}
 
 
 def spawn(args: list[str], log: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen | Forked:
-    """Start `python -m MODULE ...` (a worker, serve) with its output appended to `log`: forked from the session's
-    fork server (tests/zygote.py: the heavy imports done once) where it can be, else as a fresh process."""
+    """Start `python -m MODULE ...` (a worker, serve) with its output appended to `log`: forked from a fork server
+    (tests/zygote.py: the heavy imports done once) started in the same environment but for SHARDFLOW_* variables
+    (something the session ran may have set a variable since: torch.compile does), else as a fresh process."""
     env = dict(os.environ) if env is None else env
-    if FORK and threading.current_thread() is threading.main_thread():  # it dies with the thread that started it
-        if not _fork_server:
-            _fork_server.append(Zygote(Path(tempfile.mkdtemp(prefix="shardflow-fork-"))))
-        proc = _fork_server[0].spawn(args, env, log)
+    if FORK and threading.current_thread() is threading.main_thread():  # a server dies with the thread that started it
+        key = frozenset(plain_env(env).items())
+        if key not in _fork_servers and len(_fork_servers) < MAX_FORK_SERVERS:
+            _fork_servers[key] = Zygote(Path(tempfile.mkdtemp(prefix="shardflow-fork-")), env)
+        proc = _fork_servers[key].spawn(args, env, log) if key in _fork_servers else None
         if proc is not None:
             return proc
     out = log.open("ab") if log else subprocess.DEVNULL
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def stop_fork_server() -> None:
-    """End the fork server (tests/conftest.py, at the end of the session); a child it still has gets SIGTERM."""
-    while _fork_server:
-        _fork_server.pop().close()
+def stop_fork_servers() -> None:
+    """End the fork servers (tests/conftest.py, at the end of the session); a child one still has gets SIGTERM."""
+    while _fork_servers:
+        _fork_servers.popitem()[1].close()
 
 
 def tail_args(target: Path, layers: tuple[int, int], url: str, prefix: str, extra: list[str]) -> list[str]:

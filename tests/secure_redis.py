@@ -49,7 +49,7 @@ def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
     _openssl(*sign.split(), "-extfile", f"{name}.ext", cwd=d)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one CA and one TLS + ACL server for test_security and test_acl
 def pki(tmp_path_factory) -> Path:
     if shutil.which("openssl") is None:
         pytest.skip("no openssl CLI to make test certificates (scripts/test.sh installs it as root)")
@@ -76,7 +76,7 @@ class Secured:
         return connect(self.url(role), attempts=1, **kwargs)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def secured(pki, tmp_path_factory) -> Iterator[Secured]:
     binary = tls_redis_server()
     if binary is None:

@@ -159,20 +159,20 @@ class Forked:
 
 
 class Zygote:
-    """The fork server of one test session (tests/conftest.py starts it): `spawn` forks `python -m MODULE ...`
-    from it when the environment differs from the session's only in SHARDFLOW_* variables, else returns None
-    (the caller starts a fresh process)."""
+    """A fork server started in `env` (tests/job_env.py starts them): `spawn` forks `python -m MODULE ...` from
+    it when the child's environment differs from `env` only in SHARDFLOW_* variables, else returns None (the
+    caller starts a fresh process)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
         self.sock, self.status = tmp / "zygote.sock", tmp / "status"
         self.status.mkdir()
-        self.base = _plain(dict(os.environ))
+        self.base = plain_env(env)
         args = [sys.executable, "-m", "tests.zygote", str(self.sock), str(self.status)]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=self.base)
         assert self.proc.stdout is not None and self.proc.stdout.readline() == b"ready\n", "fork server failed"
 
     def spawn(self, args: list[str], env: dict[str, str], log: Path | None) -> Forked | None:
-        if self.proc.poll() is not None or args[:2] != [sys.executable, "-m"] or _plain(env) != self.base:
+        if self.proc.poll() is not None or args[:2] != [sys.executable, "-m"] or plain_env(env) != self.base:
             return None
         req = {"argv": args[2:], "env": env, "cwd": os.getcwd(), "log": str(log) if log else None}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -188,7 +188,8 @@ class Zygote:
         self.proc.wait(30)
 
 
-def _plain(env: dict[str, str]) -> dict[str, str]:
+def plain_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment but for SHARDFLOW_* variables (read by the project's code, in the child)."""
     return {k: v for k, v in env.items() if not k.startswith("SHARDFLOW_")}
 
 
