@@ -19,6 +19,7 @@ import os
 import random
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -175,10 +176,13 @@ class Zygote:
         if self.proc.poll() is not None or args[:2] != [sys.executable, "-m"] or plain_env(env) != self.base:
             return None
         req = {"argv": args[2:], "env": env, "cwd": os.getcwd(), "log": str(log) if log else None}
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(str(self.sock))
-            s.sendall(json.dumps(req).encode() + b"\n")
-            pid = json.loads(s.makefile("rb").readline())["pid"]
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(self.sock))
+                s.sendall(json.dumps(req).encode() + b"\n")
+                pid = json.loads(s.makefile("rb").readline())["pid"]
+        except (OSError, ValueError, KeyError):  # the server is gone: the caller starts a fresh process
+            return None
         return Forked(pid, args, self.status / str(pid))
 
     def close(self) -> None:
@@ -186,6 +190,7 @@ class Zygote:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(30)
+        shutil.rmtree(self.sock.parent, ignore_errors=True)
 
 
 def plain_env(env: dict[str, str]) -> dict[str, str]:
