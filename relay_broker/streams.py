@@ -14,8 +14,9 @@ import redis
 
 from relay_broker.connection import transport_retry
 from schemas.errors import ReplyTimeout
+from schemas.groups import MAC_BYTES, pack_group
 from schemas.keys import Keys
-from schemas.packets import head_batch_incomplete
+from schemas.packets import MAC, head_batch_incomplete
 from schemas.settings import Settings
 
 Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)
@@ -29,21 +30,55 @@ def publish(r: redis.Redis, stream: str, fields: dict, *, maxlen: int) -> bytes:
 
 
 @transport_retry()
-def publish_many(r: redis.Redis, entries: list[tuple[str, dict]], *, maxlen: int) -> None:
-    """Append each (stream, fields) entry, every stream trimmed to about `maxlen`: one round trip."""
+def publish_many(
+    r: redis.Redis,
+    entries: list[tuple[str, dict]],
+    *,
+    maxlen: int,
+    dead: list[tuple[str, dict]] | None = None,
+    dead_maxlen: int | None = None,
+) -> None:
+    """Append each (stream, fields) entry, every stream trimmed to about `maxlen`, and each dead-letter record
+    to its stream (trimmed to about `dead_maxlen`): one round trip. A refused dead letter fails nothing."""
     pipe = r.pipeline(transaction=False)
     for stream, fields in entries:
         pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)
-    pipe.execute()
+    for stream, fields in dead or []:
+        pipe.xadd(stream, fields, maxlen=dead_maxlen or maxlen, approximate=True)
+    replies = pipe.execute(raise_on_error=False)
+    for reply in replies[: len(entries)]:
+        if isinstance(reply, Exception):
+            raise reply
 
 
 class Reply(NamedTuple):
-    """A reply for one session's stream; the stream expires ttl_s after it (a session's last verdict
-    expires sooner: its head reads it at once and deletes nothing)."""
+    """A reply for one session's stream (or, `shared`, for the stream where a head reads all its sessions'
+    replies); the stream expires ttl_s after it (a session's last verdict expires sooner: its head reads it at
+    once and deletes nothing)."""
 
     stream: str
     fields: dict
     ttl_s: int
+    shared: bool = False
+
+
+def merge_replies(done: list[tuple[bytes | str, bytes, Reply | None]]) -> list[tuple[bytes | str, bytes, Reply | None]]:
+    """The same acks with the replies bound for one head's shared stream packed into one entry (schemas/groups.py;
+    an unsigned reply gets an all-zero MAC, which never verifies), carried by the first of them."""
+    shared: dict[str, list[int]] = {}
+    for i, (_, _, reply) in enumerate(done):
+        if reply is not None and reply.shared:
+            shared.setdefault(reply.stream, []).append(i)
+    out = list(done)
+    for stream, at in shared.items():
+        if len(at) < 2:
+            continue
+        replies = [done[i][2] for i in at]
+        parts = [{MAC: bytes(MAC_BYTES), **r.fields} for r in replies]  # type: ignore[union-attr]
+        packed = Reply(stream, pack_group(parts), max(r.ttl_s for r in replies), True)  # type: ignore[union-attr]
+        for n, i in enumerate(at):
+            out[i] = (done[i][0], done[i][1], packed if n == 0 else None)
+    return out
 
 
 def add_reply(pipe: redis.client.Pipeline, reply: Reply, maxlen: int) -> None:
@@ -227,6 +262,11 @@ class ReplyReader:
         self.refused += 1
         if self.dead_stream is not None and self.refused <= self.settings.reply_dead_letters_max:
             self._dead.append(record)
+
+    def take_dead(self) -> list[dict]:
+        """The dead letters queued so far (the caller sends them)."""
+        dead, self._dead = self._dead, []
+        return dead
 
     @transport_retry()
     def flush(self) -> None:

@@ -5,6 +5,7 @@ Relay (head <-> tail):
   {prefix}:tails                    that consumer group
   {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
   {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
+  {prefix}:reply:head.{name}.{boot} every reply to one head process's sessions (a group's in one entry)
   {prefix}:dead-letters             packets tails refused, reply entries heads refused, with the reason
   {prefix}:head:{name}              a running head's boot id, expiring after its reply timeout: tails drop
                                     the sessions of a head whose key is gone or names another boot
@@ -55,6 +56,11 @@ class Keys:
 
     def head(self, name: str) -> str:
         return f"{self.prefix}:head:{name}"
+
+    @staticmethod
+    def head_reply_to(name: str, boot: str) -> str:
+        """The reply stream suffix where a head process reads every one of its sessions' replies."""
+        return f"head.{name}.{boot}"
 
     # --- jobs ---
     def batch(self, batch_id: str) -> str:

@@ -89,6 +89,9 @@ class RoundPacket(BaseModel):
     session_id: SessionId
     head: HeadRef
     key: HexKey | None = Field(None, description="The session's key: in rounds that open a session (start_pos 0) only.")
+    reply_to: SessionId | None = Field(
+        None, description="The head's reply stream (`reply:REPLY_TO`) for all its sessions; None: the session's own."
+    )
     round_id: int = Field(ge=0)
     start_pos: int = Field(ge=0, description="Position of input_ids[0]; the tail holds 0..start_pos.")
     input_ids: list[TokenId] = Field(min_length=1, description="Committed tokens not yet cached.")
@@ -377,6 +380,14 @@ def peek_session(fields: object) -> tuple[str | None, int | None]:
         return sid, rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None
     except Exception:
         return None, None
+
+
+def peek_reply_to(fields: object) -> str | None:
+    """Best-effort `reply_to` of a round that failed validation (None unless it is a valid stream suffix)."""
+    try:
+        return _SESSION_ID.validate_python(json.loads(fields[HEADER])["reply_to"])  # type: ignore[index]
+    except Exception:
+        return None
 
 
 def peek_version(fields: object) -> object:

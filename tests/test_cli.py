@@ -54,9 +54,12 @@ def test_cli_generate_against_cli_tail(models, tails, redis_server, redis_client
     want = hf_models["llama"].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
     assert result["token_ids"] == want[0, ids.shape[1] :].tolist()
     assert result["rounds"] >= 1 and set(result["timings"]) >= {"draft_ms", "relay_ms", "tail_forward_ms"}
-    # streams stay bounded: handled entries are deleted and the session's reply stream expires soon
+    # streams stay bounded: handled entries are deleted, and the head's reply stream (every reply to its sessions,
+    # no stream per session) expires after the last reply
     assert redis_client.xlen(names.shared_requests) == 0
-    assert 0 < redis_client.ttl(names.reply(result["session_id"])) <= DEFAULTS.final_reply_ttl_s
+    assert not redis_client.exists(names.reply(result["session_id"]))
+    shared = redis_client.keys(f"{names.prefix}:reply:head.*")
+    assert shared and all(0 < redis_client.ttl(k) <= DEFAULTS.reply_ttl_s for k in shared)
 
 
 def test_cli_rejects_bad_layers():

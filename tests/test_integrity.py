@@ -20,9 +20,11 @@ import time
 import torch
 
 from relay_broker.streams import publish
+from schemas.groups import pack_group
 from schemas.keys import Keys
 from schemas.packets import (
     HEADER,
+    MAC,
     DeadLetterRecord,
     ErrorReply,
     HeadRef,
@@ -115,6 +117,7 @@ def test_forged_replies_of_every_kind_never_fail_or_change_a_job(models, hf_mode
     names = tails.get(ms.target, SPLIT, ms.n_layers, ("--name", "integrity-replies"))
     runtime = head_for(ms, SPLIT, ms.drafter)
     sid, rounds = f"replied-{secrets.token_hex(4)}", [0]
+    head_stream = names.reply(Keys.head_reply_to(runtime.beacons.ref.name, runtime.beacons.ref.boot))
 
     def forge(new: list[int], generated: list[int]) -> None:
         rounds[0] += 1
@@ -129,10 +132,12 @@ def test_forged_replies_of_every_kind_never_fail_or_change_a_job(models, hf_mode
             ErrorReply(**err, round_id=rid, retryable=True, echo="00" * 32),
             Verdict(session_id=sid, round_id=rid, accepted=0, tokens=[5], next_token=5, tail_id="evil"),
         ]
+        forged = [encode_message(msg) for msg in replies] + [encode_message(msg, wrong) for msg in replies]
         pipe = redis_client.pipeline(transaction=False)
-        for msg in replies:
-            pipe.xadd(names.reply(sid), encode_message(msg))  # unsigned
-            pipe.xadd(names.reply(sid), encode_message(msg, wrong))  # signed with another key
+        for fields in forged:  # where the head reads every reply to its sessions: alone, and as one group entry
+            pipe.xadd(head_stream, fields)
+            pipe.xadd(names.reply(sid), fields)  # the session's own stream, which the head does not read
+        pipe.xadd(head_stream, pack_group([{MAC: bytes(32), **f} for f in forged]))
         pipe.execute()
 
     result = generate(_request(5), runtime, redis_client, names=names, session_id=sid, on_tokens=forge)

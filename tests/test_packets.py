@@ -74,7 +74,7 @@ def bad_packets() -> list[tuple[str | None, dict, str, bool]]:
         ("trunc", trunc, "truncated", True),
         ("wrongv", wrong_v, "unsupported packet version 99", True),
         ("extra", extra, "Extra inputs are not permitted", False),
-        ("big", good_fields("big", n=CAP // 256 + 10), "exceeds the cap", False),
+        ("big", good_fields("big", n=CAP // 256 + 10), "exceeds the cap", True),  # its MAC verifies: answered
         ("ghost", good_fields("ghost", round_id=3, start_pos=7), "unknown session ghost", True),
         ("narrow", good_fields("narrow", hidden_size=32), "hidden states must be", True),
         ("sparseq", dense, "needs 2 q tensors", False),

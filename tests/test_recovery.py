@@ -14,6 +14,7 @@ from producer.local import spawn_tail
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis, free_port
 from schemas.errors import ReplyTimeout
+from schemas.groups import is_group, unpack_group
 from schemas.keys import Keys
 from schemas.packets import Verdict, decode_tail_message
 from schemas.requests import GenerationRequest
@@ -44,14 +45,19 @@ def consumer_ready(r, names: Keys, name: str) -> bool:
 
 
 def sessions_by_tail(r, names: Keys) -> dict[str, int]:
-    """How many live sessions each tail holds, from the latest verdict on each session's reply stream."""
-    held: dict[str, int] = {}
+    """How many live sessions each tail holds, from each session's latest verdict on the heads' reply streams
+    (where tails put every reply to a head's sessions, a batch's in one entry)."""
+    last: dict[str, Verdict] = {}
     for key in r.scan_iter(match=f"{names.prefix}:reply:*"):
-        last = r.xrevrange(key, count=1)
-        if last:
-            msg = decode_tail_message(last[0][1])
-            if isinstance(msg, Verdict) and msg.tail_id and msg.finish_reason is None:  # live ones
-                held[msg.tail_id] = held.get(msg.tail_id, 0) + 1
+        for _, fields in r.xrange(key):
+            for part in unpack_group(fields, max_bytes=1 << 30) if is_group(fields) else [fields]:
+                msg = decode_tail_message(part)
+                if isinstance(msg, Verdict):
+                    last[msg.session_id] = msg
+    held: dict[str, int] = {}
+    for msg in last.values():
+        if msg.tail_id and msg.finish_reason is None:  # live ones
+            held[msg.tail_id] = held.get(msg.tail_id, 0) + 1
     return held
 
 

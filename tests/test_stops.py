@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
 from schemas.settings import DEFAULTS
 from tests.conftest import PROMPTS
@@ -92,14 +93,16 @@ def test_max_new_tokens_exact(setup, redis_client, k):
 
 
 def test_session_end_needs_no_close_unless_the_head_stopped(setup, redis_client):
-    """A final verdict ends the session on the tail: the head sends no close and its reply stream expires
-    soon; a stop the head finds itself (stop strings) closes the session and deletes the replies."""
+    """A final verdict ends the session on the tail: the head sends no close; a stop the head finds itself
+    (stop strings) closes the session. Replies come on the head's own stream (none per session), which
+    expires after its last reply."""
     _, names, same, _, _, _ = setup
     req = GenerationRequest(prompt=PROMPTS[0], max_new_tokens=6, chat_template=False, draft=DraftSettings(k=4))
     got = generate(req, same, redis_client, names=names, session_id="ends-by-length")
     assert got.finish_reason == "length"
-    ttl = redis_client.ttl(names.reply("ends-by-length"))
-    assert 0 < ttl <= DEFAULTS.final_reply_ttl_s
+    assert not redis_client.exists(names.reply("ends-by-length"))
+    shared = names.reply(Keys.head_reply_to(same.beacons.ref.name, same.beacons.ref.boot))
+    assert 0 < redis_client.ttl(shared) <= DEFAULTS.reply_ttl_s
     stop = same.tokenizer.decode(got.token_ids[2:3]).strip() or got.text.split()[-1]
     req = req.model_copy(update={"stop": [stop], "max_new_tokens": 20})
     got = generate(req, same, redis_client, names=names, session_id="ends-by-stop")

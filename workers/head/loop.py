@@ -3,19 +3,20 @@
 Each step it
 1. admits the generations submitted since the last one (their first round carries the prompt, so prompts
    run batched with the other rounds of their group);
-2. computes one group of the generations that are ready: drafts for all of them at once and the lower
-   shard once over all of them (`Batcher.compute`, workers/head/batching.py), seals each round and
-   publishes the group as one entry per tail stream (schemas/groups.py), in one round trip;
-3. reads the reply streams of every generation waiting for a verdict in one round trip (blocking briefly
-   only when nothing is ready to compute), commits the verdicts (which streams text and progress through
-   each generation's callback), sends again the rounds a full tail answered "busy" once their wait is over,
-   replays the sessions whose tail went silent, and retires finished generations.
+2. hands each generation the replies that came for it (commits verdicts, which streams text and progress
+   through its callback; waits after a full tail's "busy"; replays after a tail's error), fails the sends that
+   failed, replays the sessions whose tail went silent, and retires finished generations;
+3. computes one group of the generations that are ready: drafts for all of them at once and the lower shard
+   once over all of them (`Batcher.compute`, workers/head/batching.py), seals each round and queues the group
+   as one entry per tail stream (schemas/groups.py).
 
-Groups are sized from measured stage and link times (workers/head/groups.py: about live / G generations,
-so that while one group computes, the others' rounds are on the wire). A CPU head lingers briefly for a
-group's worth of ready generations (`Batcher.linger_s`). Nothing runs a thread per generation: callers
-(the dispatcher's jobs, `generate`) submit a `RoundLoop` and get a Future. Generations never block the
-loop; their state changes only on this thread once submitted.
+The loop itself never waits on Redis: a sender thread publishes what it queues and a receiver thread reads the
+head's own reply stream, where tails put every reply to its sessions (workers/head/relay_io.py). With nothing
+to compute it sleeps until a reply, a submission or the next deadline. Groups are sized from measured stage and
+link times (workers/head/groups.py: about live / G generations, so that while one group computes the others'
+rounds are on the wire); a CPU head lingers briefly for a group's worth of ready generations
+(`Batcher.linger_s`). Nothing runs a thread per generation: callers (the dispatcher's jobs, `generate`)
+submit a `RoundLoop` and get a Future; once submitted, a generation's state changes on this thread only.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from dataclasses import dataclass, field
 import redis
 from rq.timeouts import JobTimeoutException
 
-from relay_broker.streams import publish_many, read_replies
 from schemas.groups import pack_group
+from schemas.keys import Keys
 from schemas.requests import GenerationResult
+from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
 
 log = logging.getLogger("shardflow.head")
@@ -55,6 +57,7 @@ class Slot:
     state: State = State.READY
     due: float = 0.0
     since: float = field(default_factory=time.monotonic)  # when it became ready
+    replies: list[tuple[bytes, dict]] = field(default_factory=list)  # (entry id, fields) not yet taken
 
 
 class HeadLoop:
@@ -62,12 +65,15 @@ class HeadLoop:
 
     def __init__(self, runtime, r: redis.Redis) -> None:
         self.rt, self.r, self.settings = runtime, r, runtime.settings
-        self.slots: list[Slot] = []
+        self.slots: dict[str, Slot] = {}  # by session id
         self._inbox: list[Slot] = []
+        self._replies: list[Reply] = []
+        self._failed: list[tuple[list[Slot], BaseException]] = []
         self._cv = threading.Condition()
         self.steps = 0
-        self._thread = threading.Thread(target=self._run, daemon=True, name="head-loop")
-        self._thread.start()
+        self.sender = Sender(r, self.settings)
+        self.receiver = Receiver(r, self.settings, self._deliver, self.sender)
+        threading.Thread(target=self._run, daemon=True, name="head-loop").start()
 
     def submit(self, gen: RoundLoop, timeout_s: float | None = None) -> Future[GenerationResult]:
         """Run `gen` to its end; the Future holds its result or what failed it (a timeout: JobTimeoutException)."""
@@ -82,64 +88,84 @@ class HeadLoop:
     def live(self) -> int:
         return len(self.slots)
 
+    def _deliver(self, replies: list[Reply]) -> None:
+        with self._cv:
+            self._replies += replies
+            self._cv.notify()
+
     # --- the loop -------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             try:
                 self._step()
-            except BaseException as e:  # a transport error past its retries, say: every generation fails with it
+            except BaseException as e:  # a bug: every generation fails with it, the loop goes on
                 log.exception("head loop: a step failed; failing the %d generations in flight", len(self.slots))
-                for slot in list(self.slots):
+                for slot in list(self.slots.values()):
                     self._fail(slot, e)
 
     def _step(self) -> None:
-        self._admit()
+        new, replies, failed = self._wait()
+        self._admit(new)
+        for slots, e in failed:
+            for slot in slots:
+                self._fail(slot, e)
+        self._route(replies)
         now = time.monotonic()
+        self._expire(now)
         self._resend(now)
-        ready = [s for s in self.slots if s.state is State.READY]
+        ready = [s for s in self.slots.values() if s.state is State.READY]
         size = math.ceil(max(len(self.slots), 1) / self.rt.batcher.plan.groups(len(self.slots)))
-        linger = self._linger_s(ready, size, now)
-        if ready and linger <= 0:
+        if ready and self._linger_s(ready, size, now) <= 0:
             self._compute(ready[:size])
-            ready = ready[size:]
-        self._read(block_s=0.0 if ready and linger <= 0 else self._block_s(linger))
-        self._expire(time.monotonic())
         self.steps += 1
 
-    def _admit(self) -> None:
-        """Take new generations; with none in flight, wait for one (no Redis traffic while idle)."""
+    def _wait(self) -> tuple[list[Slot], list[Reply], list]:
+        """What the I/O threads and callers brought; sleeps while there is nothing to do."""
         with self._cv:
-            while not self._inbox and not self.slots:
-                self._cv.wait()
+            while not (self._inbox or self._replies or self._failed):
+                wait = self._sleep_s()
+                if wait is not None and wait <= 0:
+                    break
+                self._cv.wait(wait)
             new, self._inbox = self._inbox, []
+            replies, self._replies = self._replies, []
+            failed, self._failed = self._failed, []
+        return new, replies, failed
+
+    def _sleep_s(self) -> float | None:
+        """How long the loop may sleep: 0 with rounds ready to compute (past any linger), else until the next
+        deadline (None: until something comes)."""
+        now = time.monotonic()
+        ready = [s for s in self.slots.values() if s.state is State.READY]
+        if ready:
+            size = math.ceil(len(self.slots) / self.rt.batcher.plan.groups(len(self.slots)))
+            return self._linger_s(ready, size, now)
+        dues = [s.due for s in self.slots.values()] + [s.deadline for s in self.slots.values() if s.deadline]
+        return max(min(dues) - now, 0.0) if dues else None  # 0: a deadline has come (a resend, a timeout)
+
+    def _admit(self, new: list[Slot]) -> None:
         for slot in new:
+            gen = slot.gen
+            ref = self.rt.beacons.ref
+            gen.reply_to = Keys.head_reply_to(ref.name, ref.boot)
+            gen.reader.stream = gen.names.reply(gen.reply_to)  # where its dead letters say the reply was
+            self.receiver.watch(gen.reader.stream, gen.names.dead_letters)
             try:
-                if slot.gen.begin() is not None:  # a checkpoint that already ends the generation
+                if gen.begin() is not None:  # a checkpoint that already ends the generation
                     self._done(slot, add=False)
                     continue
             except BaseException as e:
                 self._fail(slot, e, add=False)
                 continue
-            self.slots.append(slot)
+            self.slots[gen.sid] = slot
 
     def _linger_s(self, ready: list[Slot], size: int, now: float) -> float:
         """How much longer a CPU head waits for a group's worth of ready generations (0: compute now)."""
         linger = self.rt.batcher.linger_s
-        if linger <= 0 or not ready or len(ready) >= size or not any(s.state is State.SENT for s in self.slots):
+        if linger <= 0 or len(ready) >= size or not any(s.state is State.SENT for s in self.slots.values()):
             return 0.0
         bound = min(max(4 * linger, self.rt.batcher.plan.wait or 0.0), 50 * linger)
         return max(bound - (now - min(s.since for s in ready)), 0.0)
-
-    def _block_s(self, linger: float) -> float:
-        """How long the reply read may block: until the next deadline, a linger's end, or the poll period."""
-        waits = [self.settings.head_poll_ms / 1000]
-        waits += [s.due - time.monotonic() for s in self.slots if s.state is not State.READY]
-        if linger > 0:
-            waits.append(linger)
-        with self._cv:
-            if self._inbox:
-                return 0.0
-        return max(min(waits), 0.0)
 
     # --- compute and send -----------------------------------------------------------------------------
     def _compute(self, group: list[Slot]) -> None:
@@ -162,14 +188,16 @@ class HeadLoop:
     def _send(self, out: list[tuple[Slot, str, dict]]) -> None:
         if not out:
             return
-        try:
-            publish_many(self.r, self._entries(out), maxlen=self.settings.request_stream_maxlen)
-        except Exception as e:
-            for slot, _, _ in out:
-                self._fail(slot, e)
-            return
-        for slot, _, _ in out:
+        slots = [slot for slot, _, _ in out]
+        for slot in slots:
             slot.state, slot.due = State.SENT, slot.gen.sent()
+
+        def failed(e: BaseException) -> None:
+            with self._cv:
+                self._failed.append((slots, e))
+                self._cv.notify()
+
+        self.sender.put(Outgoing(self._entries(out), on_error=failed))
 
     def _entries(self, out: list[tuple[Slot, str, dict]]) -> list[tuple[str, dict]]:
         """The stream entries for these rounds: one group entry per tail stream (one round goes alone)."""
@@ -182,48 +210,43 @@ class HeadLoop:
 
     def _resend(self, now: float) -> None:
         """Rounds a full tail refused, whose wait is over: the same packets again."""
-        due = [s for s in self.slots if s.state is State.BUSY and s.due <= now]
+        due = [s for s in self.slots.values() if s.state is State.BUSY and s.due <= now]
         self._send([(s, s.gen.stream, s.gen.round.fields) for s in due if s.gen.round is not None])
 
     # --- replies --------------------------------------------------------------------------------------
-    def _read(self, block_s: float) -> None:
-        waiting = [s for s in self.slots if s.state is State.SENT]
-        if not waiting:
-            if block_s > 0:
-                with self._cv:
-                    self._cv.wait(block_s)  # a busy tail's wait, or a linger: a submission wakes it
-            return
-        if not any(s.gen.reader.ready for s in waiting):
-            block_ms = int(block_s * 1000)
-            read_replies(
-                self.r,
-                [s.gen.reader for s in waiting],
-                block_ms=block_ms if block_ms >= 1 else None,
-                count=self.settings.reply_read_count,
-            )
-        for slot in waiting:
+    def _route(self, replies: list[Reply]) -> None:
+        touched: list[Slot] = []
+        for sid, entry_id, fields in replies:
+            slot = self.slots.get(sid) if sid is not None else None
+            if slot is None:  # a session that ended (a late duplicate), or junk naming none: nothing to do
+                log.debug("head: a reply for no session in flight (%s)", sid)
+                continue
+            slot.replies.append((entry_id, fields))
+            touched.append(slot)
+        for slot in dict.fromkeys(touched):
             self._take(slot)
 
     def _take(self, slot: Slot) -> None:
-        reader = slot.gen.reader
-        while reader.ready:
+        while slot.replies and slot.state is not State.READY and slot.gen.sid in self.slots:
+            entry_id, fields = slot.replies.pop(0)
+            if slot.state is State.BUSY:
+                continue  # the round it answered goes again: a later reply answers that
+            slot.gen.reader.entry_id = entry_id
             try:
-                outcome = slot.gen.take(reader.pop())
+                outcome = slot.gen.take(fields)
             except BaseException as e:
                 self._fail(slot, e)
                 return
-            if outcome is Outcome.IGNORED:
-                continue
             if outcome is Outcome.BUSY:
                 slot.state, slot.due = State.BUSY, time.monotonic() + slot.gen.busy_wait_s()
             elif outcome is Outcome.FINISHED:
                 self._done(slot)
-            else:  # committed, or a replay: the next round is computed
+            elif outcome is not Outcome.IGNORED:  # committed, or a replay: the next round is computed
                 slot.state, slot.since = State.READY, time.monotonic()
-            return
+        slot.replies.clear()  # what is left answers a round already settled
 
     def _expire(self, now: float) -> None:
-        for slot in list(self.slots):
+        for slot in list(self.slots.values()):
             if slot.deadline is not None and now > slot.deadline:
                 self._fail(slot, JobTimeoutException("the job ran past its timeout"))
             elif slot.state is State.SENT and now > slot.due:
@@ -250,9 +273,16 @@ class HeadLoop:
             slot.future.set_exception(e)
 
     def _retire(self, slot: Slot, add: bool) -> None:
-        if add and slot in self.slots:
-            self.slots.remove(slot)
+        """Out of the loop: its slots freed now; its close packet and dead letters go with the sender."""
+        gen = slot.gen
+        if add:
+            self.slots.pop(gen.sid, None)
         try:
-            slot.gen.close()
+            gen.release()
         except Exception:
-            log.exception("session %s: could not close", slot.gen.sid)
+            log.exception("session %s: could not release its caches", gen.sid)
+        self.receiver.unwatch(gen.reader.stream)
+        bye = gen.goodbye()
+        dead = [(gen.names.dead_letters, record) for record in gen.reader.take_dead()]
+        if bye is not None or dead:
+            self.sender.put(Outgoing([bye] if bye is not None else [], dead=dead))

@@ -108,6 +108,7 @@ class RoundLoop:
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
         self.length = DraftLength(req.draft.k)  # this generation's draft length (adapted if asked)
+        self.reply_to: str | None = None  # its head's reply stream (`reply:REPLY_TO`), set by the loop
         self.round: OpenRound | None = None  # the round computed and sent, until its verdict
         self.finish: FinishReason | None = None
         self.started = time.perf_counter()
@@ -150,6 +151,7 @@ class RoundLoop:
             max_new=rnd.remaining,
             q_kind=q_kind,
             replay=self.replay_next,
+            reply_to=self.reply_to,
             head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
         )
         _, rnd.fields = encode_round(header, {"hidden": work.hidden, **q_tensors}, self.key)
@@ -342,12 +344,23 @@ class RoundLoop:
             self.on_tokens(new, self.generated)
         return finish
 
-    def close(self) -> None:
-        """Free this generation's slots; unless the tail ended the session itself (a final verdict: the
-        usual end, which then costs no round trip), tell it to drop the session and delete the replies."""
+    def release(self) -> None:
+        """Free this generation's slots (no Redis)."""
         self.rt.engine.release(self.cache)
         if self.drafter is not None:
             self.drafter.close()
+
+    def goodbye(self) -> tuple[str, dict[bytes, bytes]] | None:
+        """The close packet that tells the tail to drop the session (None if the tail ended it itself: a final
+        verdict, the usual end), for the loop's sender."""
+        if self.tail_closed:
+            return None
+        return self.stream, encode_message(ClosePacket(session_id=self.sid), self.key)
+
+    def close(self) -> None:
+        """Free this generation's slots; unless the tail ended the session itself (a final verdict: the
+        usual end, which then costs no round trip), tell it to drop the session and delete the replies."""
+        self.release()
         try:
             self.reader.flush()  # dead letters of the last round
             if self.tail_closed:

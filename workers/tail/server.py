@@ -19,7 +19,7 @@ import redis
 import torch
 
 from relay_broker.retry import ride_out
-from relay_broker.streams import GroupReader, Reply
+from relay_broker.streams import GroupReader, Reply, merge_replies
 from schemas.errors import (
     ForgedPacket,
     NonFiniteError,
@@ -41,6 +41,7 @@ from schemas.packets import (
     decode_head_header,
     encode_message,
     mac_hex,
+    peek_reply_to,
     peek_session,
     peek_version,
     round_tensors,
@@ -171,7 +172,8 @@ class TailWorker:
             done += [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(chunk, replies, strict=True)]
             where = {id(fields): (stream, entry_id) for stream, entry_id, fields in chunk}
             dead += [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
-        self.reader.ack_many(done, dead_letters=dead)  # replies, acks and dead letters: one round trip
+        # replies (those for one head's stream packed into one entry), acks and dead letters: one round trip
+        self.reader.ack_many(merge_replies(done), dead_letters=dead)
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """Packets refused since the last call (each with its reason), for the dead-letter stream."""
@@ -253,7 +255,7 @@ class TailWorker:
             msg = ErrorReply(session_id=sid, round_id=rid, error=str(e), tail_id=self.tail_id)
         else:
             return None
-        return Reply(self.names.reply(sid), encode_message(msg), self.settings.final_reply_ttl_s)
+        return self._reply_for(fields, sid, encode_message(msg))
 
     @staticmethod
     def _reason(e: Exception) -> str:
@@ -282,7 +284,22 @@ class TailWorker:
             non_finite=isinstance(e, NonFiniteError),
         )
         # a head waiting on this session reads it at once; one that is gone leaves nothing for long
-        return Reply(self.names.reply(sid), encode_message(msg, key), self.settings.final_reply_ttl_s)
+        return self._reply_for(fields, sid, encode_message(msg, key))
+
+    def _reply_for(self, packet: dict, sid: str, fields: dict) -> Reply:
+        """An error reply to a packet (its head's reply stream as its header names it, or the session's own)."""
+        to = peek_reply_to(packet)
+        return self._to(to, sid, fields, self.settings.final_reply_ttl_s)
+
+    def _reply(self, p: RoundPacket, fields: dict, ttl_s: int) -> Reply:
+        """A round's reply: to its head's reply stream (shared by its sessions), or the session's own."""
+        return self._to(p.reply_to, p.session_id, fields, ttl_s)
+
+    def _to(self, reply_to: str | None, sid: str, fields: dict, ttl_s: int) -> Reply:
+        """A head's shared reply stream lives reply_ttl_s past its last reply (its other sessions go on)."""
+        if reply_to is None:
+            return Reply(self.names.reply(sid), fields, ttl_s)
+        return Reply(self.names.reply(reply_to), fields, self.settings.reply_ttl_s, True)
 
     def _session_for(self, p: RoundPacket, key: bytes) -> TailSession | None:
         sess = self.sessions.get(p.session_id)
@@ -320,7 +337,7 @@ class TailWorker:
             busy = ErrorReply(
                 session_id=msg.session_id, round_id=msg.round_id, error=str(e), tail_id=self.tail_id, busy=True
             )
-            return Reply(self.names.reply(msg.session_id), encode_message(busy, key), self.settings.final_reply_ttl_s)
+            return self._reply(msg, encode_message(busy, key), self.settings.final_reply_ttl_s)
         if sess is None:  # duplicate or late: answer again with the verdict already sent, if it was the last one
             dup = self.sessions.get(msg.session_id)
             last = dup.last_reply if dup is not None and dup.last_round == msg.round_id else None
@@ -328,9 +345,7 @@ class TailWorker:
             self._dead.append(
                 DeadLetter(fields, f"duplicate or late round (session at round {held})", *peek_session(fields))
             )
-            return (
-                Reply(self.names.reply(msg.session_id), last, self.settings.reply_ttl_s) if last is not None else None
-            )
+            return self._reply(msg, last, self.settings.reply_ttl_s) if last is not None else None
         tensors = round_tensors(msg, fields, device=self.shard.device)
         hidden = tensors["hidden"]
         cfg = self.shard.config
@@ -388,8 +403,7 @@ class TailWorker:
             timings=timings,
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict, prep.key)
-        stream = self.names.reply(p.session_id)
         if finish is None:
-            return Reply(stream, sess.last_reply, self.settings.reply_ttl_s)
+            return self._reply(p, sess.last_reply, self.settings.reply_ttl_s)
         self.sessions.drop(p.session_id)
-        return Reply(stream, sess.last_reply, self.settings.final_reply_ttl_s)
+        return self._reply(p, sess.last_reply, self.settings.final_reply_ttl_s)
