@@ -161,7 +161,7 @@ class Forked:
 
 class Zygote:
     """A fork server started in `env` (tests/job_env.py starts them): `spawn` forks `python -m MODULE ...` from
-    it when the child's environment differs from `env` only in SHARDFLOW_* variables, else returns None (the
+    it when the child's environment differs from `env` only where `plain_env` looks away, else returns None (the
     caller starts a fresh process)."""
 
     def __init__(self, tmp: Path, env: dict[str, str]) -> None:
@@ -194,8 +194,9 @@ class Zygote:
 
 
 def plain_env(env: dict[str, str]) -> dict[str, str]:
-    """The environment but for SHARDFLOW_* variables (read by the project's code, in the child)."""
-    return {k: v for k, v in env.items() if not k.startswith("SHARDFLOW_")}
+    """The environment but for SHARDFLOW_* variables (read by the project's code, in the child) and pytest's
+    PYTEST_CURRENT_TEST (a new value every test)."""
+    return {k: v for k, v in env.items() if not k.startswith("SHARDFLOW_") and k != "PYTEST_CURRENT_TEST"}
 
 
 if __name__ == "__main__":
