@@ -203,8 +203,9 @@ class GroupReader:
             pipe.xadd(self.dead_stream, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
         acked: set[tuple[bytes | str, bytes]] = set()
         for stream, entry_id, reply in done:  # a group entry comes once per session it holds: acked once
-            if reply is not None:
-                add_reply(pipe, reply, self.settings.reply_stream_maxlen)
+            if reply is not None:  # a head's shared stream holds every session's: capped as a request stream
+                cap = self.settings.request_stream_maxlen if reply.shared else self.settings.reply_stream_maxlen
+                add_reply(pipe, reply, cap)
             if (stream, entry_id) not in acked:
                 acked.add((stream, entry_id))
                 pipe.xack(stream, self.group, entry_id)
