@@ -9,9 +9,10 @@ A worker's budget (`--gpu-memory`) bounds everything it allocates: weights, then
 what is left (less a reserve for workspaces and prefills: graph_reserve's share, at least
 `sizing.workspace_bytes`), each slot counted with its rows of a batched
 forward. The split maximises the jobs the pair can hold in flight (the fewer of the head's and the tail's
-slots): layers go where memory is left, as the reference system's auto-partitioner gives layers in
-proportion to memory. Row costs are estimated here (workers measure theirs at start), so slot counts are
-estimates; weights are exact for the layouts `load_shard` loads.
+slots): layers go where memory is left, as the auto-partitioner of ShardFlow v2.1 (the public
+split-inference system this project is measured against) gives layers in proportion to memory. Row costs
+are estimated here (workers measure theirs at start), so slot counts are estimates; weights are exact for
+the layouts `load_shard` loads.
 """
 
 from __future__ import annotations
