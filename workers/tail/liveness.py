@@ -72,3 +72,17 @@ class HeadWatch:
         for (name, why), n in gone.items():
             log.warning("dropped %d session(s): their head %s %s", n, name, why)
         return sum(gone.values())
+
+
+def keep_alive(r: redis.Redis, names: Keys, tail_id: str, settings: Settings) -> None:
+    """Keep a tail's own stream from expiring (a dead tail's goes after tail_stream_ttl_s) and drop consumers of
+    the shared group that have been idle that long."""
+    ttl_s = settings.tail_stream_ttl_s
+    try:
+        r.expire(names.tail_requests(tail_id), ttl_s)
+        shared, group = names.shared_requests, names.tail_group
+        for c in r.xinfo_consumers(shared, group):
+            if int(c["idle"]) > ttl_s * 1000 and int(c["pending"]) == 0:
+                r.xgroup_delconsumer(shared, group, c["name"])
+    except redis.RedisError as e:
+        log.debug("keepalive skipped: %s", e)

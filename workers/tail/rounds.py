@@ -7,19 +7,22 @@ same results), and `BatchClock` times its forward without a sync of its own."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from relay_broker.streams import Entry
-from schemas.errors import PacketError, SessionError
+from schemas.errors import PacketError, SessionError, ShardFlowError
 from schemas.groups import is_group, unpack_group
 from schemas.packets import DeadLetterRecord, RoundPacket, raw_header
 from workers.engine.shard import Cache
 from workers.speculative.sampling import decode_q, round_generator, warp
 from workers.speculative.verify import BatchVerify, RoundCheck, greedy_replay_ok, verify_greedy, verify_sampling
 from workers.tail.sessions import TailSession
+
+log = logging.getLogger("shardflow.tail")
 
 
 @dataclass
@@ -156,3 +159,13 @@ def expand_groups(entries: list[Entry], max_bytes: int) -> tuple[list[Entry], li
             continue
         out += [(stream, entry_id, part) for part in parts]
     return out, bad
+
+
+def reason_of(e: Exception) -> str:
+    """Why a packet was refused, as its dead letter and error reply say."""
+    return str(e) if isinstance(e, ShardFlowError) else f"internal error: {type(e).__name__}: {e}"
+
+
+def log_bad(sid: str | None, rid: int | None, e: Exception) -> None:
+    internal = not isinstance(e, ShardFlowError)
+    (log.exception if internal else log.warning)("bad packet (session %s, round %s): %s", sid, rid, reason_of(e))

@@ -25,7 +25,6 @@ from schemas.errors import (
     NonFiniteError,
     PacketError,
     SessionError,
-    ShardFlowError,
     TailBusy,
     TransportError,
 )
@@ -54,8 +53,18 @@ from workers.engine.shard import Shard
 from workers.engine.sizing import linger_s
 from workers.speculative.stopping import cut_at_stops
 from workers.speculative.verify import Outcome
-from workers.tail.liveness import HeadWatch
-from workers.tail.rounds import BatchClock, DeadLetter, Prepared, expand_groups, forward_inputs, plan_rounds, rewind
+from workers.tail.liveness import HeadWatch, keep_alive
+from workers.tail.rounds import (
+    BatchClock,
+    DeadLetter,
+    Prepared,
+    expand_groups,
+    forward_inputs,
+    log_bad,
+    plan_rounds,
+    reason_of,
+    rewind,
+)
 from workers.tail.sessions import TAIL_ID, SessionStore, TailSession, default_tail_id
 
 log = logging.getLogger("shardflow.tail")
@@ -135,21 +144,11 @@ class TailWorker:
         self._regroup = True  # a Redis restarted without persistence lost the consumer groups
 
     def _keepalive(self) -> None:
-        """Now and then: keep this tail's own stream from expiring (a dead tail's goes after
-        tail_stream_ttl_s) and drop consumers of the shared group that have been idle that long."""
+        """Now and then (tail_keepalive_s): this tail's stream kept, dead tails' idle consumers dropped."""
         now = time.monotonic()
-        if now - self._last_keepalive < self.settings.tail_keepalive_s:
-            return
-        self._last_keepalive = now
-        ttl_s = self.settings.tail_stream_ttl_s
-        try:
-            self.r.expire(self.names.tail_requests(self.tail_id), ttl_s)
-            shared, group = self.names.shared_requests, self.names.tail_group
-            for c in self.r.xinfo_consumers(shared, group):
-                if int(c["idle"]) > ttl_s * 1000 and int(c["pending"]) == 0:
-                    self.r.xgroup_delconsumer(shared, group, c["name"])
-        except redis.RedisError as e:
-            log.debug("keepalive skipped: %s", e)
+        if now - self._last_keepalive >= self.settings.tail_keepalive_s:
+            self._last_keepalive = now
+            keep_alive(self.r, self.names, self.tail_id, self.settings)
 
     def _serve_once(self) -> None:
         if self._regroup:
@@ -244,8 +243,8 @@ class TailWorker:
         unsigned (there is no key to sign with): a round for a session this tail does not hold, echoing the
         round's MAC, so its head replays the session onto a live tail at once; and a packet of another
         protocol version, so a head of another release logs why (a head of this one refuses the reply)."""
-        self._log_bad(sid, rid, e)
-        self._dead.append(DeadLetter(fields, self._reason(e), sid, rid))
+        log_bad(sid, rid, e)
+        self._dead.append(DeadLetter(fields, reason_of(e), sid, rid))
         if sid is None:
             return None
         mac = mac_hex(fields)
@@ -257,20 +256,12 @@ class TailWorker:
             return None
         return self._reply_for(fields, sid, encode_message(msg))
 
-    @staticmethod
-    def _reason(e: Exception) -> str:
-        return str(e) if isinstance(e, ShardFlowError) else f"internal error: {type(e).__name__}: {e}"
-
-    def _log_bad(self, sid: str | None, rid: int | None, e: Exception) -> None:
-        internal = not isinstance(e, ShardFlowError)
-        (log.exception if internal else log.warning)("bad packet (session %s, round %s): %s", sid, rid, self._reason(e))
-
     def _fail_with(self, sid: str, rid: int | None, e: Exception, fields: dict, key: bytes | None) -> Reply | None:
         """Dead-letter an authentic packet that failed with its reason, drop its session (its cache may be
         half-updated) and answer it with a MAC'd error; a session this tail lost gets a retryable one (the
         head replays)."""
-        reason = self._reason(e)
-        self._log_bad(sid, rid, e)
+        reason = reason_of(e)
+        log_bad(sid, rid, e)
         self._dead.append(DeadLetter(fields, reason, sid, rid))
         self.sessions.drop(sid)
         if key is None:
