@@ -37,6 +37,7 @@ from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from producer.follow import Streamed
+from producer.job_view import job_view
 from producer.views import (  # noqa: F401  (re-exported: the producer API's types)
     FINAL,
     Batch,
@@ -54,7 +55,7 @@ from producer.views import (  # noqa: F401  (re-exported: the producer API's typ
 from relay_broker.retry import REDIS_LOST, ride_out
 from relay_broker.rq_jobs import SafeJob
 from schemas.errors import InvalidRequest, TransportError
-from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, ModelInfo, job_id_for, job_ttl, read_result
+from schemas.jobs import BATCH_ID_PATTERN, RUN_GENERATION, ModelInfo, job_id_for, job_ttl
 from schemas.keys import Keys
 from schemas.openai import JobTag
 from schemas.requests import GenerationRequest
@@ -65,18 +66,6 @@ RETRYABLE = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 OnRetry = Callable[[BaseException, float], None]  # (the Redis error, seconds until the next attempt)
 OnProgress = Callable[[list["JobView"]], None]
 T = TypeVar("T")
-
-
-def _number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _tag(raw: object) -> dict | None:
-    """A job's OpenAI tag as stored in its meta (anyone who can write Redis can write one): checked, else None."""
-    try:
-        return JobTag.model_validate(raw).model_dump(mode="json") if isinstance(raw, dict) else None
-    except ValidationError:
-        return None
 
 
 def new_batch_id() -> str:
@@ -233,40 +222,9 @@ class Client:
         if isinstance(stored, Exception):
             raise stored
         return [
-            self._view(i, jid, self._restore(jid, raw), result)
+            job_view(i, jid, self._restore(jid, raw), result)
             for i, (jid, raw, result) in enumerate(zip(job_ids, raws, stored, strict=True))
         ]
-
-    @staticmethod
-    def _view(i: int, jid: str, job: Job | str | None, raw: bytes | None) -> JobView:
-        """One job as users see it; what others could have forged is checked (types, the stored result)."""
-        result = read_result(raw)
-        bad = "unreadable result record" if raw is not None and result is None else None
-        if job is None or isinstance(job, str):
-            status, error = ("expired", bad) if job is None else ("unknown", job)
-            return JobView(jid, i, status, error=error, result=result)
-        meta = job.meta if isinstance(job.meta, dict) else {}
-        got = job.get_status(refresh=False)
-        status = got.value if isinstance(got, JobStatus) else str(got or "unknown")
-        error = meta.get("error") if status in ("failed", "stopped", "canceled", "scheduled") else None
-        if status == "failed" and not error:
-            try:
-                latest = job.latest_result()
-                exc = latest.exc_string if latest is not None else None
-            except Exception:  # RQ's result stream holds an entry it cannot read
-                exc = None
-            error = exc.strip().splitlines()[-1] if isinstance(exc, str) and exc.strip() else "failed"
-        index, progress, prompt = meta.get("index", i), meta.get("progress"), meta.get("prompt")
-        return JobView(
-            jid,
-            index if isinstance(index, int) else i,
-            status,
-            prompt if isinstance(prompt, str) else "",
-            {k: v for k, v in progress.items() if _number(v)} if isinstance(progress, dict) else {},
-            str(error) if error is not None else bad,
-            result,
-            _tag(meta.get("openai")),
-        )
 
     # --- waiting ------------------------------------------------------------------------------
     def wait(

@@ -75,7 +75,7 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> None:
-    from producer.cli_jobs import show_follow
+    from producer.cli_watch import show_follow
     from producer.client import Client
     from producer.local import interrupt_on_termination, layer_count, stop_processes, wait_for_tails
     from relay_broker.connection import connect

@@ -16,7 +16,8 @@ from relay_broker.connection import transport_retry
 from schemas.errors import ReplyTimeout
 from schemas.groups import MAC_BYTES, pack_group
 from schemas.keys import Keys
-from schemas.packets import MAC, head_batch_incomplete
+from schemas.packets import MAC
+from schemas.peek import head_batch_incomplete
 from schemas.settings import Settings
 
 Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)

@@ -11,7 +11,7 @@ import redis
 from click.testing import CliRunner
 
 from producer.cli import main
-from producer.cli_jobs import show_wait
+from producer.cli_watch import show_wait
 from producer.client import Client, Followed, JobEnded, StreamBroken, TextChunk, WaitTimeout
 from relay_broker.connection import connect
 from schemas.errors import ShardFlowError, TransportError

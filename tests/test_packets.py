@@ -15,9 +15,8 @@ from schemas.packets import (
     DeadLetterRecord,
     decode_head_message,
     decode_tail_message,
-    head_batch_incomplete,
-    peek_head_batch,
 )
+from schemas.peek import head_batch_incomplete, peek_head_batch
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from tests.conftest import PROMPTS
 from tests.relay_util import reseal, sealed_round

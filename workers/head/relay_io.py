@@ -22,7 +22,8 @@ import redis
 from relay_broker.streams import publish_many
 from schemas.errors import PacketError
 from schemas.groups import is_group, unpack_group
-from schemas.packets import DeadLetterRecord, decode_tail_message, peek_session, raw_header
+from schemas.packets import DeadLetterRecord, decode_tail_message
+from schemas.peek import peek_session, raw_header
 from schemas.settings import Settings
 
 log = logging.getLogger("shardflow.head")

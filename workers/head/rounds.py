@@ -26,9 +26,9 @@ from schemas.packets import (
     encode_message,
     encode_round,
     mac_hex,
-    raw_header,
     session_key,
 )
+from schemas.peek import raw_header
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from workers.head.batching import HeadWork
 from workers.speculative.adaptive import DraftLength

@@ -16,7 +16,8 @@ import torch
 from relay_broker.streams import Entry
 from schemas.errors import PacketError, SessionError, ShardFlowError
 from schemas.groups import is_group, unpack_group
-from schemas.packets import DeadLetterRecord, RoundPacket, raw_header
+from schemas.packets import DeadLetterRecord, RoundPacket
+from schemas.peek import raw_header
 from workers.engine.shard import Cache
 from workers.speculative.sampling import decode_q, round_generator, warp
 from workers.speculative.verify import BatchVerify, RoundCheck, greedy_replay_ok, verify_greedy, verify_sampling

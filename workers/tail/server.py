@@ -40,11 +40,9 @@ from schemas.packets import (
     decode_head_header,
     encode_message,
     mac_hex,
-    peek_reply_to,
-    peek_session,
-    peek_version,
     round_tensors,
 )
+from schemas.peek import peek_reply_to, peek_session, peek_version
 from schemas.settings import Settings
 from workers.engine.isolate import run_isolated
 from workers.engine.numerics import non_finite_error
