@@ -80,3 +80,32 @@ def test_a_garbage_session_inside_a_valid_group_fails_alone(models, tails, redis
     bad = decode_tail_message(ReplyReader(redis_client, names.reply(sids[2])).next(30))
     assert isinstance(bad, ErrorReply) and "hidden states must be" in bad.error
     assert not redis_client.exists(names.reply(sids[1]))  # forged: dead-lettered, unanswered
+
+
+def test_a_group_larger_than_the_packet_cap_goes_in_several_entries(models, tails, redis_client, hf_models, tokenizers):
+    """A head splits a group's rounds into entries under the packet cap (a tail refuses a larger one whole: at 256
+    jobs of 128-token prompts the first rounds' group was 117 MB against a 64 MiB cap), and every generation
+    still equals HF generate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from schemas.requests import GenerationRequest
+    from schemas.settings import Settings
+    from tests.conftest import PROMPTS
+    from tests.job_env import reference
+    from workers.head.loop import _chunks
+    from workers.head.runtime import HeadRuntime, generate
+
+    assert [len(c) for c in _chunks([{b"h": b"x" * 10}] * 7, 35)] == [3, 3, 1]
+    assert [len(c) for c in _chunks([{b"h": b"x" * 100}], 35)] == [1]  # too large alone: it goes alone
+    ms, cap = models["qwen2"], 24_000
+    names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
+    runtime = HeadRuntime.load(ms.target, (0, 2), settings=Settings(max_packet_bytes=cap))
+    prompts = PROMPTS[:12]
+
+    def one(p: str) -> list[int]:
+        req = GenerationRequest(prompt=p, max_new_tokens=6, chat_template=False)
+        return generate(req, runtime, redis_client, names=names).token_ids
+
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 6) for p in prompts]

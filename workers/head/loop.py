@@ -206,7 +206,12 @@ class HeadLoop:
             by_stream.setdefault(stream, []).append(fields)
         if not self.settings.group_messages:
             return [(stream, fields) for stream, rounds in by_stream.items() for fields in rounds]
-        return [(stream, pack_group(rounds) if len(rounds) > 1 else rounds[0]) for stream, rounds in by_stream.items()]
+        cap = self.settings.max_packet_bytes // 2  # a tail refuses a group over its packet cap whole
+        return [
+            (stream, pack_group(chunk) if len(chunk) > 1 else chunk[0])
+            for stream, rounds in by_stream.items()
+            for chunk in _chunks(rounds, cap)
+        ]
 
     def _resend(self, now: float) -> None:
         """Rounds a full tail refused, whose wait is over: the same packets again."""
@@ -286,3 +291,18 @@ class HeadLoop:
         dead = [(gen.names.dead_letters, record) for record in gen.reader.take_dead()]
         if bye is not None or dead:
             self.sender.put(Outgoing([bye] if bye is not None else [], dead=dead))
+
+
+def _chunks(rounds: list[dict], cap: int) -> list[list[dict]]:
+    """Consecutive runs of rounds whose fields add up to at most `cap` bytes (a round larger alone goes alone:
+    its tail answers it with why)."""
+    out: list[list[dict]] = []
+    size = cap + 1
+    for fields in rounds:
+        n = sum(len(k) + len(v) for k, v in fields.items())
+        if size + n > cap:
+            out.append([])
+            size = 0
+        out[-1].append(fields)
+        size += n
+    return out
