@@ -20,4 +20,6 @@ fi
 export SHARDFLOW_STRICT_TESTS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 python -m ruff check .
 lint-imports  # the layering contract in pyproject.toml
-python -m pytest -q -m "slow or not slow" "$@"  # every test, the slow ones too
+# Every test, the slow ones too, on two pytest-xdist workers (one a core: a test's head and tail take turns on
+# one), each test module on one worker with its module fixtures; a worker has its own Redis, tails and fork server.
+python -m pytest -q -m "slow or not slow" -n 2 --dist loadfile "$@"
