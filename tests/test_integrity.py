@@ -143,8 +143,13 @@ def test_forged_replies_of_every_kind_never_fail_or_change_a_job(models, hf_mode
     result = generate(_request(5), runtime, redis_client, names=names, session_id=sid, on_tokens=forge)
     assert result.token_ids == reference(FAMILY, hf_models[FAMILY], tokenizers[FAMILY])[5]
     assert result.replays == 0 and rounds[0] >= 2
-    reasons = [d.reason for d in _dead(redis_client, names) if d.session_id == sid and d.refused_by == "head"]
-    assert reasons and all("MAC does not verify" in r for r in reasons), reasons[:3]
+    deadline = time.monotonic() + 30  # the head's sender writes a generation's dead letters as it retires
+    while not (
+        reasons := [d.reason for d in _dead(redis_client, names) if d.session_id == sid and d.refused_by == "head"]
+    ):
+        assert time.monotonic() < deadline, "no dead letters"
+        time.sleep(0.1)
+    assert all("MAC does not verify" in r for r in reasons), reasons[:3]
 
 
 # --- a tail frees the sessions of heads that are gone (in process, a static tail of two slots) ----------------
