@@ -50,11 +50,14 @@ class HeadBeacon:
         self.r.set(self.key, self.ref.boot, px=self.ttl_ms)
 
     def _run(self) -> None:
+        failing = False
         while not self.stop.wait(self.period_s):
-            try:
-                self._announce()
+            try:  # one try a period (no transport retries: the next period is the retry)
+                self.r.set(self.key, self.ref.boot, px=self.ttl_ms)
+                failing = False
             except (TransportError, redis.RedisError) as e:  # tails may free our sessions: replays follow
-                log.warning("head %s: could not renew %s: %s", self.ref.name, self.key, e)
+                (log.debug if failing else log.warning)("head %s: could not renew %s: %s", self.ref.name, self.key, e)
+                failing = True
 
     def close(self) -> None:
         """Stop renewing and delete the key (a head that stops cleanly frees its sessions at once)."""
