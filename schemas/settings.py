@@ -160,6 +160,18 @@ class Settings(BaseSettings):
         description="Longest a head's step loop blocks reading verdicts while nothing is ready to compute (a new "
         "job waits at most this long to start).",
     )
+    head_senders: int = Field(
+        3,
+        ge=1,
+        description="Threads (each with its Redis connection) a head publishes rounds on: a group computed while "
+        "another's publish is on the wire goes at once (workers/head/relay_io.py).",
+    )
+    head_readers: int = Field(
+        2,
+        ge=1,
+        description="Threads a head reads its reply streams on (one consumer group): while one's answer travels "
+        "back another's read waits at Redis, so a verdict is taken as it comes.",
+    )
     reply_timeout_s: float = Field(
         15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."
     )

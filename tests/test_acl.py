@@ -80,7 +80,7 @@ SHARED_KEYS = {
         f"{P}:tail:requests": {"XADD"},
         f"{P}:tail:t1:requests": {"XADD"},
         f"{P}:dead-letters": {"XADD"},
-        f"{P}:reply:s1": {"DEL"},
+        f"{P}:reply:s1": {"DEL", "EXPIRE"},  # its own reply streams: read through its consumer group
         f"{P}:tokens:j1": {"XADD", "EXPIRE", "DEL"},
     },
     "tail": {

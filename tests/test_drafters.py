@@ -190,3 +190,28 @@ def test_best_k_follows_acceptance_and_costs():
     for _ in range(10):
         k = length.update(drafted=length.k, accepted=0, draft_ms=4.0 * length.k, other_ms=20.0)
     assert k == 1
+
+
+def test_draft_length_stays_at_its_most_where_k_costs_nothing():
+    """With graphs a round costs the same whatever its K (the longest draft runs for every row, rows are padded
+    to K + 1): a shorter draft only commits fewer tokens, so the length never drops (here it did, to 1, above)."""
+    from workers.speculative.adaptive import DraftLength
+
+    length = DraftLength(k_max=8)
+    for _ in range(10):
+        k = length.update(drafted=length.k, accepted=0, draft_ms=14.0, other_ms=95.0, free=True)
+    assert k == 8
+
+
+def test_a_graph_round_counts_as_free_of_k(models):
+    """The batcher marks rounds run through graphs as free of K (workers/head/batching.py); eager ones not."""
+    from workers.engine.runner import Engine
+    from workers.engine.shard import load_shard
+    from workers.head.batching import HeadWork, _k_free
+
+    shard = load_shard(models["qwen2"].target, (0, 1), embed=True, head=False)
+    w = HeadWork(None, [1, 2], 4, SamplingParams(), None, None, [2], 1)  # type: ignore[arg-type]
+    eager = Engine(shard, static=True, graphs=False)
+    assert not _k_free(w, eager)
+    eager.graphs = True  # as a CUDA engine says it (an n-gram or no drafter: only the shard's rows count)
+    assert _k_free(w, eager)

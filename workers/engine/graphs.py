@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from workers.engine.kvcache import BatchView, KVPool
+from workers.engine.kvcache import BatchView, DraftBuffer, KVPool
 from workers.engine.shard import Shard, blank_input
 
 
@@ -76,15 +76,19 @@ def greedy_steps(
 ) -> torch.Tensor:
     """k greedy draft tokens per row [b, k], each fed back on the device: the first from the row's token
     at `pick` after running x, the rest one position further each (capturable as one graph); attention
-    over the first `length` positions of each slot (see BatchView)."""
-    cur = run(x, pos, BatchView(pool, rows, pos, length), pick)[:, -1].argmax(-1)
-    out = [cur]
+    over the first `length` positions of each slot, copied out of the pool once for all k steps and the
+    positions written copied back at the end (`DraftBuffer`)."""
+    buf = DraftBuffer(pool, rows, length)
+    cur = run(x, pos, buf.view(pos), pick)[:, -1].argmax(-1)
+    out, written = [cur], [pos]
     last, zero = pos.gather(1, pick), torch.zeros_like(pick)
     limit = pool.index.shape[0] - 1  # padding rows stay on their scratch positions
     for _ in range(1, k):
         last = (last + 1).clamp(max=limit)
-        cur = run(cur[:, None], last, BatchView(pool, rows, last, length), zero)[:, -1].argmax(-1)
+        cur = run(cur[:, None], last, buf.view(last), zero)[:, -1].argmax(-1)
         out.append(cur)
+        written.append(last)
+    buf.write_back(torch.cat(written, dim=1))
     return torch.stack(out, dim=1)
 
 

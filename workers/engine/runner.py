@@ -112,8 +112,11 @@ class Engine:
 
     def slot_bytes(self, shard: Shard, step_tokens: int, max_draft: int, max_len: int | None = None) -> int:
         """Bytes a slot of this engine takes (of max_len positions, default the engine's): its keys/values and
-        its share of the graphs' memory."""
-        return slot_cost(shard, max_len or self.max_len, step_tokens, step_tokens + max_draft)
+        its share of the graphs' memory; a drafter's whole drafts hold a copy of their rows' keys and values
+        (`DraftBuffer`) in that memory too."""
+        length, scratch = max_len or self.max_len, step_tokens + max_draft
+        copy = KVPool.slot_bytes(shard, length, scratch) if max_draft and shard.device.type == "cuda" else 0
+        return slot_cost(shard, length, step_tokens, scratch) + copy
 
     def _new_pool(self, slots: int, max_len: int | None = None) -> KVPool:
         scratch = self.step_tokens + self.max_draft  # a draft's extra steps may run past max_len

@@ -57,6 +57,7 @@ class HeadWork:
     draft_s: float = 0.0
     head_s: float = 0.0
     batch: int = 0  # rounds in the batch that computed it
+    k_free: bool = False  # its cost did not depend on k (graphs: the longest draft and K + 1 rows for every row)
     route: str = ""  # the stream its packet goes to
     tag: tuple[str, int] | None = None  # (the batch's id, its rounds with the same route): the tail's hint
     error: BaseException | None = None
@@ -66,6 +67,15 @@ class HeadWork:
     def __post_init__(self) -> None:
         if self.gen is not None and not self.sampling.greedy:  # only sampled drafts draw from it
             self.gen_state = self.gen.get_state()
+
+
+def _k_free(w: HeadWork, engine: Engine) -> bool:
+    """Whether w's round cost the same whatever its k: its rows ran through the lower shard's graphs (padded to
+    K + 1) and its draft, if a model drafted it, through the whole-draft graph (the longest K for every row)."""
+    if not engine.graphs:
+        return False
+    session = _model_session(w)
+    return session is None or (session.engine.graphs and w.sampling.greedy)
 
 
 def _model_session(w: HeadWork) -> ModelDraftSession | None:
@@ -232,6 +242,7 @@ class Batcher:
         for w, d, h in zip(batch, drafts, hidden, strict=True):
             w.draft, w.hidden, w.draft_s, w.head_s, w.batch = d, h, t1 - t0, t2 - t1, len(batch)
             w.tag = (batch_id, routes[w.route])
+            w.k_free = _k_free(w, self.engine)
         for w, ok in zip(batch, finite, strict=True):
             if not ok:  # fails this generation (Batcher.submit raises it), never sent as a packet
                 w.error = non_finite_error("hidden states", self.engine.shard.layer_range, self.engine.shard.dtype)

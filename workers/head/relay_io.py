@@ -1,11 +1,18 @@
-"""The head's Redis I/O beside its step loop (workers/head/loop.py): one thread sends, one receives, so the loop
+"""The head's Redis I/O beside its step loop (workers/head/loop.py): a few threads send, a few receive, so the loop
 never waits on a round trip (over a WAN link one costs the whole link's latency).
 
-- `Sender` publishes what the loop queues (a group's round entries, close packets, dead letters), all that is
-  queued at once in one pipeline, and tells the loop which sends failed.
-- `Receiver` blocks reading the head's own reply streams (`reply:head.NAME.BOOT`, one per key prefix), where
-  tails put every reply to its sessions (a batch's replies in one entry, schemas/groups.py), and hands the
-  loop each reply with the session it names. What is not a reply container is dead-lettered.
+- `Sender` publishes what the loop queues (a group's round entries, close packets, dead letters) on
+  `head_senders` threads, each taking all that is queued at once in one pipeline of its own connection: a group
+  computed while another's publish is on the wire goes at once rather than a round trip later. Entries of one
+  session never overtake each other: a session has one round on the wire at a time, and its close packet goes
+  after its last verdict came.
+- `Receiver` reads the head's own reply streams (`reply:head.NAME.BOOT`, one per key prefix), where tails put
+  every reply to its sessions (a batch's replies in one entry, schemas/groups.py), through a consumer group
+  (`REPLY_GROUP`) on `head_readers` threads: each entry goes to one of them, and while one reader's answer
+  travels back another's read already waits at Redis, so a reply is taken as it comes (with one blocking XREAD,
+  a reply written while the answer to the last read travels waits for the next read to arrive: up to one more
+  round trip). The loop gets each reply with the session it names; what is not a reply container is
+  dead-lettered.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ class Sender:
     def __init__(self, r: redis.Redis, settings: Settings) -> None:
         self.r, self.settings = r, settings
         self._q: queue.Queue[Outgoing] = queue.Queue()
-        threading.Thread(target=self._run, daemon=True, name="head-sender").start()
+        for i in range(max(settings.head_senders, 1)):
+            threading.Thread(target=self._run, daemon=True, name=f"head-sender-{i}").start()
 
     def put(self, out: Outgoing) -> None:
         self._q.put(out)
@@ -50,45 +58,55 @@ class Sender:
     def _run(self) -> None:
         while True:
             batch = [self._q.get()]
-            while not self._q.empty():
-                batch.append(self._q.get_nowait())
-            entries = [e for out in batch for e in out.entries]
-            dead = [d for out in batch for d in out.dead]
-            try:
-                publish_many(
-                    self.r,
-                    entries,
-                    maxlen=self.settings.request_stream_maxlen,
-                    dead=dead,
-                    dead_maxlen=self.settings.dead_letter_maxlen,
-                )
-            except BaseException as e:  # a transport error past its retries: these sends fail
-                log.warning("head: could not publish %d entries: %s", len(entries), e)
-                for out in batch:
-                    if out.on_error is not None:
-                        out.on_error(e)
+            while True:
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            self._publish(batch)
+
+    def _publish(self, batch: list[Outgoing]) -> None:
+        entries = [e for out in batch for e in out.entries]
+        dead = [d for out in batch for d in out.dead]
+        try:
+            publish_many(
+                self.r,
+                entries,
+                maxlen=self.settings.request_stream_maxlen,
+                dead=dead,
+                dead_maxlen=self.settings.dead_letter_maxlen,
+            )
+        except BaseException as e:  # a transport error past its retries: these sends fail
+            log.warning("head: could not publish %d entries: %s", len(entries), e)
+            for out in batch:
+                if out.on_error is not None:
+                    out.on_error(e)
 
 
 Reply = tuple[str | None, bytes, dict]  # (session it names, entry id, its fields)
 
 
+REPLY_GROUP = "head"  # the consumer group a head reads its own reply streams through (no other reads them)
+
+
 class Receiver:
     def __init__(self, r: redis.Redis, settings: Settings, deliver: Callable[[list[Reply]], None], sender: Sender):
         self.r, self.settings, self.deliver, self.sender = r, settings, deliver, sender
-        self._streams: dict[str, tuple[bytes, str]] = {}  # reply stream -> (last id read, dead-letter stream)
+        self._streams: dict[str, str] = {}  # reply stream read -> its dead-letter stream
         self._users: dict[str, int] = {}  # generations waiting on each stream
-        self._left: dict[str, bytes] = {}  # where a stream no longer read was left
+        self._grouped: set[str] = set()  # streams whose consumer group this head made (or found)
         self._cv = threading.Condition()
-        threading.Thread(target=self._run, daemon=True, name="head-receiver").start()
+        for i in range(max(settings.head_readers, 1)):
+            threading.Thread(target=self._run, args=(f"r{i}",), daemon=True, name=f"head-receiver-{i}").start()
 
     def watch(self, stream: str, dead_stream: str) -> None:
-        """Read `stream` (from where it was left, else from its start: a head's reply streams are its own, named
-        by its boot id) while a generation waits on it."""
+        """Read `stream` while a generation waits on it (from its start the first time: a head's reply streams
+        are its own, named by its boot id; later from where the group left it)."""
         with self._cv:
             self._users[stream] = self._users.get(stream, 0) + 1
             if stream not in self._streams:
-                self._streams[stream] = (self._left.pop(stream, b"0-0"), dead_stream)
-                self._cv.notify()
+                self._streams[stream] = dead_stream
+                self._cv.notify_all()
 
     def unwatch(self, stream: str) -> None:
         """One generation on `stream` ended; with none left the stream is no longer read (an idle head reads
@@ -96,10 +114,9 @@ class Receiver:
         with self._cv:
             self._users[stream] = self._users.get(stream, 1) - 1
             if self._users[stream] <= 0 and stream in self._streams:
-                self._left[stream] = self._streams.pop(stream)[0]
-                del self._users[stream]
+                del self._streams[stream], self._users[stream]
 
-    def _run(self) -> None:
+    def _run(self, consumer: str) -> None:
         failing = False
         while True:
             with self._cv:
@@ -107,9 +124,20 @@ class Receiver:
                     self._cv.wait()
                 streams = dict(self._streams)
             try:
-                resp = self.r.xread(
-                    {s: last for s, (last, _) in streams.items()}, count=1000, block=self.settings.block_ms
+                self._groups(streams)
+                resp = self.r.xreadgroup(
+                    REPLY_GROUP,
+                    consumer,
+                    dict.fromkeys(streams, ">"),
+                    count=1000,
+                    block=self.settings.block_ms,
+                    noack=True,
                 )
+            except redis.ResponseError as e:  # NOGROUP: a stream expired and came back without its group
+                with self._cv:
+                    self._grouped.difference_update(streams)
+                log.debug("head: reading replies: %s; making the groups again", e)
+                continue
             except redis.RedisError as e:  # Redis away: ridden out (the generations time out and replay)
                 (log.debug if failing else log.warning)("head: reading replies failed (%s); retrying", e)
                 failing = True
@@ -124,19 +152,34 @@ class Receiver:
             if got:
                 self.deliver(got)
 
-    def _take(self, streams: dict[str, tuple[bytes, str]], resp: list | None) -> list[Reply]:
+    def _groups(self, streams: dict[str, str]) -> None:
+        """Make the consumer group of each stream not yet grouped (from its start; an empty stream made for it
+        expires as a reply stream does; tails' replies renew it)."""
+        with self._cv:
+            new = [s for s in streams if s not in self._grouped]
+        if not new:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for stream in new:
+            pipe.xgroup_create(stream, REPLY_GROUP, id="0", mkstream=True)
+            pipe.expire(stream, self.settings.reply_ttl_s)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, redis.ResponseError) and "BUSYGROUP" not in str(reply):
+                raise reply
+            if isinstance(reply, Exception) and not isinstance(reply, redis.ResponseError):
+                raise reply
+        with self._cv:
+            self._grouped.update(new)
+
+    def _take(self, streams: dict[str, str], resp: list | None) -> list[Reply]:
         got: list[Reply] = []
         for raw_stream, entries in resp or []:
             stream = raw_stream.decode() if isinstance(raw_stream, bytes) else raw_stream
-            if not entries or stream not in streams:
+            if stream not in streams:
                 continue
-            with self._cv:
-                if stream in self._streams:
-                    self._streams[stream] = (entries[-1][0], streams[stream][1])
-                else:
-                    self._left[stream] = entries[-1][0]
             for entry_id, fields in entries:
-                got += self._parts(stream, streams[stream][1], entry_id, fields)
+                if fields:  # (an entry trimmed away before it was read comes as an empty one)
+                    got += self._parts(stream, streams[stream], entry_id, fields)
         return got
 
     def _parts(self, stream: str, dead_stream: str, entry_id: bytes, fields: dict) -> list[Reply]:

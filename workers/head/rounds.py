@@ -188,7 +188,7 @@ class RoundLoop:
         if not rnd.busy:  # the link and the tail, without waits for a full tail
             self.rt.batcher.plan.note_wait(wait_s)
         self.t.head_batch_rounds += rnd.work.batch
-        self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s))
+        self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s), rnd.work.k_free)
         self.finish = self._commit(msg, rnd.start)
         self.rounds += 1
         self.round = None
@@ -306,7 +306,7 @@ class RoundLoop:
             log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.reader.refused, reason)
         return None
 
-    def _account(self, draft: Draft, v: Verdict, spans: tuple[float, float, float]) -> None:
+    def _account(self, draft: Draft, v: Verdict, spans: tuple[float, float, float], free: bool = False) -> None:
         draft_s, head_s, wait_s = spans
         tail_ms, verify_ms = v.timings.get("tail_forward_ms", 0.0), v.timings.get("verify_ms", 0.0)
         self.t.draft_ms += draft_s * 1000
@@ -321,7 +321,8 @@ class RoundLoop:
         if self.req.draft.adaptive and draft.tokens:
             other_ms = head_s * 1000 + wait_s * 1000
             timed = self.req.sampling.greedy  # greedy output does not depend on K; seeded sampling does
-            self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed)
+            # free: graphs, where a shorter draft would cost the same and commit fewer tokens
+            self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed, free)
 
     def _commit(self, v: Verdict, start: int) -> FinishReason | None:
         if not self.pinned:

@@ -6,6 +6,9 @@ tail forwards, the network) plus K times the drafter's per-token time. `best_k` 
 most tokens per second; until a few rounds are measured, `DraftLength` follows transformers'
 assisted-generation schedule (+2 after a fully accepted round, -1 otherwise), and when sampling it
 always does, so that a fixed seed reproduces the same text (timings vary from run to run).
+
+Where a round's cost does not depend on K at all (`free`: CUDA graphs draft the longest K for every row of a
+batch, and pad every round's rows to K + 1), fewer drafts only lose tokens: the length stays at its most.
 """
 
 from __future__ import annotations
@@ -42,14 +45,20 @@ class DraftLength:
     def __post_init__(self) -> None:
         self.k = self.k or self.k_max
 
-    def update(self, drafted: int, accepted: int, draft_ms: float, other_ms: float, timed: bool = True) -> int:
+    def update(
+        self, drafted: int, accepted: int, draft_ms: float, other_ms: float, timed: bool = True, free: bool = False
+    ) -> int:
         """Record one round (drafted > 0) and return the next round's draft length.
 
         timed=False keeps to the +2/-1 schedule, which depends only on acceptance: a seeded sampled
-        generation then draws the same rounds, so the same seed gives the same text."""
+        generation then draws the same rounds, so the same seed gives the same text. free=True: the round
+        cost the same whatever its K (see the module docstring): the most."""
         self.rounds += 1
         self.accepted += accepted
         self.rejected += accepted < drafted
+        if free:
+            self.k = self.k_max
+            return self.k
         w = self.smoothing if self.rounds > 1 else 1.0
         self.fixed_ms += w * (other_ms - self.fixed_ms)
         self.per_draft_ms += w * (draft_ms / drafted - self.per_draft_ms)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Samples the bench's worker processes with py-spy while a command runs (GPU runs; py-spy travels as a wheel):
+#   bench/spy.sh OUTDIR COMMAND...   ->  OUTDIR/spy-head.txt, OUTDIR/spy-tail.txt (collapsed stacks per thread,
+#   idle samples left out, 40 Hz, from each worker's start to its exit)
+# Each `python -m producer head|tail` process started while COMMAND runs is recorded once (the first of each role).
+set -uo pipefail
+out=$1; shift
+mkdir -p "$out"
+spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+(
+  declare -A seen
+  while sleep 2; do
+    for role in head tail; do
+      [ -n "${seen[$role]:-}" ] && continue
+      pid=$(pgrep -f -n "python3? -m producer $role" || true)
+      [ -z "$pid" ] && continue
+      seen[$role]=$pid
+      "$spy" record --pid "$pid" -r 40 -f raw -t --nonblocking -o "$out/spy-$role.txt" >"$out/spy-$role.log" 2>&1 &
+    done
+  done
+) &
+watcher=$!
+"$@"; rc=$?
+kill "$watcher" 2>/dev/null
+sleep 3
+exit $rc
