@@ -104,6 +104,19 @@ def threads_of(pid: int) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def thread_names(pid: int) -> dict[str, int]:
+    """How many of a process's threads bear each name (/proc/PID/task/*/comm; Python names them as threads do,
+    truncated to 15 characters; CUDA's, torch's and OpenMP's threads carry the process's or their own names)."""
+    names: dict[str, int] = {}
+    for comm in Path(f"/proc/{pid}/task").glob("*/comm"):
+        try:
+            name = re.sub(r"\d+$", "#", comm.read_text().strip())
+        except OSError:
+            continue
+        names[name] = names.get(name, 0) + 1
+    return dict(sorted(names.items(), key=lambda kv: -kv[1]))
+
+
 class ThreadSampler(threading.Thread):
     """Samples each named process's thread count every `interval_ms` until `stop`."""
 
@@ -111,12 +124,15 @@ class ThreadSampler(threading.Thread):
         super().__init__(daemon=True, name="thread-sampler")
         self.pids, self.interval_s = pids, interval_ms / 1000
         self.counts: dict[str, list[int]] = {role: [] for role in pids}
+        self.names: dict[str, dict[str, int]] = {}  # each process's thread names at its largest count
         self.done = threading.Event()
 
     def run(self) -> None:
         while True:
             for role, pid in self.pids.items():
                 if (n := threads_of(pid)) is not None:
+                    if n > max(self.counts[role], default=0):
+                        self.names[role] = thread_names(pid)
                     self.counts[role].append(n)
             if self.done.wait(self.interval_s):
                 return
@@ -127,7 +143,12 @@ class ThreadSampler(threading.Thread):
         out: dict = {}
         for role, xs in self.counts.items():
             out[role] = (
-                {"samples": len(xs), "max": max(xs), "mean": round(sum(xs) / len(xs), 1)}
+                {
+                    "samples": len(xs),
+                    "max": max(xs),
+                    "mean": round(sum(xs) / len(xs), 1),
+                    "names_at_max": self.names.get(role, {}),
+                }
                 if xs
                 else {"samples": 0, "max": None, "mean": None, "note": "/proc/PID/status not readable"}
             )

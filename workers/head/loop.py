@@ -37,6 +37,7 @@ from schemas.keys import Keys
 from schemas.requests import GenerationResult
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
+from workers.phases import PhaseClock
 
 log = logging.getLogger("shardflow.head")
 
@@ -71,6 +72,7 @@ class HeadLoop:
         self._failed: list[tuple[list[Slot], BaseException]] = []
         self._cv = threading.Condition()
         self.steps = 0
+        self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
         self.sender = Sender(r, self.settings)
         self.receiver = Receiver(r, self.settings, self._deliver, self.sender)
         threading.Thread(target=self._run, daemon=True, name="head-loop").start()
@@ -104,12 +106,16 @@ class HeadLoop:
                     self._fail(slot, e)
 
     def _step(self) -> None:
-        new, replies, failed = self._wait()
-        self._admit(new)
-        for slots, e in failed:
-            for slot in slots:
-                self._fail(slot, e)
-        self._route(replies)
+        clock = self.clock
+        with clock("wait"):
+            new, replies, failed = self._wait()
+        with clock("admit"):
+            self._admit(new)
+            for slots, e in failed:
+                for slot in slots:
+                    self._fail(slot, e)
+        with clock("replies"):
+            self._route(replies)
         now = time.monotonic()
         self._expire(now)
         self._resend(now)
@@ -118,6 +124,7 @@ class HeadLoop:
         if ready and self._linger_s(ready, size, now) <= 0:
             self._compute(ready[:size])
         self.steps += 1
+        clock.maybe_log()
 
     def _wait(self) -> tuple[list[Slot], list[Reply], list]:
         """What the I/O threads and callers brought; sleeps while there is nothing to do."""
@@ -169,11 +176,15 @@ class HeadLoop:
 
     # --- compute and send -----------------------------------------------------------------------------
     def _compute(self, group: list[Slot]) -> None:
-        works = [s.gen.next_work() for s in group]
+        with self.clock("work"):
+            works = [s.gen.next_work() for s in group]
         with self.rt.lock:
             t0 = time.perf_counter()
             self.rt.batcher.compute(works)
-            self.rt.batcher.plan.note_batch(len(works), time.perf_counter() - t0)
+            spent = time.perf_counter() - t0
+            self.rt.batcher.plan.note_batch(len(works), spent)
+            self.clock.add("compute", spent)
+        t0 = time.perf_counter()
         out: list[tuple[Slot, str, dict]] = []
         for slot, work in zip(group, works, strict=True):
             if work.error is not None:
@@ -184,6 +195,7 @@ class HeadLoop:
             except Exception as e:
                 self._fail(slot, e)
         self._send(out)
+        self.clock.add("packets", time.perf_counter() - t0)
 
     def _send(self, out: list[tuple[Slot, str, dict]]) -> None:
         if not out:

@@ -49,6 +49,7 @@ from workers.engine.numerics import non_finite_error
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.engine.sizing import linger_s
+from workers.phases import PhaseClock
 from workers.speculative.stopping import cut_at_stops
 from workers.speculative.verify import Outcome
 from workers.tail.liveness import HeadWatch, keep_alive
@@ -107,6 +108,7 @@ class TailWorker:
         self._dead: list[DeadLetter] = []
         self._last_keepalive = 0.0
         self._regroup = False  # recreate the consumer groups before the next read
+        self.clock = PhaseClock("tail loop", log)  # where the loop's time goes, logged every 10 s
         shared = self.names.shared_requests
         self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
             r,
@@ -152,15 +154,19 @@ class TailWorker:
         if self._regroup:
             self.reader.reset()
             self._regroup = False
-        entries = self.reader.gather(
-            self.reader.read(count=self.engine.slots),
-            slots=self.engine.slots,
-            open_sessions=len(self.sessions),
-            linger_ms=self.linger_ms,
-        )
+        clock = self.clock
+        clock.maybe_log()
+        with clock("wait"):
+            entries = self.reader.gather(
+                self.reader.read(count=self.engine.slots),
+                slots=self.engine.slots,
+                open_sessions=len(self.sessions),
+                linger_ms=self.linger_ms,
+            )
         if not entries:
             return
-        flat, bad = expand_groups(entries, self.max_packet_bytes)  # a group entry: its sessions' rounds
+        with clock("unpack"):
+            flat, bad = expand_groups(entries, self.max_packet_bytes)  # a group entry: its sessions' rounds
         done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
         dead = [letter.record(stream, entry_id, self.tail_id) for stream, entry_id, letter in bad]
         for at in range(0, len(flat), self.engine.slots):  # a batch's sessions never outnumber the slots
@@ -170,7 +176,8 @@ class TailWorker:
             where = {id(fields): (stream, entry_id) for stream, entry_id, fields in chunk}
             dead += [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
         # replies (those for one head's stream packed into one entry), acks and dead letters: one round trip
-        self.reader.ack_many(merge_replies(done), dead_letters=dead)
+        with clock("reply"):
+            self.reader.ack_many(merge_replies(done), dead_letters=dead)
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """Packets refused since the last call (each with its reason), for the dead-letter stream."""
@@ -184,6 +191,7 @@ class TailWorker:
     def handle_many(self, entries: list[dict]) -> list[Reply | None]:
         """Process stream entries read together; rounds of different sessions run as one batched forward.
         Never raises for a bad packet: it is logged and answered with an error when it names a session."""
+        t0 = time.perf_counter()
         out: list[Reply | None] = [None] * len(entries)
         batch: list[tuple[int, Prepared]] = []
         later: list[int] = []  # a second packet of a session already in this batch waits for the first
@@ -208,6 +216,7 @@ class TailWorker:
                 batch.append((i, prep))
             else:
                 out[i] = prep
+        self.clock.add("prepare", time.perf_counter() - t0)
         for (i, _), reply in zip(batch, self._rounds([p for _, p in batch]), strict=True):
             out[i] = reply
         for i in later:
@@ -364,6 +373,7 @@ class TailWorker:
         logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch)))
         judged = plan.run(logits, lambda: non_finite_error("logits", self.shard.layer_range, self.shard.dtype))
         timings = dict(zip(("tail_forward_ms", "verify_ms"), clock.split(), strict=True)) | {"batch": len(batch)}
+        self.clock.add("forward+verify", (timings["tail_forward_ms"] + timings["verify_ms"]) / 1000)
         out: list[Reply | None] = []
         for p, got in zip(batch, judged, strict=True):  # the batch's one wait for the device is behind it
             try:
