@@ -136,7 +136,7 @@ def tail(
         gpu_memory=gpu_memory,
     )
     registry = run_guarded(lambda: load_worker_plugins(plugins))
-    dtype_ = torch_setup(threads, dtype)
+    dtype_ = torch_setup(threads, dtype, device, settings)
     preflight("tail", registry, [(target, layers, False, True, quant)], device, dtype_, settings)
     load = dict(embed=False, head=True, device=device, dtype=dtype_, fused=settings.fused_layers, quant=quant)
     shard = registry.load_shard(target, layers, **load)  # type: ignore[arg-type]
@@ -239,7 +239,7 @@ def head(
     settings = worker_settings(
         batch_slots=slots, gpu_memory=gpu_memory, queue=queue, prefix=prefix, redis_url=redis_url, head_groups=groups
     )
-    registry, dtype_ = run_guarded(lambda: load_worker_plugins(plugins)), torch_setup(threads, dtype)
+    registry, dtype_ = run_guarded(lambda: load_worker_plugins(plugins)), torch_setup(threads, dtype, device, settings)
     opts = dict(dtype=dtype_, settings=settings, quant=quant, draft_quant=draft_quant)
     preflight_head(registry, target, layers, draft, device, draft_device, **opts)
     runtime = HeadRuntime.load(

@@ -252,16 +252,19 @@ def engine_options(fn: Callable) -> Callable:
     )(fn)
 
 
-def torch_setup(threads: int | None, dtype: str | None) -> Any:
-    """Apply --threads and turn --dtype into a torch dtype (None = the checkpoint's); before CUDA starts, let
-    its allocator grow segments in place (less fragmentation under a worker's --gpu-memory cap) unless
-    PYTORCH_CUDA_ALLOC_CONF says otherwise."""
+def torch_setup(threads: int | None, dtype: str | None, device: str = "cpu", settings: Any = None) -> Any:
+    """Apply --threads (on a CUDA device, default settings.cuda_torch_threads: a GPU worker's host work is
+    small, and torch's pool would otherwise hold a thread per core) and turn --dtype into a torch dtype
+    (None = the checkpoint's); before CUDA starts, let its allocator grow segments in place (less fragmentation
+    under a worker's --gpu-memory cap) unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
     import os
 
     import torch
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+    if threads is None and device.startswith("cuda") and settings is not None:
+        threads = min(settings.cuda_torch_threads, os.cpu_count() or 1)
     if threads:
         torch.set_num_threads(threads)
     return None if dtype in (None, "auto") else getattr(torch, dtype)

@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         0.25, gt=0, le=1, description="Share of the KV memory for full-length slots when there are short ones."
     )
     cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
+    cuda_torch_threads: int = Field(
+        4,
+        ge=1,
+        description="torch's CPU threads in a worker on a CUDA device, unless --threads says (its host work "
+        "is small: packets, token lists).",
+    )
     batch_linger_ms: float | None = Field(
         None,
         ge=0,
