@@ -56,6 +56,7 @@ from workers.tail.liveness import HeadWatch, keep_alive
 from workers.tail.rounds import (
     BatchClock,
     DeadLetter,
+    HostToDevice,
     Prepared,
     expand_groups,
     forward_inputs,
@@ -109,6 +110,7 @@ class TailWorker:
         self._last_keepalive = 0.0
         self._regroup = False  # recreate the consumer groups before the next read
         self.clock = PhaseClock("tail loop", log)  # where the loop's time goes, logged every 10 s
+        self.upload = HostToDevice(shard.device)
         shared = self.names.shared_requests
         self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
             r,
@@ -344,7 +346,7 @@ class TailWorker:
                 DeadLetter(fields, f"duplicate or late round (session at round {held})", *peek_session(fields))
             )
             return self._reply(msg, last, self.settings.reply_ttl_s) if last is not None else None
-        tensors = round_tensors(msg, fields, device=self.shard.device)
+        tensors = round_tensors(msg, fields)  # on the host: the batch's rows go to the device in one copy
         hidden = tensors["hidden"]
         cfg = self.shard.config
         if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != cfg.hidden_size:
@@ -370,7 +372,7 @@ class TailWorker:
     def _rounds_together(self, batch: list[Prepared]) -> list[Reply | None]:
         clock = BatchClock(self.shard.device)
         plan = plan_rounds(batch, self.shard.device, self.settings.verify_warp_rows)  # its ids copy during the forward
-        logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch)))
+        logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch, self.upload)))
         judged = plan.run(logits, lambda: non_finite_error("logits", self.shard.layer_range, self.shard.dtype))
         timings = dict(zip(("tail_forward_ms", "verify_ms"), clock.split(), strict=True)) | {"batch": len(batch)}
         self.clock.add("forward+verify", (timings["tail_forward_ms"] + timings["verify_ms"]) / 1000)
