@@ -78,7 +78,7 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
     """`python -m producer ARGS` in a session of its own; it gets SIGTERM if the bench dies (Linux)."""
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
-            [sys.executable, "-m", "producer", *args],
+            [sys.executable, "-m", "producer", "-v", *args],  # -v: the loops' phase lines (info)
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,

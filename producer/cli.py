@@ -23,6 +23,13 @@ producer/options.py, never from here, so no module of `producer` imports one tha
 
 from __future__ import annotations
 
+import os
+
+# numpy's OpenBLAS starts a thread per core when it is imported (15 idle threads in each worker on a 16-core
+# GPU machine); ShardFlow's numpy use is byte copies, and its CPU math is torch's (its pool: --threads). The
+# environment, if it says, wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import logging
 
 import click
