@@ -12,7 +12,7 @@ spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
   while sleep 2; do
     for role in head tail; do
       [ -n "${seen[$role]:-}" ] && continue
-      pid=$(pgrep -f -n "python3? -m producer $role" || true)
+      pid=$(pgrep -f -n "python3? -m producer (-v )?$role" || true)
       [ -z "$pid" ] && continue
       seen[$role]=$pid
       "$spy" record --pid "$pid" -r 40 -f raw -t --nonblocking -o "$out/spy-$role.txt" >"$out/spy-$role.log" 2>&1 &

@@ -50,6 +50,27 @@ def test_fused_forward_equals_hf_layers(models, family, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@torch.inference_mode()
+def test_fused_attention_through_sdpa_equals_hf_layers(models, monkeypatch):
+    """The SDPA attention CUDA half batches take (fused.attend_sdpa), forced here on a float32 CPU shard: equal to
+    the HF layers as the GEMM attention is, with a mask (static slots, several tokens) and without (one token)."""
+    import workers.engine.fused as fused_mod
+
+    path = models["qwen2"].target
+    fused = load_shard(path, None, embed=True, head=True, fused=True)
+    plain = load_shard(path, None, embed=True, head=True, fused=False)
+    fused.fused.sdpa = True
+    monkeypatch.setattr(fused_mod, "SDPA_MIN_ROWS", 0)
+    x = torch.arange(3, 60) % fused.config.vocab_size
+    for static in (False, True):
+        ef, ep = Engine(fused, static=static, max_len=128), Engine(plain, static=static, max_len=128)
+        cf, cp = ef.acquire(), ep.acquire()
+        torch.testing.assert_close(ef.forward(cf, x[:30], 0, 30), ep.forward(cp, x[:30], 0, 30), rtol=1e-4, atol=1e-4)
+        for i in range(30, 33):
+            got, want = ef.forward(cf, x[i : i + 1], i, 1), ep.forward(cp, x[i : i + 1], i, 1)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_rotation_matrix_is_rotate_half():
     cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     x = torch.randn(6, 5, 8)  # [positions, heads, d]
