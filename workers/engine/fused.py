@@ -19,7 +19,8 @@ each. Here each layer runs:
 - attention as GEMMs with grouped-query heads folded into the query rows (no per-head K/V copies) and
   the causal/cache mask as an additive bias built once per forward (`baddbmm`, softmax, `bmm`);
 - the output and down projections fused with their residual adds (`addmm`).
-On CUDA in half precision, batches of at least `SDPA_MIN_ROWS` query rows (batch x tokens x query heads) attend
+On CUDA in half precision, round-sized steps (`SDPA_MAX_TOKENS`) of at least `SDPA_MIN_ROWS` query rows (batch x
+tokens x query heads) attend
 through torch's `scaled_dot_product_attention` instead (the same folded layout and additive bias, one fused
 kernel with float32 softmax; on an H200, bench/attn_variants.py: a 7B round's attention at 64 sequences 61 us a
 layer against 134 us, a 0.5B drafter step at 64 sequences 14.0 against 17.7 us; at one sequence the GEMMs win).
@@ -40,6 +41,10 @@ from torch.nn import functional as F
 
 KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer"}
 SDPA_MIN_ROWS = 512  # query rows (batch x tokens x query heads) from which CUDA half batches attend through SDPA
+# ... for steps of up to this many tokens a row (rounds, drafts: the shapes graphs capture). cuDNN builds a plan per
+# new shape, and prompts' eager batches come in many (on an H200 that added about a second to the first tokens of
+# 256 jobs, run 50 of docs/benchmarks.md)
+SDPA_MAX_TOKENS = 16
 # (weight, bias), or a quantized linear module (workers/engine/quant.py), called as it is
 Linear = tuple[torch.Tensor, torch.Tensor | None] | nn.Module
 
@@ -115,7 +120,12 @@ class FusedLayers:
         bias: torch.Tensor | None = None
         attention = partial(attend, scale=self.scale, wide_gemm=self.wide_gemm)
         g = self.heads // self.kv_heads
-        if self.sdpa and b * t * self.heads >= SDPA_MIN_ROWS and not torch.compiler.is_compiling():
+        if (
+            self.sdpa
+            and t <= SDPA_MAX_TOKENS
+            and b * t * self.heads >= SDPA_MIN_ROWS
+            and not torch.compiler.is_compiling()
+        ):
             attention = partial(attend_sdpa, scale=self.scale)
             if mask is not None:  # [B, 1, g * T, L] in the compute dtype, broadcast over key/value heads
                 full = torch.where(mask, *self.mask_half)
