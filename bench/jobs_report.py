@@ -288,7 +288,7 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
         # where a round's time goes, summed over every job's rounds (the result's RoundTimings)
         "stage_ms_per_round": {
             k: round(sum(float(x.get("timings", {}).get(k, 0.0)) for x in results) / rounds, 2) if rounds else None
-            for k in ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms", "verify_ms", "total_ms")
+            for k in STAGE_KEYS
         },
         "replays": sum(int(x.get("replays", 0)) for x in results),
         "resumed_tokens": sum(int(x.get("resumed_tokens", 0)) for x in results),
@@ -331,13 +331,17 @@ def _batched(x: dict | None) -> str:  # head / tail rounds per batched forward
     return f"{_f(x.get('head'), '.1f')} / {_f(x.get('tail'), '.1f')}" if isinstance(x, dict) else "—"
 
 
+STAGE_KEYS = ("draft_ms", "head_forward_ms", "relay_ms", "tail_queue_ms", "tail_forward_ms", "verify_ms", "total_ms")
+
+
 def _f(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
-def _stages(x: dict) -> str:  # draft / head / relay / tail ms per round
+def _stages(x: dict) -> str:  # draft / head / relay / tail queue / tail ms per round
     st = x.get("stage_ms_per_round") or {}
-    return " / ".join(_f(st.get(k), ".1f") for k in ("draft_ms", "head_forward_ms", "relay_ms", "tail_forward_ms"))
+    keys = ("draft_ms", "head_forward_ms", "relay_ms", "tail_queue_ms", "tail_forward_ms")
+    return " / ".join(_f(st.get(k), ".1f") for k in keys)
 
 
 def markdown(rows: list[dict], seeds: str | None = None) -> str:
@@ -345,7 +349,8 @@ def markdown(rows: list[dict], seeds: str | None = None) -> str:
     lines = [f"{seeds}", ""] if seeds else []
     lines += [
         "| variant | N | done | aggregate tok/s | GPU busy: mean / share >= 50% | max threads head / tail | "
-        "per-job tok/s p50 | latency p50 / p95 s | TTFT p50 / p95 s | tok/round | draft / head / relay / tail ms | "
+        "per-job tok/s p50 | latency p50 / p95 s | TTFT p50 / p95 s | tok/round | "
+        "draft / head / relay / tail queue / tail ms | "
         "rounds/forward head / tail | head / tail mem GB | mismatches |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

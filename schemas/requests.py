@@ -114,7 +114,8 @@ class RoundTimings(BaseModel):
 
     draft_ms: float = 0.0
     head_forward_ms: float = 0.0
-    relay_ms: float = 0.0
+    relay_ms: float = 0.0  # the link both ways, Redis, and what the head's I/O threads add
+    tail_queue_ms: float = 0.0  # from a round's entry reaching Redis to its tail taking it up (the tail's clock)
     tail_forward_ms: float = 0.0
     verify_ms: float = 0.0
     total_ms: float = 0.0

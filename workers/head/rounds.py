@@ -315,7 +315,9 @@ class RoundLoop:
         self.t.verify_ms += verify_ms
         batch = v.timings.get("batch", 0.0)  # written by the tail: counted only if it is a plausible size
         self.t.tail_batch_rounds += int(batch) if 0 <= batch <= 1 << 20 else 0
-        self.t.relay_ms += max(wait_s * 1000 - tail_ms - verify_ms, 0.0)
+        queue_ms = min(max(v.timings.get("queue_ms", 0.0), 0.0), wait_s * 1000)  # the tail's, from entry ids
+        self.t.tail_queue_ms += queue_ms
+        self.t.relay_ms += max(wait_s * 1000 - tail_ms - verify_ms - queue_ms, 0.0)
         self.drafted += len(draft.tokens)
         self.accepted += v.accepted
         if self.req.draft.adaptive and draft.tokens:

@@ -105,6 +105,18 @@ def forward_inputs(
     return [b.sess.cache for b in batch], upload([b.hidden for b in batch]), [p.start_pos for p in rounds], wants
 
 
+def entries_age_ms(entries: list[Entry]) -> float:
+    """How long these stream entries have waited since Redis added them (the mean over their ids' millisecond
+    times, against this host's clock: a tail runs beside its Redis), 0 for ids that carry no time."""
+    now_ms, ages = time.time() * 1000, []
+    for _, entry_id, _ in entries:
+        raw = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        ms = raw.partition("-")[0]
+        if ms.isdigit():
+            ages.append(max(now_ms - int(ms), 0.0))
+    return sum(ages) / len(ages) if ages else 0.0
+
+
 class HostToDevice:
     """A batch's hidden rows (host tensors of one dtype and width) to the device in one copy through a pinned
     staging buffer, kept and grown as batches need (up to PINNED_MAX_BYTES; larger batches, prompts mostly, go

@@ -58,6 +58,7 @@ from workers.tail.rounds import (
     DeadLetter,
     HostToDevice,
     Prepared,
+    entries_age_ms,
     expand_groups,
     forward_inputs,
     log_bad,
@@ -111,6 +112,7 @@ class TailWorker:
         self._regroup = False  # recreate the consumer groups before the next read
         self.clock = PhaseClock("tail loop", log)  # where the loop's time goes, logged every 10 s
         self.upload = HostToDevice(shard.device)
+        self._queue_ms = 0.0  # how long the entries of the batch being handled waited in Redis (mean)
         shared = self.names.shared_requests
         self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
             r,
@@ -167,6 +169,7 @@ class TailWorker:
             )
         if not entries:
             return
+        self._queue_ms = entries_age_ms(entries)
         with clock("unpack"):
             flat, bad = expand_groups(entries, self.max_packet_bytes)  # a group entry: its sessions' rounds
         done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
@@ -375,6 +378,7 @@ class TailWorker:
         logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch, self.upload)))
         judged = plan.run(logits, lambda: non_finite_error("logits", self.shard.layer_range, self.shard.dtype))
         timings = dict(zip(("tail_forward_ms", "verify_ms"), clock.split(), strict=True)) | {"batch": len(batch)}
+        timings["queue_ms"] = self._queue_ms
         self.clock.add("forward+verify", (timings["tail_forward_ms"] + timings["verify_ms"]) / 1000)
         out: list[Reply | None] = []
         for p, got in zip(batch, judged, strict=True):  # the batch's one wait for the device is behind it
