@@ -18,6 +18,7 @@ import click
 import torch
 
 from bench.synthetic import load_shard
+from schemas.settings import Settings
 from workers.engine.kvcache import KVCache
 from workers.engine.runner import Engine
 
@@ -150,13 +151,14 @@ def main(device: str, rounds: int) -> None:
             ("tail", tail, 9, True, 9),
             ("drafter", full, 2, False, 1),
         ):
-            engine = Engine(shard, max_len=256, step_tokens=step, pad=pad, slots=8, **opts)
+            engine = Engine(shard, Settings(engine={"max_len": 256, **opts}), step_tokens=step, pad=pad, slots=8)
             for n in (1, 2, 5, 8, 11):  # 11 > 8 slots: three sequences in one-slot spare pools
                 worst = check(engine, refs[id(shard)], n, rounds, logits, seed=n)
                 flag = "OK" if worst < 1e-4 else "BAD"
                 bad |= flag == "BAD"
                 click.echo(f"{mode:12s} {role:8s} n={n:2d} max|diff|={worst:.2e} {flag}")
-        engine = Engine(full, max_len=256, step_tokens=2, pad=False, slots=8, max_draft=8, **opts)
+        settings = Settings(engine={"max_len": 256, **opts})
+        engine = Engine(full, settings, step_tokens=2, pad=False, slots=8, max_draft=8)
         for n in (1, 3, 8):
             bad_rows = check_drafts(engine, refs[id(full)], n, rounds, seed=n)
             bad |= bad_rows > 0

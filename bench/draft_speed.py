@@ -14,6 +14,7 @@ import click
 import torch
 
 from bench.synthetic import load_shard
+from schemas.settings import Settings
 from workers.engine.runner import Engine
 from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 
@@ -28,7 +29,7 @@ from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 def main(device: str, draft: str, k: int, batch: str, use_compile: bool, repeat: int) -> None:
     shard = load_shard(draft, None, embed=True, head=True, device=device, dtype=torch.bfloat16)
     t0 = time.perf_counter()
-    engine = Engine(shard, max_len=2048, step_tokens=2, pad=False, slots=16, compile=use_compile)
+    engine = Engine(shard, Settings(engine={"max_len": 2048}), step_tokens=2, pad=False, slots=16, compile=use_compile)
     drafter = ModelDrafter(shard, engine)
     for b in (int(x) for x in batch.split(",")):
         sessions = [drafter.new_session() for _ in range(b)]

@@ -26,6 +26,7 @@ from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis
 from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
+from schemas.settings import Settings
 from workers.head.runtime import HeadRuntime, generate
 from workers.tiny_models import PROMPTS, TIE_ULPS, build_tokenizer, divergence_ulps, save_noisy_copy, save_tiny_model
 
@@ -80,7 +81,12 @@ def main(head_device: str, tail_device: str, new: int, quant: str, dtype_name: s
             try:
                 wait_for_tails(r, names, proc=tail, timeout_s=300)
                 rt = HeadRuntime.load(
-                    target, (0, 2), draft=draft, device=head_device, dtype=dtype, quant=quant, draft_quant=quant
+                    target,
+                    (0, 2),
+                    draft=draft,
+                    settings=Settings(
+                        engine={"device": head_device, "dtype": dtype_name, "quant": quant, "draft_quant": quant}
+                    ),
                 )
                 assert rt.engine.graphs or not head_device.startswith("cuda"), "graphs should be on for CUDA"
                 wants = []

@@ -167,7 +167,6 @@ def main(
     rows,
     out,
 ) -> None:
-    dt = getattr(torch, dtype)
     preset = preset_of(target)
     assert preset is not None, "ladder.py takes random:<preset> targets"
     n_layers, vocab = preset["num_hidden_layers"], preset["vocab_size"]
@@ -196,13 +195,14 @@ def main(
             for proc, names in tails.values():
                 wait_for_tails(connect(server.url), names, proc=proc, timeout_s=600)
             cuda = head_device.startswith("cuda")
-            load = dict(draft=draft, device=head_device, dtype=dt, max_len=max_len, plugins=registry())
-            load["settings"] = Settings(draft_k=k)
+            engine = dict(device=head_device, dtype=dtype, max_len=max_len, graph_k=k)
             modes = {"eager": dict(static=False, graphs=False), "graphs": dict(static=True, graphs=cuda)}
             modes["compiled"] = dict(modes["graphs"], compile_draft=True)  # torch.compile'd drafter, graphs
             used = {w.split("-")[1] for w in wanted}
             runtimes = {
-                m: HeadRuntime.load(target, (0, split), **load, **modes[m])  # type: ignore[arg-type]
+                m: HeadRuntime.load(
+                    target, (0, split), draft=draft, settings=Settings(engine=engine | modes[m]), plugins=registry()
+                )
                 for m in modes
                 if m in used
             }

@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.synthetic import RANDOM_PRESETS, load_shard
+from schemas.settings import Settings
 from workers.engine.runner import Engine
 from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 from workers.speculative.verify import verify_greedy
@@ -79,7 +80,9 @@ def stage(name: str, fn: Callable[[], object], dev: torch.device, gap_ms: float,
 
 
 def draft_stage(dshard, k: int, ctx: int, comp: bool) -> Callable[[], object]:
-    engine = Engine(dshard, max_len=2048, step_tokens=2, pad=False, slots=16, compile=comp, max_draft=k)
+    engine = Engine(
+        dshard, Settings(engine={"max_len": 2048}), step_tokens=2, pad=False, slots=16, compile=comp, max_draft=k
+    )
     sess = ModelDrafter(dshard, engine).new_session()
     tokens = list(range(100, 100 + ctx))
     propose_greedy_many([sess], [tokens], [k])
@@ -95,7 +98,7 @@ def draft_stage(dshard, k: int, ctx: int, comp: bool) -> Callable[[], object]:
 
 def shard_stage(shard, k: int, ctx: int, logits: bool) -> Callable[[], object]:
     dev = shard.device
-    engine = Engine(shard, max_len=2048, step_tokens=k + 1, slots=16)
+    engine = Engine(shard, Settings(engine={"max_len": 2048}), step_tokens=k + 1, slots=16)
     cache = engine.acquire()
     if shard.embed is not None:
         prefill, x = torch.arange(ctx, device=dev) % 1000, torch.arange(k + 1, device=dev) + 5

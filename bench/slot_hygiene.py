@@ -31,6 +31,7 @@ from pathlib import Path
 import click
 import torch
 
+from schemas.settings import Settings
 from workers.engine.fused import attend, score_dtype, wide_gemm_works
 from workers.engine.kvcache import KVPool
 
@@ -99,7 +100,7 @@ def tiny_round(reps: int, device: torch.device, batch: int, tokens: int) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         target = save_tiny_model(Path(tmp) / "tiny")
         shard = load_shard(target, (2, 4), embed=False, head=True, device=str(device))
-    engine = Engine(shard, static=True, max_len=512, slots=batch, step_tokens=tokens)
+    engine = Engine(shard, Settings(engine={"static": True, "max_len": 512}), slots=batch, step_tokens=tokens)
     caches = [engine.acquire() for _ in range(batch)]
     h = shard.config.hidden_size
     with torch.inference_mode():
@@ -143,9 +144,13 @@ def graphs_check(device: str = "cuda") -> str:
 
     prompt = list(range(3, 23))
     with torch.inference_mode():
-        fresh = Engine(shard, static=True, graphs=graphs, max_len=256, slots=4, step_tokens=2)
+        fresh = Engine(
+            shard, Settings(engine={"static": True, "graphs": graphs, "max_len": 256}), slots=4, step_tokens=2
+        )
         want = run(fresh, fresh.acquire(), prompt, 6)
-        engine = Engine(shard, static=True, graphs=graphs, max_len=256, slots=4, step_tokens=2)
+        engine = Engine(
+            shard, Settings(engine={"static": True, "graphs": graphs, "max_len": 256}), slots=4, step_tokens=2
+        )
         first = engine.acquire()
         run(engine, first, list(range(40, 140)), 4)
         pool = engine.pool

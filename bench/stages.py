@@ -85,11 +85,10 @@ class Rig:
 
     def __init__(self, shards: dict, k: int, ctx: int, max_len: int, bmax: int, graphs: bool | None) -> None:
         self.k, self.ctx, self.dev = k, ctx, shards["head"].device
-        settings = Settings()
-        opts = dict(static=True, graphs=graphs, max_len=max_len, slots=bmax, settings=settings)
-        self.head = Engine(shards["head"], step_tokens=k + 1, label="head", **opts)  # type: ignore[arg-type]
-        self.tail = Engine(shards["tail"], step_tokens=k + 1, label="tail", **opts)  # type: ignore[arg-type]
-        dengine = Engine(shards["draft"], step_tokens=2, pad=False, max_draft=k, label="draft", **opts)  # type: ignore[arg-type]
+        settings = Settings(engine={"static": True, "graphs": graphs, "max_len": max_len, "graph_k": k})
+        self.head = Engine(shards["head"], settings, slots=bmax, label="head")
+        self.tail = Engine(shards["tail"], settings, slots=bmax, label="tail")
+        dengine = Engine(shards["draft"], settings, step_tokens=2, pad=False, max_draft=k, slots=bmax, label="draft")
         self.graphs = self.head.graphs
         gen = torch.Generator().manual_seed(0)
         vocab = min(s.config.vocab_size for s in shards.values())
@@ -223,7 +222,9 @@ def markdown(rows: list[dict], reference: bool) -> str:
 @click.option("--draft", default=None, help="The draft model (random:<preset> or a directory).")
 @click.option("--split", type=int, default=None, help="First layer of the tail.")
 @click.option("--b", "bs", default=None, help="Group sizes B, comma-separated.")
-@click.option("-k", type=click.IntRange(1, 64), default=Settings().draft_k, show_default=True, help="Drafts/round.")
+@click.option(
+    "-k", type=click.IntRange(1, 64), default=Settings().engine.graph_k, show_default=True, help="Drafts/round."
+)
 @click.option("--ctx", type=click.IntRange(1), default=None, help="Positions already cached per sequence.")
 @click.option("--max-len", type=click.IntRange(64), default=None, help="Positions of a slot.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None)

@@ -179,12 +179,12 @@ class Api:
         the two writes) read again for up to api_result_grace_s."""
         cfg = self.client.settings
         views = await self.call(self.client.views, job_ids)
-        deadline = time.monotonic() + cfg.api_result_grace_s
+        deadline = time.monotonic() + cfg.api.result_grace_s
         while time.monotonic() < deadline:
             pending = [i for i, v in enumerate(views) if v.status == "finished" and v.result is None]
             if not pending:
                 break
-            await asyncio.sleep(cfg.poll_interval_s)
+            await asyncio.sleep(cfg.jobs.poll_interval_s)
             fresh = await self.call(self.client.views, [job_ids[i] for i in pending])
             for i, view in zip(pending, fresh, strict=True):
                 views[i] = view
@@ -235,7 +235,7 @@ class Api:
         raw = await self.json_body(request)
         try:
             body = body_for(url, raw)
-            req = body.generation()
+            req = body.generation(self.client.settings.generation)
         except ValidationError as e:
             raise ApiError(400, plain_reason(e)) from None
         await self.check_model(body.model)
@@ -273,7 +273,7 @@ class Api:
                 if await request.is_disconnected():
                     await self.cancel(jid)
                     return None
-                await asyncio.sleep(self.client.settings.poll_interval_s)
+                await asyncio.sleep(self.client.settings.jobs.poll_interval_s)
         except BaseException:
             await self.cancel(jid)
             raise

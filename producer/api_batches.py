@@ -87,7 +87,7 @@ class Batches:
         name = (upload.filename or "upload.jsonl")[:256]
         owner = self.api.tenant(request).owner
         meta = {"filename": name, "purpose": "batch", "bytes": len(data), "created_at": now, "owner": owner}
-        ttl = self.client.settings.result_ttl_s
+        ttl = self.client.settings.jobs.result_ttl_s
         await self.api.call(self._store, fid, meta | {"content": data}, ttl)
         return JSONResponse(file_object(fid, name, len(data), now))
 
@@ -151,7 +151,9 @@ class Batches:
             raise ApiError(400, f"{sorted(extra)[0][:64]}: not a parameter this server takes")
         tenant = self.api.tenant(request)
         f = await self.api.call(self._stored, body["input_file_id"], tenant)
-        parsed: Parsed = await self.api.call(read_jsonl_text, f["content"])  # up to max_body_bytes: off the loop
+        parsed: Parsed = await self.api.call(
+            read_jsonl_text, f["content"], self.client.settings.generation
+        )  # up to max_body_bytes: off the loop
         errors = parsed.errors or [
             f"{where}: not a Batch API line" if t is None else f"{where}: url {t.url} is not the batch's endpoint"
             for where, t in zip(parsed.sources, parsed.tags, strict=True)
@@ -186,7 +188,7 @@ class Batches:
 
     def _enqueue(self, bid: str, parsed: Parsed, record: dict, now: int, owner: str) -> None:
         self.client.enqueue(parsed.requests, batch_id=bid, tags=parsed.tags)
-        ttl = self.client.settings.result_ttl_s
+        ttl = self.client.settings.jobs.result_ttl_s
         with self.r.pipeline() as pipe:
             pipe.hset(self.keys.batch(bid), mapping=record)
             for index in (self.keys.api_batches, self.keys.api_owner_batches(owner)):

@@ -94,10 +94,13 @@ def read_tokens(client: Client, job_id: str, job: Streamed) -> tuple[list[str], 
     read no more (the text then comes from the result)."""
     cfg = client.settings
     if not job.reading:
-        time.sleep(cfg.poll_interval_s)
+        time.sleep(cfg.jobs.poll_interval_s)
         return [], False
     try:
-        got = client.r.xread({job.key: job.last_id}, count=cfg.follow_read_count, block=cfg.follow_block_ms) or []
+        got = (
+            client.r.xread({job.key: job.last_id}, count=cfg.jobs.follow_read_count, block=cfg.jobs.follow_block_ms)
+            or []
+        )
     except redis.ResponseError:
         job.unreadable = "its token stream's key holds another type"
         return [], False

@@ -106,8 +106,10 @@ def enqueue(
 ) -> None:
     """Enqueue one generation job per prompt under one batch; prints the batch id."""
     from producer.inputs import read_prompts
+    from schemas.settings import Settings
 
-    parsed = run_guarded(lambda: read_prompts(list(prompts), file, request_defaults(**gen)))  # type: ignore[arg-type]
+    defaults = request_defaults(**gen)  # type: ignore[arg-type]
+    parsed = run_guarded(lambda: read_prompts(list(prompts), file, defaults, Settings().generation))
     client = _client(redis_url, prefix, queue) if not parsed.errors else None
     errors = parsed.errors or _context_errors(client, parsed)  # type: ignore[arg-type]
     if errors:

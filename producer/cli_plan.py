@@ -59,9 +59,9 @@ def plan(
     target: str,
     gpus: list[int],
     draft: str | None,
-    dtype: str,
-    quant: str,
-    draft_quant: str,
+    dtype: str | None,
+    quant: str | None,
+    draft_quant: str | None,
     split: int | None,
     as_json: bool,
     plugins: tuple[str, ...],
@@ -77,9 +77,10 @@ def plan(
     registry = run_guarded(lambda: load_worker_plugins(plugins))
     config = run_guarded(lambda: registry.config(target))
     dconfig = run_guarded(lambda: registry.config(draft)) if draft else None
+    settings = worker_settings(engine={"dtype": dtype, "quant": quant, "draft_quant": draft_quant})
+    dtype, quant, draft_quant = settings.engine.dtype, settings.engine.quant, settings.engine.draft_quant
     dt = getattr(torch, dtype) if dtype != "auto" else getattr(config, "dtype", None) or torch.float32
     dt = getattr(torch, dt) if isinstance(dt, str) else dt
-    settings = worker_settings()
     if quant == "none":  # a checkpoint stored quantized is planned as stored
         from workers.engine.quant import prequantized_scheme
 

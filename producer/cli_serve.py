@@ -6,7 +6,7 @@
     shardflow serve --no-auth                                                        # loopback only
 
 The URL is printed once the port is bound (a port that is taken exits 4 with one line and no URL); SIGTERM
-or Ctrl-C stops it (requests in flight get api_shutdown_s to finish) and it exits 0.
+or Ctrl-C stops it (requests in flight get api.shutdown_s to finish) and it exits 0.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import click
 
-from producer.options import EXIT_BAD_INPUT, EXIT_UNREACHABLE, connection_options, fail, run_guarded
-from schemas.settings import DEFAULTS, Settings
+from producer.options import EXIT_BAD_INPUT, EXIT_UNREACHABLE, connection_options, fail, run_guarded, worker_settings
+from schemas.settings import Settings
 
 
 def read_keys(path: str | None, env: str = "SHARDFLOW_API_KEYS") -> frozenset[str]:
@@ -77,14 +77,14 @@ def url_of(sock: socket.socket, host: str) -> str:
 )
 @click.option(
     "--shared-batches/--own-batches",
-    default=DEFAULTS.api_shared_batches,
-    show_default=True,
-    help="Every key sees every batch and file, CLI batches included (SHARDFLOW_API_SHARED_BATCHES).",
+    default=None,
+    help="Every key sees every batch and file, CLI batches included [default: own; env SHARDFLOW_API__SHARED_BATCHES]",
 )
 @click.option(
     "--served-model-name",
-    default=DEFAULTS.api_model_name,
-    help="The model name listed and accepted (default: the head's target hub id, or its directory's name).",
+    default=None,
+    help="The model name listed and accepted (default: the head's target hub id, or its directory's name) "
+    "[env SHARDFLOW_API__MODEL_NAME].",
 )
 @click.option("--no-auth", is_flag=True, help="Serve without API keys (only on a loopback address).")
 @connection_options
@@ -93,7 +93,7 @@ def serve(
     port: int,
     keys_file: str | None,
     admin_file: str | None,
-    shared_batches: bool,
+    shared_batches: bool | None,
     served_model_name: str | None,
     no_auth: bool,
     queue: str,
@@ -114,19 +114,20 @@ def serve(
         fail(f"--no-auth serves only a loopback address, not {host}", EXIT_BAD_INPUT)
     if not keys and not no_auth:
         fail("no API keys: give --api-keys FILE or SHARDFLOW_API_KEYS, or --no-auth on loopback", EXIT_BAD_INPUT)
-    settings = Settings(redis_url=redis_url, prefix=prefix, queue=queue)
-    r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=settings.api_max_concurrent + 16))
+    api = {"shared_batches": shared_batches, "model_name": served_model_name}
+    settings = worker_settings(redis={"url": redis_url, "prefix": prefix}, jobs={"queue": queue}, api=api)
+    r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=settings.api.max_concurrent + 16))
     client = Client(r, prefix=prefix, queue=queue, settings=settings)
     config = ApiConfig(
         keys=None if no_auth else keys,
-        max_body_bytes=settings.api_max_body_bytes,
-        max_concurrent=settings.api_max_concurrent,
-        timeout_s=settings.api_timeout_s,
-        body_timeout_s=settings.api_body_timeout_s,
-        max_json_depth=settings.api_max_json_depth,
+        max_body_bytes=settings.api.max_body_bytes,
+        max_concurrent=settings.api.max_concurrent,
+        timeout_s=settings.api.timeout_s,
+        body_timeout_s=settings.api.body_timeout_s,
+        max_json_depth=settings.api.max_json_depth,
         admin_keys=admins,
-        shared_batches=shared_batches,
-        served_name=served_model_name,
+        shared_batches=settings.api.shared_batches,
+        served_name=settings.api.model_name,
     )
     sock = bind(host, port)
     run(Api(client, config).app(), sock, f"serving the OpenAI API for queue {queue} on {url_of(sock, host)}", settings)
@@ -154,6 +155,6 @@ def run(app: object, sock: socket.socket, ready: str, settings: Settings) -> Non
     cfg = uvicorn.Config(
         app,  # type: ignore[arg-type]
         log_level="warning",
-        timeout_graceful_shutdown=int(settings.api_shutdown_s),
+        timeout_graceful_shutdown=int(settings.api.shutdown_s),
     )
     Server(cfg).run(sockets=[sock])

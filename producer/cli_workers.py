@@ -18,8 +18,6 @@ from producer.options import (
     load_worker_plugins,
     plugins_opt,
     prefix_opt,
-    preflight,
-    preflight_head,
     quant_opt,
     redis_opt,
     request_defaults,
@@ -29,7 +27,9 @@ from producer.options import (
     worker_settings,
 )
 from schemas.keys import Keys
-from schemas.settings import DEFAULTS
+from schemas.settings import RelaySettings
+
+RELAY = RelaySettings()  # the documented defaults --help shows
 
 
 def _print_result(result, as_json: bool) -> None:
@@ -72,14 +72,13 @@ worker_target_opt = click.option(
 @layers_option("Layers A:B this tail runs (B = the model's last).", envvar="SHARDFLOW_TAIL_LAYERS")
 @click.option("--name", default=None, help="Tail id (default: host-pid-random).")
 @click.option(
-    "--max-sessions", type=click.IntRange(1), default=DEFAULTS.max_sessions, show_default=True, help="KV caches kept."
+    "--max-sessions", type=click.IntRange(1), default=None, help=f"KV caches kept [default: {RELAY.max_sessions}]."
 )
 @click.option(
     "--session-ttl",
     type=click.FloatRange(0, min_open=True),
-    default=DEFAULTS.session_ttl_s,
-    show_default=True,
-    help="Idle seconds before a session is dropped.",
+    default=None,
+    help=f"Idle seconds before a session is dropped [default: {RELAY.session_ttl_s:g}].",
 )
 @click.option(
     "--max-len",
@@ -90,9 +89,8 @@ worker_target_opt = click.option(
 @click.option(
     "--max-packet-bytes",
     type=click.IntRange(1),
-    default=DEFAULTS.max_packet_bytes,
-    show_default=True,
-    help="Largest packet accepted.",
+    default=None,
+    help=f"Largest packet accepted [default: {RELAY.max_packet_bytes}].",
 )
 @redis_opt
 @prefix_opt
@@ -106,15 +104,15 @@ def tail(
     target: str,
     layers: tuple[int, int],
     name: str | None,
-    max_sessions: int,
-    session_ttl: float,
+    max_sessions: int | None,
+    session_ttl: float | None,
     max_len: int | None,
-    max_packet_bytes: int,
+    max_packet_bytes: int | None,
     redis_url: str,
     prefix: str,
-    device: str,
-    dtype: str,
-    quant: str,
+    device: str | None,
+    dtype: str | None,
+    quant: str | None,
     threads: int | None,
     static: bool | None,
     graphs: bool | None,
@@ -124,22 +122,20 @@ def tail(
 ) -> None:
     """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
     from relay_broker.connection import connect
+    from workers.engine.preflight import preflight_tail
     from workers.engine.runner import Engine
     from workers.tail.server import TailWorker
 
     settings = worker_settings(
-        max_sessions=max_sessions,
-        session_ttl_s=session_ttl,
-        max_packet_bytes=max_packet_bytes,
-        static_cache_len=max_len,
-        batch_slots=slots,
-        gpu_memory=gpu_memory,
+        redis={"url": redis_url, "prefix": prefix},
+        relay={"max_sessions": max_sessions, "session_ttl_s": session_ttl, "max_packet_bytes": max_packet_bytes},
+        engine=dict(max_len=max_len, slots=slots, gpu_memory=gpu_memory, static=static, graphs=graphs)
+        | dict(device=device, dtype=dtype, quant=quant, threads=threads),
     )
     registry = run_guarded(lambda: load_worker_plugins(plugins))
-    dtype_ = torch_setup(threads, dtype, device, settings)
-    preflight("tail", registry, [(target, layers, False, True, quant)], device, dtype_, settings)
-    load = dict(embed=False, head=True, device=device, dtype=dtype_, fused=settings.fused_layers, quant=quant)
-    shard = registry.load_shard(target, layers, **load)  # type: ignore[arg-type]
+    torch_setup(settings)
+    run_guarded(lambda: preflight_tail(registry, target, layers, settings))
+    shard = registry.load_for(target, layers, settings.engine, embed=False, head=True)
     if layers[1] != shard.config.num_hidden_layers:
         raise click.BadParameter(f"a tail must end at the last layer ({shard.config.num_hidden_layers})")
     worker = run_guarded(
@@ -149,7 +145,7 @@ def tail(
             names=Keys(prefix),
             tail_id=name,
             settings=settings,
-            engine=Engine(shard, static=static, graphs=graphs, settings=settings, label="tail"),
+            engine=Engine(shard, settings, label="tail"),
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
@@ -194,9 +190,7 @@ def tail(
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
 @connection_options
 @device_opt
-@click.option(
-    "--draft-device", default=None, help="Torch device of the draft model, e.g. cuda:1 (default: --device)."
-)
+@click.option("--draft-device", default=None, help="Torch device of the draft model, e.g. cuda:1 (default: --device).")
 @dtype_opt
 @quant_opt
 @draft_quant_opt
@@ -214,11 +208,11 @@ def head(
     queue: str,
     redis_url: str,
     prefix: str,
-    device: str,
+    device: str | None,
     draft_device: str | None,
-    dtype: str,
-    quant: str,
-    draft_quant: str,
+    dtype: str | None,
+    quant: str | None,
+    draft_quant: str | None,
     threads: int | None,
     static: bool | None,
     graphs: bool | None,
@@ -230,6 +224,7 @@ def head(
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
     from relay_broker.connection import connect, warm_pool
     from schemas.jobs import ModelInfo
+    from workers.engine.preflight import preflight_head
     from workers.engine.runner import Engine
     from workers.head.rq_worker import HeadWorker
     from workers.head.runtime import HeadRuntime
@@ -237,26 +232,19 @@ def head(
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
     settings = worker_settings(
-        batch_slots=slots, gpu_memory=gpu_memory, queue=queue, prefix=prefix, redis_url=redis_url, head_groups=groups
+        redis={"url": redis_url, "prefix": prefix},
+        jobs={"queue": queue},
+        relay={"head_groups": groups},
+        engine=dict(
+            slots=slots, gpu_memory=gpu_memory, static=static, graphs=graphs, compile_draft=compile_draft or None
+        )
+        | dict(device=device, draft_device=draft_device, dtype=dtype, quant=quant, draft_quant=draft_quant)
+        | dict(threads=threads),
     )
-    registry, dtype_ = run_guarded(lambda: load_worker_plugins(plugins)), torch_setup(threads, dtype, device, settings)
-    opts = dict(dtype=dtype_, settings=settings, quant=quant, draft_quant=draft_quant)
-    preflight_head(registry, target, layers, draft, device, draft_device, **opts)
-    runtime = HeadRuntime.load(
-        target,
-        layers,
-        draft=draft,
-        device=device,
-        dtype=dtype_,
-        static=static,
-        graphs=graphs,
-        compile_draft=compile_draft,
-        settings=settings,
-        plugins=registry,
-        quant=quant,
-        draft_quant=draft_quant,
-        draft_device=draft_device,
-    )
+    registry = run_guarded(lambda: load_worker_plugins(plugins))
+    torch_setup(settings)
+    run_guarded(lambda: preflight_head(registry, target, layers, draft, settings))
+    runtime = HeadRuntime.load(target, layers, draft=draft, settings=settings, plugins=registry)
     info = ModelInfo(
         target=str(target),
         context_length=runtime.context_length,
@@ -300,8 +288,8 @@ def generate(
     draft: str | None,
     redis_url: str,
     prefix: str,
-    device: str,
-    dtype: str,
+    device: str | None,
+    dtype: str | None,
     threads: int | None,
     as_json: bool,
     plugins: tuple[str, ...],
@@ -315,12 +303,12 @@ def generate(
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
     req = run_guarded(lambda: _request(prompt, **gen))
-    settings = worker_settings(prefix=prefix, redis_url=redis_url)
-    registry = run_guarded(lambda: load_worker_plugins(plugins))
-    dtype_ = torch_setup(threads, dtype)
-    runtime = HeadRuntime.load(
-        target, layers, draft=draft, device=device, dtype=dtype_, settings=settings, plugins=registry
+    settings = worker_settings(
+        redis={"url": redis_url, "prefix": prefix}, engine={"device": device, "dtype": dtype, "threads": threads}
     )
+    registry = run_guarded(lambda: load_worker_plugins(plugins))
+    torch_setup(settings)
+    runtime = HeadRuntime.load(target, layers, draft=draft, settings=settings, plugins=registry)
     r = run_guarded(lambda: connect(redis_url, settings=settings))
     _print_result(run_guarded(lambda: run_generation(req, runtime, r, names=Keys(prefix))), as_json)
 

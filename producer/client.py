@@ -91,7 +91,7 @@ class Client:
         prefix (unless given here), job defaults (timeout, retries and their backoff, result TTL) and the
         poll/follow pace."""
         self.settings = settings = settings or Settings()
-        prefix, queue = prefix or settings.prefix, queue or settings.queue
+        prefix, queue = prefix or settings.redis.prefix, queue or settings.jobs.queue
         self.r, self.keys, self.queue_name = r, Keys(prefix), queue
         # SafeJob: RQ's cleanup (the worker's, or an operator's) calls the failure callback a job
         # record names; a forged record must not make a producer import code (see README, Security).
@@ -123,12 +123,12 @@ class Client:
         jobs exists, through RQ's group of the same name). `tags`: per request, the OpenAI request it came
         from (kept in the job's meta; results can then be written in OpenAI's formats)."""
         cfg = self.settings
-        result_ttl = cfg.result_ttl_s if result_ttl is None else result_ttl
-        retries = cfg.job_retries if retries is None else retries
+        result_ttl = cfg.jobs.result_ttl_s if result_ttl is None else result_ttl
+        retries = cfg.jobs.retries if retries is None else retries
         if not requests:
             raise InvalidRequest("nothing to enqueue")
-        if len(requests) > self.settings.max_batch_jobs:
-            raise InvalidRequest(f"{len(requests)} jobs in one batch; at most {self.settings.max_batch_jobs}")
+        if len(requests) > self.settings.jobs.max_batch_jobs:
+            raise InvalidRequest(f"{len(requests)} jobs in one batch; at most {self.settings.jobs.max_batch_jobs}")
         if result_ttl < 1:
             raise InvalidRequest("result_ttl must be at least 1 second")
         batch_id = batch_id or new_batch_id()
@@ -140,13 +140,15 @@ class Client:
         tags = tags or [None] * len(requests)
         if len(tags) != len(requests):
             raise InvalidRequest("one tag per request")
-        retry = Retry(max=retries, interval=self.settings.retry_intervals_s[:retries] or 0) if retries > 0 else None
+        retry = (
+            Retry(max=retries, interval=self.settings.jobs.retry_intervals_s[:retries] or 0) if retries > 0 else None
+        )
         datas = [
             Queue.prepare_data(
                 RUN_GENERATION,
                 args=(req.model_dump(mode="json"),),
                 job_id=jid,
-                timeout=self.settings.job_timeout_s,
+                timeout=self.settings.jobs.timeout_s,
                 result_ttl=result_ttl,
                 failure_ttl=result_ttl,
                 retry=retry,
@@ -171,7 +173,7 @@ class Client:
         """Job ids of a batch in enqueue order: from its record, or once that expired (a queue that waited
         longer than the result TTL) from RQ's group of the same name, which lasts while any job does."""
         count = self.r.hget(self.keys.batch(batch_id), "count")
-        if count is not None and count.isdigit() and int(count) <= self.settings.max_batch_jobs:
+        if count is not None and count.isdigit() and int(count) <= self.settings.jobs.max_batch_jobs:
             return [job_id_for(batch_id, i) for i in range(int(count))]
         members = sorted(m.decode(errors="replace") for m in self.r.smembers(Group.get_key(batch_id)))
         if not members:
@@ -241,7 +243,7 @@ class Client:
                 return views
             if time.monotonic() > deadline:
                 raise WaitTimeout(timeout or 0.0, views)
-            time.sleep(self.settings.poll_interval_s)
+            time.sleep(self.settings.jobs.poll_interval_s)
 
     def follow(self, job_ids: list[str], *, timeout: float | None = None) -> Iterator[FollowEvent]:
         """The jobs' text as it commits (TextChunk), each job that ends without an end marker (JobEnded), then
@@ -279,10 +281,10 @@ class Client:
         had entries. A key of another type (it fails the whole read) is found and read no more."""
         streams = {job.key: job.last_id for job in jobs.values() if job.reading}
         if not streams:
-            time.sleep(self.settings.poll_interval_s)
+            time.sleep(self.settings.jobs.poll_interval_s)
             return [], set()
         cfg = self.settings
-        read = partial(self.r.xread, streams, count=cfg.follow_read_count, block=cfg.follow_block_ms)
+        read = partial(self.r.xread, streams, count=cfg.jobs.follow_read_count, block=cfg.jobs.follow_block_ms)
         try:
             got = self._ride_out(read, deadline) or []
         except redis.ResponseError:
@@ -328,7 +330,7 @@ class Client:
             if not isinstance(job, Job) or job.get_status(refresh=False) not in RETRYABLE:
                 continue
             job.meta.pop("error", None)
-            job.retries_left = self.settings.job_retries
+            job.retries_left = self.settings.jobs.retries
             job.save()
             # the cancel flag only: the token stream is the head's (read only to producers); the attempt
             # that runs the retry keeps it when it resumes from a checkpoint and resets it otherwise
@@ -353,7 +355,9 @@ class Client:
                 continue
             status = job.get_status(refresh=False)
             if status == JobStatus.STARTED:
-                ttl = min(self.settings.job_timeout_s, job_ttl(job))  # never outlives what the job itself leaves
+                ttl = min(
+                    self.settings.jobs.timeout_s, job_ttl(job, self.settings.jobs.result_ttl_s)
+                )  # never outlives what the job itself leaves
                 self.r.set(self.keys.cancel(job.id), 1, ex=ttl)
                 done.append(job.id)
             elif status not in DONE:

@@ -16,6 +16,7 @@ from producer.reasons import plain_reason
 from schemas.errors import InvalidRequest
 from schemas.openai import BatchLine, JobTag
 from schemas.requests import GenerationRequest
+from schemas.settings import GenerationSettings
 
 BATCH_KEYS = {"custom_id", "method", "url", "body"}
 
@@ -72,8 +73,9 @@ def _read_text(file: str) -> str:
         ) from None
 
 
-def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
-    """Build requests from prompt arguments and/or a file; collect every error with its place."""
+def read_prompts(args: list[str], file: str | None, defaults: dict, generation: GenerationSettings) -> Parsed:
+    """Build requests from prompt arguments and/or a file; collect every error with its place. `defaults`: the
+    request fields of the command's options; `generation`: the process's settings, for Batch API lines."""
     items: list[tuple[str, dict | str | None, str | None]] = []  # (where, data, parse error) in input order
     for i, a in enumerate(args, 1):
         if a == "-":
@@ -83,12 +85,12 @@ def read_prompts(args: list[str], file: str | None, defaults: dict) -> Parsed:
     if file is not None:
         lines = _read_text(file).splitlines()
         items += _line_items(lines, _looks_jsonl(file, lines))
-    return _parse_items(items, defaults)
+    return _parse_items(items, defaults, generation)
 
 
-def read_jsonl_text(text: str) -> Parsed:
+def read_jsonl_text(text: str, generation: GenerationSettings) -> Parsed:
     """Requests from the text of a JSONL file (an uploaded Batch API input file), as `read_prompts` reads one."""
-    return _parse_items(_line_items(text.splitlines(), True), {})
+    return _parse_items(_line_items(text.splitlines(), True), {}, generation)
 
 
 def _line_items(lines: list[str], jsonl: bool) -> list[tuple[str, dict | str | None, str | None]]:
@@ -113,7 +115,9 @@ def _line_items(lines: list[str], jsonl: bool) -> list[tuple[str, dict | str | N
     return items
 
 
-def _parse_items(items: list[tuple[str, dict | str | None, str | None]], defaults: dict) -> Parsed:
+def _parse_items(
+    items: list[tuple[str, dict | str | None, str | None]], defaults: dict, generation: GenerationSettings
+) -> Parsed:
     out = Parsed([], [], [])
     custom_ids: dict[str, str] = {}
     for where, item, problem in items:
@@ -123,7 +127,7 @@ def _parse_items(items: list[tuple[str, dict | str | None, str | None]], default
         try:
             if isinstance(item, dict) and BATCH_KEYS & item.keys():  # a Batch API line
                 line = BatchLine.model_validate(item)
-                req, tag = line.generation(), line.tag()
+                req, tag = line.generation(generation), line.tag()
                 if line.custom_id in custom_ids:
                     out.errors.append(f"{where}: custom_id {line.custom_id!r} already on {custom_ids[line.custom_id]}")
                     continue

@@ -74,7 +74,7 @@ class Liveness:
         """How the queue stands (cached for api_liveness_s); Redis errors propagate."""
         with self.lock:
             now = time.monotonic()
-            if self.last is not None and now - self.last[0] < self.settings.api_liveness_s:
+            if self.last is not None and now - self.last[0] < self.settings.api.liveness_s:
                 return self.last[1]
             served = self._read(now)
             self.last = (now, served)
@@ -98,7 +98,7 @@ class Liveness:
             beats = pipe.execute() if workers else []
         ages = [self._age(key, beat, now) for key, beat in zip(workers, beats, strict=True) if beat is not None]
         self.beats = {k: v for k, v in self.beats.items() if k in workers}
-        live = sum(age <= self.settings.heartbeat_ttl_s for age in ages)
+        live = sum(age <= self.settings.jobs.heartbeat_ttl_s for age in ages)
         info = _info(raw_info)
         name = None if info is None else self.served_name or stable_name(info.target)
         return Served(name, info, live, min(ages) if ages else None)

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from schemas.errors import InvalidRequest, ModelLoadError, ShardFlowError, TransportError
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
 
@@ -92,20 +92,30 @@ def layers_option(help_text: str, envvar: str | None = None) -> Callable:
     )
 
 
+def setting_default(group: str, name: str) -> dict[str, Any]:
+    """click keywords of a flag that defaults to a setting: its value from the environment when the command runs
+    (SHARDFLOW_GROUP__NAME, or the flat 0.1 name; schemas/settings.py), else the documented default, which
+    --help shows."""
+    model = Settings.model_fields[group].annotation
+    documented = model.model_fields[name].default  # type: ignore[union-attr]
+    return {"default": lambda: getattr(getattr(Settings(), group), name), "show_default": str(documented)}
+
+
 redis_opt = click.option(
     "--redis-url",
-    default=DEFAULTS.redis_url,
-    show_default=True,
-    help="Redis to use: redis://, rediss:// (TLS) or unix://; user:password@ for ACL users [env SHARDFLOW_REDIS_URL].",
+    **setting_default("redis", "url"),
+    help="Redis to use: redis://, rediss:// (TLS) or unix://; user:password@ for ACL users [env SHARDFLOW_REDIS__URL "
+    "or SHARDFLOW_REDIS_URL].",
 )
 prefix_opt = click.option(
     "--prefix",
-    default=DEFAULTS.prefix,
-    show_default=True,
-    help="Namespace of ShardFlow's own Redis keys [env SHARDFLOW_PREFIX].",
+    **setting_default("redis", "prefix"),
+    help="Namespace of ShardFlow's own Redis keys [env SHARDFLOW_REDIS__PREFIX or SHARDFLOW_PREFIX].",
 )
 queue_opt = click.option(
-    "--queue", default=DEFAULTS.queue, show_default=True, help="RQ queue of generation jobs [env SHARDFLOW_QUEUE]."
+    "--queue",
+    **setting_default("jobs", "queue"),
+    help="RQ queue of generation jobs [env SHARDFLOW_JOBS__QUEUE or SHARDFLOW_QUEUE].",
 )
 
 
@@ -145,16 +155,14 @@ def batch_options(fn: Callable) -> Callable:
     fn = click.option(
         "--retries",
         type=click.IntRange(0),
-        default=DEFAULTS.job_retries,
-        show_default=True,
+        **setting_default("jobs", "retries"),
         help="Automatic retries after a transient failure.",
     )(fn)
     fn = click.option(
         "--result-ttl",
         type=int,
         callback=_result_ttl,
-        default=DEFAULTS.result_ttl_s,
-        show_default=True,
+        **setting_default("jobs", "result_ttl_s"),
         help="Seconds results are kept (at least 1).",
     )(fn)
     return click.option(
@@ -165,30 +173,29 @@ def batch_options(fn: Callable) -> Callable:
     )(fn)
 
 
-device_opt = click.option("--device", default="cpu", show_default=True, help="Torch device, e.g. cpu, cuda:0.")
+device_opt = click.option(
+    "--device", default=None, help="Torch device, e.g. cpu, cuda:0 [default: cpu; env SHARDFLOW_ENGINE__DEVICE]."
+)
 dtype_opt = click.option(
     "--dtype",
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default="auto",
-    show_default=True,
-    help="Weight dtype; auto = the checkpoint's.",
+    default=None,
+    help="Weight dtype; auto = the checkpoint's [default: auto].",
 )
 quant_opt = click.option(
     "--quant",
     type=click.Choice(["none", "int8", "4bit"]),
-    default="none",
+    default=None,
     envvar="SHARDFLOW_QUANT",
     show_envvar=True,
-    show_default=True,
     help="Weight-only quantization of the shard's layers (bitsandbytes: int8, or 4-bit NF4); a checkpoint "
-    "saved quantized loads as stored.",
+    "saved quantized loads as stored [default: none].",
 )
 draft_quant_opt = click.option(
     "--draft-quant",
     type=click.Choice(["none", "int8", "4bit"]),
-    default="none",
-    show_default=True,
-    help="Weight-only quantization of the draft model's layers.",
+    default=None,
+    help="Weight-only quantization of the draft model's layers [default: none].",
 )
 threads_opt = click.option(
     "--threads", type=click.IntRange(1), default=None, help="CPU threads for torch (default: torch's)."
@@ -213,12 +220,19 @@ def load_worker_plugins(plugins: tuple[str, ...]):
     return load_plugins([m.strip() for p in plugins for m in p.split(",") if m.strip()])
 
 
-def worker_settings(**flags: object):
-    """The typed settings a worker runs with: SHARDFLOW_* from the environment, then the flags given
-    (None = not given) on top; the one config the worker passes down."""
-    from schemas.settings import Settings
+def worker_settings(**groups: dict[str, Any]) -> Settings:
+    """The one `Settings` a command runs with and passes down whole: SHARDFLOW_* from the environment, then the
+    flags given on top, by group (`worker_settings(engine={"slots": slots, "device": device})`; None = not
+    given). A setting the environment or a flag gets wrong is a usage error (exit 2)."""
+    from pydantic import ValidationError
 
-    return Settings(**{k: v for k, v in flags.items() if v is not None})
+    given = {g: {k: v for k, v in flags.items() if v is not None} for g, flags in groups.items()}
+    try:
+        return Settings(**{g: flags for g, flags in given.items() if flags})
+    except ValidationError as e:
+        from producer.reasons import plain_reason
+
+        raise click.UsageError(f"settings: {plain_reason(e)}") from None
 
 
 def engine_options(fn: Callable) -> Callable:
@@ -236,7 +250,7 @@ def engine_options(fn: Callable) -> Callable:
         type=click.FloatRange(0, min_open=True),
         default=None,
         help="What the worker may fill of its GPU: a share (up to 1) or GiB (default: 0.9; lower it when workers "
-        "share a GPU) [env SHARDFLOW_GPU_MEMORY].",
+        "share a GPU) [env SHARDFLOW_ENGINE__GPU_MEMORY].",
     )(fn)
     fn = click.option(
         "--graphs/--no-graphs",
@@ -252,69 +266,22 @@ def engine_options(fn: Callable) -> Callable:
     )(fn)
 
 
-def torch_setup(threads: int | None, dtype: str | None, device: str = "cpu", settings: Any = None) -> Any:
-    """Apply --threads (on a CUDA device, default settings.cuda_torch_threads: a GPU worker's host work is
-    small, and torch's pool would otherwise hold a thread per core) and turn --dtype into a torch dtype
-    (None = the checkpoint's); before CUDA starts, let its allocator grow segments in place (less fragmentation
-    under a worker's --gpu-memory cap) unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
+def torch_setup(settings: Settings) -> None:
+    """Apply settings.engine.threads (on a CUDA device, default engine.cuda_torch_threads: a GPU worker's host
+    work is small, and torch's pool would otherwise hold a thread per core); before CUDA starts, let its
+    allocator grow segments in place (less fragmentation under a worker's --gpu-memory cap) unless
+    PYTORCH_CUDA_ALLOC_CONF says otherwise."""
     import os
 
     import torch
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-    if threads is None and device.startswith("cuda") and settings is not None:
-        threads = min(settings.cuda_torch_threads, os.cpu_count() or 1)
+    engine, threads = settings.engine, settings.engine.threads
+    if threads is None and engine.device.startswith("cuda"):
+        threads = min(engine.cuda_torch_threads, os.cpu_count() or 1)
     if threads:
         torch.set_num_threads(threads)
-    return None if dtype in (None, "auto") else getattr(torch, dtype)
-
-
-def preflight(
-    role: str, registry: Any, parts: list[tuple[str, Any, bool, bool, str]], device: str, dtype: Any, settings: Any
-) -> None:
-    """Before a worker loads anything: refuse a budget its parts (target, layers, embed, head, quant) cannot fit,
-    with the numbers, and cap its CUDA allocator at the budget (workers/engine/plan.py)."""
-    import torch
-
-    from workers.engine.plan import Part, check_worker, enforce_budget
-    from workers.engine.quant import prequantized_scheme
-
-    def part(target: str, layers: Any, embed: bool, head: bool, quant: str) -> Part:
-        cfg = registry.config(target)
-        quant = quant if quant != "none" else prequantized_scheme(cfg)  # a checkpoint stored quantized
-        dt = dtype or getattr(cfg, "dtype", None) or torch.float32
-        dt = getattr(torch, dt) if isinstance(dt, str) else dt
-        return Part(cfg, tuple(layers or (0, cfg.num_hidden_layers)), embed, head, dt, quant)
-
-    dev = torch.device(device)
-    run_guarded(lambda: check_worker(role, [part(*p) for p in parts], dev, settings))
-    enforce_budget(dev, settings)
-
-
-def same_device(a: str, b: str) -> bool:
-    """Whether two torch device strings name one device ("cuda" is cuda:0; every "cpu" is the one CPU)."""
-
-    def key(d: str) -> tuple[str, str]:
-        kind, _, index = d.strip().partition(":")
-        return kind, "0" if kind == "cpu" or not index else index
-
-    return key(a) == key(b)
-
-
-def preflight_head(
-    registry: Any, target: str, layers: Any, draft: str | None, device: str, draft_device: str | None, **kw: Any
-) -> None:
-    """`preflight` for a head: its layers and its drafter on one budget, or each on its device's.
-    kw: dtype, settings, quant, draft_quant."""
-    own = [(target, layers, True, False, kw["quant"])]
-    drafter = [(draft, None, True, True, kw["draft_quant"])] if draft else []
-    dtype, settings = kw["dtype"], kw["settings"]
-    if draft_device and not same_device(draft_device, device):
-        preflight("head", registry, own, device, dtype, settings)
-        preflight("head's drafter", registry, drafter, draft_device, dtype, settings)
-    else:
-        preflight("head", registry, own + drafter, device, dtype, settings)
 
 
 def generation_options(fn: Callable) -> Callable:
@@ -324,8 +291,7 @@ def generation_options(fn: Callable) -> Callable:
             click.option(
                 "--max-new-tokens",
                 type=click.IntRange(1, 1 << 20),
-                default=DEFAULTS.max_new_tokens,
-                show_default=True,
+                **setting_default("generation", "max_new_tokens"),
                 help="Tokens to generate at most.",
             ),
             click.option(
@@ -362,8 +328,7 @@ def generation_options(fn: Callable) -> Callable:
                 "--draft-k",
                 "k",
                 type=click.IntRange(0, 64),
-                default=DEFAULTS.draft_k,
-                show_default=True,
+                **setting_default("generation", "draft_k"),
                 help="Draft tokens per round.",
             ),
             click.option(

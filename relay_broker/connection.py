@@ -27,7 +27,7 @@ import redis.exceptions
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from schemas.errors import TransportError
-from schemas.settings import Settings
+from schemas.settings import RedisSettings, Settings
 
 log = logging.getLogger("shardflow.connection")
 T = TypeVar("T")
@@ -52,17 +52,17 @@ def _retryable(e: BaseException) -> bool:
 
 
 def _attempts_for(args: tuple) -> int:
-    """settings.connect_attempts of the object a method belongs to, else the documented default."""
+    """settings.redis.connect_attempts of the object a method belongs to, else the documented default."""
     settings = getattr(args[0], "settings", None) if args else None
-    return settings.connect_attempts if isinstance(settings, Settings) else DEFAULT_ATTEMPTS
+    return settings.redis.connect_attempts if isinstance(settings, Settings) else DEFAULT_ATTEMPTS
 
 
-DEFAULT_ATTEMPTS: int = Settings.model_fields["connect_attempts"].default
+DEFAULT_ATTEMPTS: int = RedisSettings().connect_attempts
 
 
 def transport_retry(attempts: int | None = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Decorator: retry on Redis transport errors with jittered backoff, then raise TransportError.
-    `attempts` None: the `settings.connect_attempts` of the method's object (schemas/settings.py)."""
+    `attempts` None: the `settings.redis.connect_attempts` of the method's object (schemas/settings.py)."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         def call(*args: Any, **kwargs: Any) -> T:
@@ -101,13 +101,13 @@ def connect(
     **kwargs: Any,
 ) -> redis.Redis:
     """Open a Redis client for `url` (bytes responses); PING it (`attempts` tries, default
-    settings.connect_attempts) unless check=False. `settings` (default: Settings()) gives the socket timeout.
+    settings.redis.connect_attempts) unless check=False. `settings` (default: Settings()) gives the socket timeout.
     `max_connections`: a pool of at most that many connections whose callers wait for a free one (up to the
     socket timeout) instead of failing; default: redis-py's pool (100, then errors)."""
     settings = settings or Settings()
-    attempts = attempts or settings.connect_attempts
+    attempts = attempts or settings.redis.connect_attempts
     opts: dict[str, Any] = {
-        "socket_timeout": settings.socket_timeout_s,
+        "socket_timeout": settings.redis.socket_timeout_s,
         "socket_connect_timeout": 10.0,
         "health_check_interval": 30,
         "driver_info": None,  # no CLIENT SETINFO: two round trips less per new connection over a WAN
@@ -125,7 +125,7 @@ def connect(
             client = redis.Redis.from_url(url, **opts)
         else:
             pool = redis.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=settings.socket_timeout_s, **opts
+                url, max_connections=max_connections, timeout=settings.redis.socket_timeout_s, **opts
             )
             client = redis.Redis(connection_pool=pool)
             client.auto_close_connection_pool = True

@@ -24,7 +24,7 @@ REDIS_LOST = (*TRANSPORT_ERRORS, TransportError)
 
 def backoff(settings: Settings) -> wait_exponential:
     """reconnect_min_s, doubling up to reconnect_max_s."""
-    return wait_exponential(multiplier=settings.reconnect_min_s, max=settings.reconnect_max_s)
+    return wait_exponential(multiplier=settings.redis.reconnect_min_s, max=settings.redis.reconnect_max_s)
 
 
 def ride_out(

@@ -23,6 +23,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from schemas.jobs import job_ttl
+from schemas.settings import JobSettings
 
 log = logging.getLogger("shardflow.rq_jobs")
 
@@ -35,6 +36,8 @@ class SafeJob(Job):
     """A Job that never imports the code its record names (see the module docstring)."""
 
     functions: ClassVar[Mapping[str, Callable[..., Any]]] = {}
+    # a record's result TTL where it has none usable: the documented jobs.result_ttl_s (a head's class: its own)
+    fallback_ttl_s: ClassVar[int] = JobSettings().result_ttl_s
     _unreadable: str | None = None  # why the record did not restore
 
     @property
@@ -86,7 +89,7 @@ class SafeJob(Job):
             self._unreadable = f"{type(e).__name__}: {e}"[:500]
             log.error("job %s: its record does not restore (%s); failing it", self.id, self._unreadable)
             super().restore({k: v for k, v in raw.items() if k in (b"data", "data")})  # the rest: RQ's defaults
-        self.result_ttl = job_ttl(self)
+        self.result_ttl = job_ttl(self, self.fallback_ttl_s)
         if not (isinstance(self.failure_ttl, int) and self.failure_ttl > 0):
             self.failure_ttl = self.result_ttl
         if self.rate_limit_key or self.rate_limit_concurrency:

@@ -26,7 +26,7 @@ Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)
 @transport_retry()
 def publish(r: redis.Redis, stream: str, fields: dict, *, maxlen: int) -> bytes:
     """Append one entry to `stream`, trimming it to about `maxlen` entries (a request stream:
-    settings.request_stream_maxlen)."""
+    settings.relay.request_stream_maxlen)."""
     return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
 
 
@@ -130,8 +130,8 @@ class GroupReader:
 
     @transport_retry()
     def read(self, count: int = 16, block_ms: int | None = None) -> list[Entry]:
-        """Return up to `count` entries; blocks up to block_ms (settings.block_ms) when there is nothing new."""
-        block_ms = self.settings.block_ms if block_ms is None else block_ms
+        """Return up to `count` entries; blocks up to block_ms (settings.redis.block_ms) when there is nothing new."""
+        block_ms = self.settings.redis.block_ms if block_ms is None else block_ms
         if not self._pending_done:
             got = self._flatten(
                 self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, "0"), count=count)
@@ -140,7 +140,7 @@ class GroupReader:
             if got:
                 return got
             self._pending_done = True
-        if self.claim_streams and time.monotonic() - self._last_claim > self.settings.claim_idle_ms / 2000:
+        if self.claim_streams and time.monotonic() - self._last_claim > self.settings.relay.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
             claimed = self._claim(count)
             if claimed:
@@ -178,7 +178,7 @@ class GroupReader:
         """Entries that another consumer read but never acknowledged for claim_idle_ms (a dead tail's)."""
         out: list[Entry] = []
         for stream in self.claim_streams:
-            idle = self.settings.claim_idle_ms
+            idle = self.settings.relay.claim_idle_ms
             resp = self.r.xautoclaim(stream, self.group, self.consumer, idle, "0-0", count=count)
             out += [(stream.encode(), i, f) for i, f in resp[1] if f]
         return out
@@ -201,11 +201,15 @@ class GroupReader:
         packets' records to the dead-letter stream: one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for record in dead_letters or []:
-            pipe.xadd(self.dead_stream, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
+            pipe.xadd(self.dead_stream, record, maxlen=self.settings.relay.dead_letter_maxlen, approximate=True)
         acked: set[tuple[bytes | str, bytes]] = set()
         for stream, entry_id, reply in done:  # a group entry comes once per session it holds: acked once
             if reply is not None:  # a head's shared stream holds every session's: capped as a request stream
-                cap = self.settings.request_stream_maxlen if reply.shared else self.settings.reply_stream_maxlen
+                cap = (
+                    self.settings.relay.request_stream_maxlen
+                    if reply.shared
+                    else self.settings.relay.reply_stream_maxlen
+                )
                 add_reply(pipe, reply, cap)
             if (stream, entry_id) not in acked:
                 acked.add((stream, entry_id))
@@ -241,13 +245,13 @@ class ReplyReader:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise ReplyTimeout(f"no reply on {self.stream} within {timeout_s:.1f}s")
-            self._take(self._read(min(left_ms, self.settings.block_ms)))
+            self._take(self._read(min(left_ms, self.settings.redis.block_ms)))
         return self._pop()
 
     def publish_then_next(self, stream: str, fields: dict, timeout_s: float) -> dict[bytes, bytes]:
         """Send a request and wait for the next reply in one round trip (XADD + blocking XREAD pipelined)."""
         deadline = time.monotonic() + timeout_s
-        self._take(self._publish_and_read(stream, fields, min(int(timeout_s * 1000), self.settings.block_ms)))
+        self._take(self._publish_and_read(stream, fields, min(int(timeout_s * 1000), self.settings.redis.block_ms)))
         return self._pop() if self._buffer else self.next(max(deadline - time.monotonic(), 0.0))
 
     @property
@@ -262,7 +266,7 @@ class ReplyReader:
     def refuse(self, record: dict) -> None:
         """Dead-letter the entry `next` returned last (`record`: its DeadLetterRecord fields)."""
         self.refused += 1
-        if self.dead_stream is not None and self.refused <= self.settings.reply_dead_letters_max:
+        if self.dead_stream is not None and self.refused <= self.settings.relay.reply_dead_letters_max:
             self._dead.append(record)
 
     def take_dead(self) -> list[dict]:
@@ -292,22 +296,22 @@ class ReplyReader:
     def _queue_dead(self, pipe: redis.client.Pipeline) -> int:
         """Queue the dead letters on `pipe` (a refused write, under an old ACL file say, fails nothing else)."""
         for record in self._dead:
-            pipe.xadd(self.dead_stream, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
+            pipe.xadd(self.dead_stream, record, maxlen=self.settings.relay.dead_letter_maxlen, approximate=True)
         return len(self._dead)
 
     @transport_retry()
     def _publish_and_read(self, stream: str, fields: dict, block_ms: int) -> list:
         pipe = self.r.pipeline(transaction=False)
         n = self._queue_dead(pipe)
-        pipe.xadd(stream, fields, maxlen=self.settings.request_stream_maxlen, approximate=True)
-        pipe.xread({self.stream: self.last_id}, count=self.settings.reply_read_count, block=max(block_ms, 1))
+        pipe.xadd(stream, fields, maxlen=self.settings.relay.request_stream_maxlen, approximate=True)
+        pipe.xread({self.stream: self.last_id}, count=self.settings.relay.reply_read_count, block=max(block_ms, 1))
         return self._result(pipe.execute(raise_on_error=False), n)
 
     @transport_retry()
     def _read(self, block_ms: int) -> list:
         pipe = self.r.pipeline(transaction=False)
         n = self._queue_dead(pipe)
-        pipe.xread({self.stream: self.last_id}, count=self.settings.reply_read_count, block=block_ms)
+        pipe.xread({self.stream: self.last_id}, count=self.settings.relay.reply_read_count, block=block_ms)
         return self._result(pipe.execute(raise_on_error=False), n)
 
     def _result(self, replies: list, dead: int) -> list:

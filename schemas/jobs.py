@@ -7,8 +7,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.settings import DEFAULTS
-
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # RQ job ids (BATCH-00000) allow no "."
 # The one job function producers enqueue (by name) and head workers allow: the module that defines it. Jobs
 # queued by earlier releases name it by its old wire name, which heads still accept (LEGACY_RUN_GENERATION).
@@ -16,11 +14,12 @@ RUN_GENERATION = "workers.head.job_function.run_generation"
 LEGACY_RUN_GENERATION = "workers.jobs.run_generation"
 
 
-def job_ttl(job: object) -> int:
-    """Seconds everything a job writes is kept: its RQ record's result TTL (set from `--result-ttl`), or the
-    default where the record has none usable (RQ's -1 = forever, 0, or a forged value)."""
+def job_ttl(job: object, fallback_s: int) -> int:
+    """Seconds everything a job writes is kept: its RQ record's result TTL (set from `--result-ttl`), or
+    `fallback_s` (the process's jobs.result_ttl_s) where the record has none usable (RQ's -1 = forever, 0, or a
+    forged value)."""
     ttl = getattr(job, "result_ttl", None)
-    return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else DEFAULTS.result_ttl_s
+    return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else fallback_s
 
 
 def read_result(raw: bytes | None) -> dict | None:

@@ -1,4 +1,4 @@
-"""Every Redis key name ShardFlow uses beside RQ's own, derived from one prefix (`Settings.prefix`).
+"""Every Redis key name ShardFlow uses beside RQ's own, derived from one prefix (`settings.redis.prefix`).
 
 Relay (head <-> tail):
   {prefix}:tail:requests            new sessions; every tail replica reads it through one group
@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.settings import DEFAULTS
+from schemas.settings import RedisSettings
 
 
 @dataclass(frozen=True)
 class Keys:
     """Key names under one prefix."""
 
-    prefix: str = DEFAULTS.prefix
+    prefix: str = RedisSettings().prefix  # the documented default; processes pass settings.redis.prefix
 
     # --- relay ---
     @property

@@ -3,12 +3,12 @@ Batch API's and `shardflow serve`'s), and the objects returned (completions, str
 lines, errors).
 
     line = BatchLine.model_validate_json(text)     # {"custom_id", "method": "POST", "url", "body"}
-    req = line.generation()                         # a GenerationRequest
+    req = line.generation(settings.generation)      # a GenerationRequest (defaults: the process's settings)
     out = output_line(tag, job_id, result, error)   # {"id", "custom_id", "response": {...}, "error"}
 
 Request bodies are validated like every other input (unknown fields refused, `n` only 1, types strict:
 `max_tokens` an integer, never `true` or `"8"`); a body becomes one GenerationRequest. OpenAI's defaults
-apply (temperature 1, top_p 1); max_tokens defaults to ShardFlow's max_new_tokens. The tag a job keeps
+apply (temperature 1, top_p 1); max_tokens defaults to the process's generation.max_new_tokens. The tag a job keeps
 (`JobTag`: custom_id, endpoint, model, stop sequences) is written by producers, so it is validated again
 wherever it is read.
 
@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.requests import ChatMessage, GenerationRequest, SamplingParams
-from schemas.settings import DEFAULTS
+from schemas.settings import GenerationSettings
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
@@ -91,19 +91,20 @@ class _Body(BaseModel):
         """What the job keeps of this body: the endpoint, the model named, the stop sequences."""
         return JobTag(custom_id=custom_id, url=url, model=self.model, stop=self.stops())  # type: ignore[arg-type]
 
-    def _common(self, max_new: int | None) -> dict[str, Any]:
+    def _common(self, max_new: int | None, defaults: GenerationSettings) -> dict[str, Any]:
         stop = self.stops()
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
         sampling = SamplingParams(temperature=temperature, top_p=self.top_p or 1.0, seed=self.seed)
-        return {"max_new_tokens": max_new or DEFAULTS.max_new_tokens, "sampling": sampling, "stop": stop}
+        return {"max_new_tokens": max_new or defaults.max_new_tokens, "sampling": sampling, "stop": stop}
 
 
 class ChatBody(_Body):
     messages: list[MessageIn] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
 
-    def generation(self) -> GenerationRequest:
-        common = self._common(self.max_completion_tokens or self.max_tokens)
+    def generation(self, defaults: GenerationSettings) -> GenerationRequest:
+        """The body as a GenerationRequest; `defaults`: the process's generation settings (max_new_tokens)."""
+        common = self._common(self.max_completion_tokens or self.max_tokens, defaults)
         return GenerationRequest(messages=[m.plain() for m in self.messages], **common)
 
 
@@ -113,8 +114,10 @@ class CompletionBody(_Body):
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
-    def generation(self) -> GenerationRequest:
-        return GenerationRequest(prompt=self.prompt_text(), chat_template=False, **self._common(self.max_tokens))
+    def generation(self, defaults: GenerationSettings) -> GenerationRequest:
+        """The body as a GenerationRequest; `defaults`: the process's generation settings (max_new_tokens)."""
+        common = self._common(self.max_tokens, defaults)
+        return GenerationRequest(prompt=self.prompt_text(), chat_template=False, **common)
 
 
 def body_for(url: str, body: Any) -> ChatBody | CompletionBody:
@@ -138,8 +141,9 @@ class BatchLine(BaseModel):
             raise ValueError("body.stream: a batch request is not streamed")
         return self
 
-    def generation(self) -> GenerationRequest:
-        return body_for(self.url, self.body).generation()
+    def generation(self, defaults: GenerationSettings) -> GenerationRequest:
+        """The line's body as a GenerationRequest (`defaults`: the process's generation settings)."""
+        return body_for(self.url, self.body).generation(defaults)
 
     def tag(self) -> JobTag:
         return body_for(self.url, self.body).tag(self.url, self.custom_id)

@@ -37,9 +37,10 @@ from pydantic import (
 
 from schemas.errors import PacketError
 from schemas.requests import SCHEMA_VERSION, FinishReason, SamplingParams, SessionId, TokenId
-from schemas.settings import DEFAULTS
+from schemas.settings import RelaySettings
 from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
 
+CAPS = RelaySettings()  # the documented caps, for callers that pass none (a worker passes settings.relay)
 HEADER = b"h"
 TENSOR_PREFIX = b"t."
 MAC = b"m"
@@ -253,15 +254,15 @@ class Oversized(PacketError):
     """A packet larger than the cap (its header may still be read, to answer its own head)."""
 
 
-def _header(fields: dict, max_bytes: int | None) -> bytes:
+def _header(fields: dict, max_bytes: int | None, max_header: int) -> bytes:
     if not isinstance(fields, dict) or HEADER not in fields:
         raise PacketError("packet has no header field 'h'")
     total = sum(len(k) + len(v) for k, v in fields.items())
     if max_bytes is not None and total > max_bytes:
         raise Oversized(f"packet of {total} bytes exceeds the cap of {max_bytes}")
     head = fields[HEADER]
-    if len(head) > DEFAULTS.max_header_bytes:
-        raise PacketError(f"header of {len(head)} bytes exceeds the cap of {DEFAULTS.max_header_bytes}")
+    if len(head) > max_header:
+        raise PacketError(f"header of {len(head)} bytes exceeds the cap of {max_header}")
     return head
 
 
@@ -286,13 +287,11 @@ def _validation_message(e: ValidationError) -> str:
     return "invalid packet: " + "; ".join(parts)
 
 
-def decode_head_header(
-    fields: dict, *, max_bytes: int | None = DEFAULTS.max_packet_bytes
-) -> RoundPacket | ClosePacket:
+def decode_head_header(fields: dict, *, caps: RelaySettings = CAPS, capped: bool = True) -> RoundPacket | ClosePacket:
     """Validate one head -> tail entry's header and its fields (tensors declared, a MAC), decoding no tensor:
     the caller checks the MAC (`authentic`) before `round_tensors` touches the bytes. A packet over
-    `max_bytes` raises Oversized (None: no cap, for reading the header of one that is)."""
-    head = _header(fields, max_bytes)
+    caps.max_packet_bytes raises Oversized (capped=False: no cap, for reading the header of one that is)."""
+    head = _header(fields, caps.max_packet_bytes if capped else None, caps.max_header_bytes)
     _check_version(head)
     try:
         msg = _HEAD.validate_json(head)
@@ -306,26 +305,29 @@ def decode_head_header(
     return msg
 
 
-def round_tensors(msg: RoundPacket, fields: dict, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """The tensors of a round whose header `decode_head_header` accepted."""
+def round_tensors(
+    msg: RoundPacket, fields: dict, *, caps: RelaySettings = CAPS, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The tensors of a round whose header `decode_head_header` accepted (each within caps.max_tensor_elements)."""
+    n = caps.max_tensor_elements
     return {
-        name: decode_tensor(meta, fields[TENSOR_PREFIX + name.encode()], device=device)
+        name: decode_tensor(meta, fields[TENSOR_PREFIX + name.encode()], max_elements=n, device=device)
         for name, meta in msg.tensors.items()
     }
 
 
 def decode_head_message(
-    fields: dict, *, max_bytes: int = DEFAULTS.max_packet_bytes, device: str | torch.device = "cpu"
+    fields: dict, *, caps: RelaySettings = CAPS, device: str | torch.device = "cpu"
 ) -> tuple[RoundPacket | ClosePacket, dict[str, torch.Tensor]]:
     """Validate and decode one head -> tail stream entry (its MAC unchecked); raise PacketError with a clear
     reason."""
-    msg = decode_head_header(fields, max_bytes=max_bytes)
-    return msg, round_tensors(msg, fields, device=device) if isinstance(msg, RoundPacket) else {}
+    msg = decode_head_header(fields, caps=caps)
+    return msg, round_tensors(msg, fields, caps=caps, device=device) if isinstance(msg, RoundPacket) else {}
 
 
-def decode_tail_message(fields: dict) -> Verdict | ErrorReply:
+def decode_tail_message(fields: dict, *, caps: RelaySettings = CAPS) -> Verdict | ErrorReply:
     """Validate and decode one tail -> head reply (the caller checks its MAC, or its echo)."""
-    head = _header(fields, DEFAULTS.max_header_bytes + 64)
+    head = _header(fields, caps.max_header_bytes + 64, caps.max_header_bytes)
     if not set(fields) <= {HEADER, MAC}:
         raise PacketError("a reply holds only a header and a MAC")
     _check_version(head)

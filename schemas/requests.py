@@ -6,7 +6,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.settings import DEFAULTS
+from schemas.settings import GenerationSettings
+
+_GEN = GenerationSettings()  # the documented defaults (no environment): the field defaults below
 
 SCHEMA_VERSION = 1
 
@@ -48,14 +50,14 @@ class DraftSettings(BaseModel):
         "'none' no speculation; any other name is a plugin drafter (workers/plugins.py) that the head must have "
         "been started with, else the job fails with the reason.",
     )
-    k: int = Field(DEFAULTS.draft_k, ge=0, le=64, description="Draft tokens per round (the most, if adaptive).")
+    k: int = Field(_GEN.draft_k, ge=0, le=64, description="Draft tokens per round (the most, if adaptive).")
     adaptive: bool = Field(
         True,
         description="Adapt the draft length per generation: transformers' +2/-1 schedule for the first rounds, "
         "then the length with the most expected tokens/s from measured acceptance and round timings.",
     )
-    ngram_max: int = Field(DEFAULTS.ngram_max, ge=1, le=16)
-    ngram_min: int = Field(DEFAULTS.ngram_min, ge=1, le=16)
+    ngram_max: int = Field(_GEN.ngram_max, ge=1, le=16)
+    ngram_min: int = Field(_GEN.ngram_min, ge=1, le=16)
     options: dict[Annotated[str, Field(max_length=64)], PluginValue] = Field(
         default_factory=dict, max_length=16, description="A plugin drafter's own settings (it validates them)."
     )
@@ -86,7 +88,7 @@ class GenerationRequest(BaseModel):
     chat_template: bool | None = Field(
         None, description="Apply the tokenizer's chat template to `prompt`; None = if it has one."
     )
-    max_new_tokens: int = Field(DEFAULTS.max_new_tokens, ge=1, le=1 << 20)
+    max_new_tokens: int = Field(_GEN.max_new_tokens, ge=1, le=1 << 20)
     sampling: SamplingParams = SamplingParams()
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)
     draft: DraftSettings = DraftSettings()

@@ -1,42 +1,67 @@
 """The one documented place for ShardFlow's configuration and defaults.
 
-`Settings` is a pydantic settings model: every field below can be set from the environment as
-`SHARDFLOW_<FIELD>` (e.g. `SHARDFLOW_REDIS_URL`, `SHARDFLOW_QUEUE`, `SHARDFLOW_RESULT_TTL_S`), and the
-command-line flags of `shardflow` override them per process. `DEFAULTS` is the process-wide instance
-read once at import; nothing else hard-codes these numbers.
+`Settings` groups them by concern: `redis` (the connection and key namespace), `jobs` (RQ, results,
+waiting and following), `generation` (what a request gets unless it says), `engine` (how a worker runs
+its shard: device, dtype, quantization, static caches, CUDA graphs and their sizes, batch slots, memory),
+`relay` (head <-> tail packets, streams, sessions, the head's step loop) and `api` (`shardflow serve`).
+A process builds one `Settings` (a worker command: the environment plus its flags) and passes it whole to
+what it runs; code below reads the group it needs (`settings.engine.max_len`), never a process global.
+
+From the environment, every field is `SHARDFLOW_<GROUP>__<FIELD>` (pydantic-settings' nested delimiter,
+two underscores: `SHARDFLOW_REDIS__URL`, `SHARDFLOW_ENGINE__GPU_MEMORY`, `SHARDFLOW_JOBS__RESULT_TTL_S`);
+lists are JSON (`SHARDFLOW_JOBS__RETRY_INTERVALS_S='[2, 10, 30]'`). The flat names of ShardFlow 0.1 keep
+working: `SHARDFLOW_<FLAT>`, FLAT being the field's old name where it was renamed (its validation alias:
+`SHARDFLOW_REDIS_URL`, `SHARDFLOW_BATCH_SLOTS`, `SHARDFLOW_API_TIMEOUT_S`) or else its name (`SHARDFLOW_QUEUE`,
+`SHARDFLOW_GPU_MEMORY`); a nested name wins over a flat one, a flag over both.
+
+The numbers live here only, as the groups' field defaults. A schema field whose default mirrors a setting
+reads the group's class default (`GenerationSettings().draft_k`: no environment), never a process's.
 """
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import json
+import os
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+Quant = Literal["none", "int8", "4bit"]
+DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+ENV_PREFIX = "SHARDFLOW_"
 
 
-class Settings(BaseSettings):
-    """Configuration shared by every ShardFlow process (read-only once loaded)."""
+class _Group(BaseModel):
+    # a field renamed from its 0.1 flat name has that name as its validation alias: both validate, and
+    # SHARDFLOW_<OLD NAME> still sets it
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_by_name=True, validate_by_alias=True)
 
-    model_config = SettingsConfigDict(env_prefix="SHARDFLOW_", frozen=True, extra="ignore")
 
-    # --- Redis, as queue and relay ---
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis used as queue and relay.")
+class RedisSettings(_Group):
+    """Redis, as queue and relay: where it is, the key namespace, timeouts and reconnects."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", validation_alias="redis_url", description="Redis as queue and relay.")
     prefix: str = Field("shardflow", description="Namespace of every relay key ShardFlow writes.")
     socket_timeout_s: float = Field(30.0, description="Redis socket timeout; must exceed block_ms.")
     connect_attempts: int = Field(8, description="Attempts for a Redis operation on transport errors.")
     reconnect_min_s: float = Field(0.5, description="First wait of a worker loop that lost Redis (then doubling).")
     reconnect_max_s: float = Field(10.0, description="Longest wait between a worker loop's reconnect attempts.")
-    worker_restart_max_s: float = Field(30.0, description="Longest wait before a head worker restarts RQ's loop.")
-    worker_restart_reset_s: float = Field(
-        60.0, description="A head worker's RQ loop that ran this long before ending starts the restart backoff over."
-    )
     block_ms: int = Field(1000, description="Redis BLOCK time of stream reads.")
-    # --- jobs (RQ) ---
+
+
+class JobSettings(_Group):
+    """Jobs (RQ): the queue, how long results stay, retries, heartbeats, waiting and following."""
+
     queue: str = Field("shardflow", description="RQ queue that head workers serve and producers fill.")
     result_ttl_s: int = Field(
         7 * 24 * 3600, description="How long everything a job writes is kept (results, failed jobs, text streams)."
     )
     max_batch_jobs: int = Field(100_000, description="Most jobs one batch may hold (job ids end in 5 digits).")
-    job_timeout_s: int = Field(3600, description="Longest one generation job may run.")
-    job_retries: int = Field(3, description="Automatic retries of a job after a transient failure.")
+    timeout_s: int = Field(3600, validation_alias="job_timeout_s", description="Longest one job.")
+    retries: int = Field(3, validation_alias="job_retries", description="Automatic retries after a transient failure.")
     retry_intervals_s: list[int] = Field([2, 10, 30], description="Backoff between automatic retries.")
     heartbeat_s: float = Field(2.0, description="Head worker heartbeat period while a job runs.")
     heartbeat_ttl_s: int = Field(8, description="A running job with no heartbeat this long is abandoned.")
@@ -45,37 +70,64 @@ class Settings(BaseSettings):
     follow_block_ms: int = Field(300, description="Blocking read of token streams by `--follow` (Client.follow).")
     follow_read_count: int = Field(64, description="Token-stream entries `--follow` reads per stream per call.")
     progress_interval_s: float = Field(0.2, description="Least time between progress/token updates of a job.")
-    # --- shardflow serve (the OpenAI-compatible API) ---
-    api_max_body_bytes: int = Field(32 << 20, ge=1024, description="Largest request body (and uploaded file).")
-    api_max_concurrent: int = Field(
-        256, ge=1, description="Requests `shardflow serve` handles at once; more are answered 429."
+    worker_restart_max_s: float = Field(30.0, description="Longest wait before a head worker restarts RQ's loop.")
+    worker_restart_reset_s: float = Field(
+        60.0, description="A head worker's RQ loop that ran this long before ending starts the restart backoff over."
     )
-    api_timeout_s: float = Field(3600.0, gt=0, description="Longest a completion request waits for its job.")
-    api_body_timeout_s: float = Field(
-        30.0, gt=0, description="Longest `shardflow serve` waits for a request's whole body (a slower one is 408)."
+
+
+class GenerationSettings(_Group):
+    """What a generation request gets when it names nothing (the request's own fields win)."""
+
+    draft_k: int = Field(
+        8,
+        ge=0,
+        le=64,
+        description="Draft tokens a request proposes per round (K) unless it says; never the engines' graph sizes "
+        "(engine.graph_k).",
     )
-    api_max_json_depth: int = Field(64, ge=4, description="Deepest nesting of a JSON body (or Batch API line).")
-    api_liveness_s: float = Field(
-        1.0, gt=0, description="How long `shardflow serve` trusts its last look at the head workers' heartbeats."
-    )
-    api_result_grace_s: float = Field(
-        2.0, ge=0, description="How long serve re-reads a job recorded finished whose result it cannot read yet."
-    )
-    api_shutdown_s: float = Field(
-        10.0, ge=0, description="How long a stopping `shardflow serve` lets requests in flight finish."
-    )
-    api_model_name: str | None = Field(
-        None, description="The model name serve lists and accepts (None: the head's target directory or hub id)."
-    )
-    api_shared_batches: bool = Field(
-        False, description="Every API key of `shardflow serve` sees every batch and file (else only its own)."
-    )
-    # --- generation ---
-    draft_k: int = Field(8, description="Draft tokens proposed per round (K).")
     ngram_max: int = Field(3, description="Longest n-gram the prompt-lookup drafter matches.")
     ngram_min: int = Field(1, description="Shortest n-gram the prompt-lookup drafter matches.")
-    batch_slots: int | None = Field(
+    max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
+
+
+class EngineSettings(_Group):
+    """How a worker runs its shard (and a head its draft model): device, weights, caches, graphs, memory."""
+
+    device: str = Field("cpu", description="Torch device of the shard, e.g. cpu, cuda:0.")
+    dtype: DTypeChoice = Field("auto", description="Weight dtype; auto = the checkpoint's.")
+    quant: Quant = Field(
+        "none", description="Weight-only quantization of the shard's layers (workers/engine/quant.py)."
+    )
+    draft_device: str | None = Field(None, description="Torch device of a head's draft model (None: device).")
+    draft_quant: Quant = Field("none", description="Weight-only quantization of the draft model's layers.")
+    compile_draft: bool = Field(False, description="Run the draft model through torch.compile.")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch (None: torch's).")
+    static: bool | None = Field(
+        None, description="Preallocated KV caches rolled back in place, run batched (None: on; graphs need them)."
+    )
+    graphs: bool | None = Field(None, description="Replay rounds' forwards as CUDA graphs (None: on a CUDA device).")
+    fused_layers: bool = Field(
+        True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/engine/fused.py)."
+    )
+    max_len: int = Field(
+        8192,
+        ge=1,
+        validation_alias="static_cache_len",
+        description="Positions a static KV cache holds (capped by the model's limit).",
+    )
+    graph_k: int = Field(
+        8,
+        ge=0,
+        le=64,
+        description="Draft tokens per round the engines' shapes are made for: head and tail rounds step graph_k + 1 "
+        "tokens through their CUDA graphs, a draft model's whole drafts are graph_k long. A request's k above it "
+        "still runs (those rounds eagerly); it never resizes them.",
+    )
+    slots: int | None = Field(
         None,
+        ge=1,
+        validation_alias="batch_slots",
         description="Sequences a worker's static caches hold and run as one batched forward; None: as many as "
         "gpu_memory leaves room for on a CUDA device (at most max_slots), cpu_slots on a CPU.",
     )
@@ -113,10 +165,7 @@ class Settings(BaseSettings):
     )
     cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
     cuda_torch_threads: int = Field(
-        4,
-        ge=1,
-        description="torch's CPU threads in a worker on a CUDA device, unless --threads says (its host work "
-        "is small: packets, token lists).",
+        4, ge=1, description="torch's CPU threads on a CUDA device unless threads says (its host work is small)."
     )
     batch_linger_ms: float | None = Field(
         None,
@@ -126,13 +175,15 @@ class Settings(BaseSettings):
         "a head batch's rounds keep coming (each within this of the last, at most 4 reads). None: 5 on a CPU, "
         "where a batched forward costs little more than one sequence's; 0 on CUDA.",
     )
-    static_cache_len: int = Field(
-        8192, description="Positions a static KV cache holds unless --max-len says (capped by the model's limit)."
-    )
     graph_capture_len: int = Field(
         2048,
         description="A worker captures its CUDA graphs for batches attending up to this many positions when it "
         "starts; batches of longer sequences capture theirs at first use.",
+    )
+    prefill_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Prompts of sequences in flight run as batched forwards of up to this many (padded) tokens.",
     )
     verify_warp_rows: int = Field(
         128,
@@ -140,21 +191,53 @@ class Settings(BaseSettings):
         description="Most logits rows of sampled rounds a tail warps at once (temperature, top-k, top-p: about 30 "
         "bytes per row and vocabulary entry while it runs) when it verifies a batch; more rows run in more steps.",
     )
+
+
+class RelaySettings(_Group):
+    """Head <-> tail: packets and their caps, streams and their expiries, tail sessions, the head's step loop."""
+
+    max_packet_bytes: int = Field(64 << 20, description="Largest packet (header + tensors) accepted.")
+    max_header_bytes: int = Field(1 << 20, description="Largest JSON header of a packet accepted.")
+    max_tensor_elements: int = Field(1 << 26, description="Largest element count of one tensor.")
+    request_stream_maxlen: int = Field(10_000, description="Approximate cap of a tail request stream.")
+    dead_letter_maxlen: int = Field(100_000, description="Approximate cap of the dead-letter stream.")
+    reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
+    reply_read_count: int = Field(
+        16, description="Replies a head reads per round trip (a flood of junk in a reply stream is skipped this fast)."
+    )
+    reply_dead_letters_max: int = Field(
+        32, description="Refused replies one generation dead-letters (more are only counted and logged)."
+    )
+    reply_ttl_s: int = Field(600, description="Expiry of a session's reply stream after its last write.")
+    final_reply_ttl_s: int = Field(
+        60, description="Expiry of a session's reply stream after its final verdict (the head deletes nothing)."
+    )
+    claim_idle_ms: int = Field(
+        5000, description="A request left unacknowledged this long by a tail (dead) is claimed by a live one."
+    )
+    tail_stream_ttl_s: int = Field(
+        3600, description="A tail's own request stream (and its idle group consumer) outlives the tail this long."
+    )
+    tail_keepalive_s: float = Field(
+        60.0, description="How often a tail renews its stream's expiry and drops long-idle consumers of dead tails."
+    )
+    max_sessions: int = Field(256, ge=1, description="Sessions a tail keeps KV caches for (least recent go).")
+    session_ttl_s: float = Field(600.0, gt=0, description="Idle time after which a tail drops a session.")
+    head_check_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often a tail checks that the heads of its sessions still run (their `head:NAME` keys): a "
+        "restarted head's sessions go at once, a silent one's after its reply timeout (workers/tail/liveness.py).",
+    )
+    head_recheck_s: float = Field(
+        0.05, gt=0, description="Soonest a tail checks the heads again when it is full or sees a head's new boot."
+    )
     head_groups: int | None = Field(
         None,
         ge=1,
         description="Groups a head's generations in flight run in, their rounds interleaved; None: on CUDA picked "
         "from measured compute and link times (workers/head/groups.py), up to 4; one on a CPU.",
     )
-    prefill_tokens: int = Field(
-        8192,
-        ge=1,
-        description="Prompts of sequences in flight run as batched forwards of up to this many (padded) tokens.",
-    )
-    fused_layers: bool = Field(
-        True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/engine/fused.py)."
-    )
-    max_new_tokens: int = Field(128, description="Tokens generated when a request names none.")
     group_messages: bool = Field(
         True,
         description="A head sends a group's rounds for one tail stream as one entry (schemas/groups.py), not one "
@@ -186,43 +269,114 @@ class Settings(BaseSettings):
     )
     tail_busy_max_s: float = Field(2.0, gt=0, description="Longest wait between a head's rounds to full tails.")
     resume_attempts: int = Field(3, description="Replays of one generation before it fails (and RQ retries it).")
-    # --- relay packets and tail sessions ---
-    max_packet_bytes: int = Field(64 << 20, description="Largest packet (header + tensors) accepted.")
-    max_header_bytes: int = Field(1 << 20, description="Largest JSON header of a packet accepted.")
-    max_tensor_elements: int = Field(1 << 26, description="Largest element count of one tensor.")
-    request_stream_maxlen: int = Field(10_000, description="Approximate cap of a tail request stream.")
-    dead_letter_maxlen: int = Field(100_000, description="Approximate cap of the dead-letter stream.")
-    reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
-    reply_read_count: int = Field(
-        16, description="Replies a head reads per round trip (a flood of junk in a reply stream is skipped this fast)."
+
+
+class ApiSettings(_Group):
+    """`shardflow serve`, the OpenAI-compatible API: body and time limits, concurrency, the model it serves."""
+
+    max_body_bytes: int = Field(
+        32 << 20, ge=1024, validation_alias="api_max_body_bytes", description="Largest request body (and file)."
     )
-    reply_dead_letters_max: int = Field(
-        32, description="Refused replies one generation dead-letters (more are only counted and logged)."
+    max_concurrent: int = Field(
+        256, ge=1, validation_alias="api_max_concurrent", description="Requests handled at once; more are 429."
     )
-    reply_ttl_s: int = Field(600, description="Expiry of a session's reply stream after its last write.")
-    final_reply_ttl_s: int = Field(
-        60, description="Expiry of a session's reply stream after its final verdict (the head deletes nothing)."
+    timeout_s: float = Field(
+        3600.0, gt=0, validation_alias="api_timeout_s", description="Longest a completion waits for its job."
     )
-    claim_idle_ms: int = Field(
-        5000, description="A request left unacknowledged this long by a tail (dead) is claimed by a live one."
+    body_timeout_s: float = Field(
+        30.0, gt=0, validation_alias="api_body_timeout_s", description="Longest a whole body may take (else 408)."
     )
-    tail_stream_ttl_s: int = Field(
-        3600, description="A tail's own request stream (and its idle group consumer) outlives the tail this long."
+    max_json_depth: int = Field(
+        64, ge=4, validation_alias="api_max_json_depth", description="Deepest nesting of a JSON body or Batch line."
     )
-    tail_keepalive_s: float = Field(
-        60.0, description="How often a tail renews its stream's expiry and drops long-idle consumers of dead tails."
+    liveness_s: float = Field(
+        1.0, gt=0, validation_alias="api_liveness_s", description="How long serve trusts its last look at heartbeats."
     )
-    max_sessions: int = Field(256, description="Sessions a tail keeps KV caches for (least recent go).")
-    session_ttl_s: float = Field(600.0, description="Idle time after which a tail drops a session.")
-    head_check_s: float = Field(
-        1.0,
-        gt=0,
-        description="How often a tail checks that the heads of its sessions still run (their `head:NAME` keys): a "
-        "restarted head's sessions go at once, a silent one's after its reply timeout (workers/tail/liveness.py).",
+    result_grace_s: float = Field(
+        2.0,
+        ge=0,
+        validation_alias="api_result_grace_s",
+        description="How long serve re-reads a job recorded finished whose result it cannot read yet.",
     )
-    head_recheck_s: float = Field(
-        0.05, gt=0, description="Soonest a tail checks the heads again when it is full or sees a head's new boot."
+    shutdown_s: float = Field(
+        10.0, ge=0, validation_alias="api_shutdown_s", description="How long a stopping serve lets requests finish."
+    )
+    model_name: str | None = Field(
+        None,
+        validation_alias="api_model_name",
+        description="The model name serve lists and accepts (None: the head's target directory or hub id).",
+    )
+    shared_batches: bool = Field(
+        False,
+        validation_alias="api_shared_batches",
+        description="Every API key of `shardflow serve` sees every batch and file (else only its own).",
     )
 
 
-DEFAULTS = Settings()
+def flat_names() -> Iterator[tuple[str, str, str]]:
+    """(group, field, flat name) of every setting: the name SHARDFLOW_<FLAT> sets (the 0.1 name)."""
+    for group, info in Settings.model_fields.items():
+        model: type[BaseModel] = info.annotation  # type: ignore[assignment]
+        for name, field in model.model_fields.items():
+            yield group, name, field.validation_alias if isinstance(field.validation_alias, str) else name
+
+
+def _flat_value(field: FieldInfo, raw: str) -> Any:
+    """An environment string as the field takes it: lists as JSON, the rest as pydantic parses strings."""
+    return json.loads(raw) if str(field.annotation).startswith("list") else raw
+
+
+class _FlatEnv(PydanticBaseSettingsSource):
+    """The flat SHARDFLOW_<FLAT> names of ShardFlow 0.1 (`flat_names`), below the nested ones."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the environment whole
+
+    def __call__(self) -> dict[str, Any]:
+        env = {k.upper(): v for k, v in os.environ.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for group, name, flat in flat_names():
+            raw = env.get(f"{ENV_PREFIX}{flat.upper()}")
+            if raw is not None:
+                field = Settings.model_fields[group].annotation.model_fields[name]  # type: ignore[union-attr]
+                out.setdefault(group, {})[name] = _flat_value(field, raw)
+        return out
+
+
+class Settings(BaseSettings):
+    """Configuration of one ShardFlow process, by concern (read-only once loaded; see the module's docstring)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="ignore",
+        nested_model_default_partial_update=True,
+    )
+
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    jobs: JobSettings = Field(default_factory=JobSettings)
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    relay: RelaySettings = Field(default_factory=RelaySettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (init) over SHARDFLOW_GROUP__FIELD over the flat SHARDFLOW_<FLAT> names."""
+        return init_settings, env_settings, _FlatEnv(settings_cls), dotenv_settings, file_secret_settings
+
+    def replace(self, **groups: dict[str, Any]) -> Settings:
+        """These settings with some fields of some groups changed (validated; no environment read again):
+        `settings.replace(engine={"slots": 4})`."""
+        data = self.model_dump()
+        for group, changes in groups.items():
+            data[group] = {**data[group], **changes}
+        return type(self).model_validate(data)

@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.errors import PacketError
-from schemas.settings import DEFAULTS
+from schemas.settings import RelaySettings
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool"]
 
@@ -66,7 +66,7 @@ def decode_tensor(
     meta: TensorMeta,
     raw: bytes,
     *,
-    max_elements: int = DEFAULTS.max_tensor_elements,
+    max_elements: int = RelaySettings().max_tensor_elements,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Build the tensor `meta` describes from `raw`, after checking size and byte length."""

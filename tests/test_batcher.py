@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from schemas.requests import SamplingParams
+from schemas.settings import Settings
 from workers.engine.kvcache import StaticKVCache
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache, Shard, load_shard
@@ -150,9 +151,16 @@ class Head:
 
     def __init__(self, tiny: Tiny, static: bool, slots: int = SLOTS) -> None:
         self.tiny, self.static = tiny, static
-        self.engine = Engine(tiny.head, static=static, max_len=MAX_LEN, step_tokens=K_MAX + 1, slots=slots)
+        self.engine = Engine(
+            tiny.head, Settings(engine={"static": static, "max_len": MAX_LEN}), step_tokens=K_MAX + 1, slots=slots
+        )
         dengine = Engine(
-            tiny.draft, static=static, max_len=MAX_LEN, step_tokens=2, pad=False, max_draft=K_MAX, slots=slots
+            tiny.draft,
+            Settings(engine={"static": static, "max_len": MAX_LEN}),
+            step_tokens=2,
+            pad=False,
+            max_draft=K_MAX,
+            slots=slots,
         )
         self.drafter = ModelDrafter(tiny.draft, dengine)
         self.batcher = Batcher(self.engine, threading.RLock())

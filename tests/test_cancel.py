@@ -14,7 +14,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from tests.job_env import Env, reference
 
@@ -48,7 +48,7 @@ def test_a_cancelled_running_job_is_canceled_never_failed_and_retry_resumes_it(e
     assert job.get_status() == "canceled" and job.ended_at is not None
     assert jid in queue.canceled_job_registry
     assert jid not in queue.failed_job_registry and jid not in queue.started_job_registry
-    assert 0 < env.r.ttl(job.key) <= DEFAULTS.result_ttl_s  # kept as long as a failed job would be
+    assert 0 < env.r.ttl(job.key) <= Settings().jobs.result_ttl_s  # kept as long as a failed job would be
     assert env.r.hget("rq:worker:cancel-h1", "failed_job_count") in (None, b"0")
     assert env.r.exists(f"{env.prefix}:ckpt:{jid}")
 

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from producer.cli import main
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from tests.conftest import PROMPTS
 
 
@@ -59,7 +59,7 @@ def test_cli_generate_against_cli_tail(models, tails, redis_server, redis_client
     assert redis_client.xlen(names.shared_requests) == 0
     assert not redis_client.exists(names.reply(result["session_id"]))
     shared = redis_client.keys(f"{names.prefix}:reply:head.*")
-    assert shared and all(0 < redis_client.ttl(k) <= DEFAULTS.reply_ttl_s for k in shared)
+    assert shared and all(0 < redis_client.ttl(k) <= Settings().relay.reply_ttl_s for k in shared)
 
 
 def test_cli_rejects_bad_layers():

@@ -16,7 +16,7 @@ from producer.client import Client, Followed, JobEnded, StreamBroken, TextChunk,
 from relay_broker.connection import connect
 from schemas.errors import ShardFlowError, TransportError
 from schemas.requests import GenerationRequest, GenerationResult, RoundTimings
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_wait_rides_out_a_lost_redis(client, monkeypatch):
     client.on_retry = lambda e, s: retries.append((e, s))
     assert [v.status for v in client.wait([job], timeout=30)] == ["finished"]
     assert calls[0] == 2 and len(retries) == 1
-    assert isinstance(retries[0][0], redis.ConnectionError) and retries[0][1] == DEFAULTS.reconnect_min_s
+    assert isinstance(retries[0][0], redis.ConnectionError) and retries[0][1] == Settings().redis.reconnect_min_s
 
 
 def test_wait_gives_up_on_redis_past_its_deadline(client, monkeypatch):
@@ -195,7 +195,7 @@ def test_follow_rides_out_a_lost_redis(client, monkeypatch):
     client.on_retry = lambda e, s: retries.append(s)
     events = list(client.follow([job], timeout=30))
     assert events[0] == TextChunk(job, 0, "abc", True) and isinstance(events[1], Followed)
-    assert calls[0] == 2 and retries == [DEFAULTS.reconnect_min_s]
+    assert calls[0] == 2 and retries == [Settings().redis.reconnect_min_s]
 
 
 # --- the CLI on top: it prints what the client yields, exit codes and messages unchanged -------------------

@@ -11,6 +11,7 @@ import torch
 
 from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
+from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from workers.engine.kvcache import KVCache
 from workers.engine.shard import load_shard
@@ -162,7 +163,7 @@ def test_generations_in_flight_share_a_runtime(models, tails, redis_client, hf_m
 
     ms = models["llama"]
     names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache",))
-    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True)
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=Settings(engine={"static": True}))
     reqs = [
         GenerationRequest(prompt=p, max_new_tokens=16, chat_template=False, draft=DraftSettings(k=4))
         for p in PROMPTS[:8]
@@ -211,7 +212,7 @@ def test_a_graph_round_counts_as_free_of_k(models):
 
     shard = load_shard(models["qwen2"].target, (0, 1), embed=True, head=False)
     w = HeadWork(None, [1, 2], 4, SamplingParams(), None, None, [2], 1)  # type: ignore[arg-type]
-    eager = Engine(shard, static=True, graphs=False)
+    eager = Engine(shard, Settings(engine={"static": True, "graphs": False}))
     assert not _k_free(w, eager)
     eager.graphs = True  # as a CUDA engine says it (an n-gram or no drafter: only the shard's rows count)
     assert _k_free(w, eager)

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 from transformers import MistralConfig, Qwen2Config
 
 from schemas.errors import ModelLoadError
+from schemas.settings import Settings
 from workers.engine import shard as shard_mod
 from workers.engine.fused import FusedLayers, fuse_layer, fused_stack, rotate_elementwise, rotate_half_signs, rotation
 from workers.engine.kvcache import BatchView, KVCache, KVPool
@@ -37,7 +38,10 @@ def test_fused_forward_equals_hf_layers(models, family, monkeypatch):
         monkeypatch.setattr(shard_mod, "FUSED_MAX_SCORE_BYTES", budget or shard_mod.FUSED_MAX_SCORE_BYTES)
         if budget:
             assert not fused._fused_fits(torch.empty(1, prompt, 1), None) and fused._fused_fits(x[:1, None], None)
-        ef, ep = Engine(fused, static=static, max_len=128), Engine(plain, static=static, max_len=128)
+        ef, ep = (
+            Engine(fused, Settings(engine={"static": static, "max_len": 128})),
+            Engine(plain, Settings(engine={"static": static, "max_len": 128})),
+        )
         cf, cp = ef.acquire(), ep.acquire()
         got, want = ef.forward(cf, x[:prompt], 0, prompt), ep.forward(cp, x[:prompt], 0, prompt)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -86,8 +90,10 @@ def test_whole_drafts_equal_token_by_token(models, tokenizers):
     batch with different draft lengths and feeds of one and two tokens, across rollbacks."""
     path = models["qwen2"].drafter
     shard = load_shard(path, None, embed=True, head=True)
-    whole = ModelDrafter(shard, Engine(shard, static=True, max_len=128, step_tokens=2, pad=False, max_draft=6))
-    steps = ModelDrafter(shard, Engine(shard, static=False))
+    whole = ModelDrafter(
+        shard, Engine(shard, Settings(engine={"static": True, "max_len": 128}), step_tokens=2, pad=False, max_draft=6)
+    )
+    steps = ModelDrafter(shard, Engine(shard, Settings(engine={"static": False})))
     tok = tokenizers["qwen2"]
     contexts = [tok.encode(p) for p in ("The quick brown fox", "Hello world! How are you", "Tokyo")]
     a = [whole.new_session() for _ in contexts]
@@ -241,7 +247,7 @@ def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
     made: list[tuple] = []
     monkeypatch.setattr(runner, "BatchGraph", lambda shard, run, pool, *key: made.append(key[:5]) or made)
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
-    engine = Engine(shard, static=True, slots=6, max_len=3000, step_tokens=3, max_draft=5)
+    engine = Engine(shard, Settings(engine={"static": True, "max_len": 3000}), slots=6, step_tokens=3, max_draft=5)
     engine.graphs = True  # as on CUDA
     full = engine.pool.index.shape[0]
     assert sizing.attended_lengths(engine.pool) == [512, 1024, 2048, full]
@@ -267,7 +273,6 @@ def test_attending_over_a_prefix_equals_the_whole_slot(models):
 def test_slots_are_sized_from_the_memory_a_worker_may_fill(models, monkeypatch):
     """With no --slots, a CUDA worker's caches get what gpu_memory leaves after its weights and what other
     processes hold, less graph_reserve, in whole slots from 1 to max_slots (a CPU worker: cpu_slots)."""
-    from schemas.settings import Settings
     from workers.engine import sizing
 
     gib = 1 << 30
@@ -275,11 +280,11 @@ def test_slots_are_sized_from_the_memory_a_worker_may_fill(models, monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 10 * gib)
     free = {"now": 90 * gib}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free["now"], 100 * gib))
-    cfg = Settings(gpu_memory=0.5, graph_reserve=0.2, max_slots=64, cuda_context_gib=0)
+    cfg = Settings(engine={"gpu_memory": 0.5, "graph_reserve": 0.2, "max_slots": 64, "cuda_context_gib": 0})
     assert sizing.fit_slots(torch.device("cuda:0"), gib, cfg) == 32  # (50 - 10) * 0.8 GiB, 1 GiB a slot
     free["now"] = 20 * gib  # another process holds most of the device
     assert sizing.fit_slots(torch.device("cuda:0"), gib, cfg) == 16
-    assert sizing.fit_slots(torch.device("cuda:0"), gib // 8, cfg.model_copy(update={"gpu_memory": 30.0})) == 64
+    assert sizing.fit_slots(torch.device("cuda:0"), gib // 8, cfg.replace(engine={"gpu_memory": 30.0})) == 64
     assert sizing.fit_slots(torch.device("cuda:0"), 1000 * gib, cfg) == 1
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
-    assert Engine(shard, static=True, max_len=64, settings=Settings(cpu_slots=5)).slots == 5
+    assert Engine(shard, Settings(engine={"static": True, "max_len": 64, "cpu_slots": 5})).slots == 5

@@ -19,7 +19,7 @@ from relay_broker.streams import publish
 from schemas.keys import Keys
 from schemas.packets import HEADER, MAC, DeadLetterRecord, Verdict, encode_message
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from tests.relay_util import reseal, sealed_round
 from tests.test_parity import NEW, head_for, reference
@@ -221,7 +221,7 @@ def test_junk_in_live_reply_streams_never_fails_a_generation(models, hf_models, 
     records = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in redis_client.xrange(names.dead_letters)]
     refused = Counter(r.session_id for r in records if r.refused_by == "head" and r.session_id is not None)
     assert set(refused) == {"poisoned0", "poisoned1", "poisoned2"}  # junk naming no session: session None
-    assert max(refused.values()) <= DEFAULTS.reply_dead_letters_max  # a flood is counted, not all stored
+    assert max(refused.values()) <= Settings().relay.reply_dead_letters_max  # a flood is counted, not all stored
     reasons = " ".join(r.reason for r in records if r.refused_by == "head")
     for why in ("no header", "not JSON", "nested too deeply", "version", "invalid packet", "MAC does not verify"):
         assert why in reasons, why

@@ -104,7 +104,7 @@ def test_the_batcher_computes_a_group_at_a_time(tiny: Tiny) -> None:
 
 
 def test_a_fixed_number_of_groups_is_kept() -> None:
-    """`--groups N` (settings.head_groups) fixes the split, never more groups than generations."""
+    """`--groups N` (settings.relay.head_groups) fixes the split, never more groups than generations."""
     plan = GroupPlan(fixed=2)
     assert plan.groups(64) == 2 and plan.groups(1) == 1
     assert plan_with({64: 0.06, 32: 0.03}, 0.1).groups(64) == 4 and GroupPlan(fixed=1).groups(64) == 1

@@ -99,7 +99,7 @@ def test_a_group_larger_than_the_packet_cap_goes_in_several_entries(models, tail
     assert [len(c) for c in _chunks([{b"h": b"x" * 100}], 35)] == [1]  # too large alone: it goes alone
     ms, cap = models["qwen2"], 24_000
     names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
-    runtime = HeadRuntime.load(ms.target, (0, 2), settings=Settings(max_packet_bytes=cap))
+    runtime = HeadRuntime.load(ms.target, (0, 2), settings=Settings(relay={"max_packet_bytes": cap}))
     prompts = PROMPTS[:12]
 
     def one(p: str) -> list[int]:

@@ -155,7 +155,7 @@ def test_forged_replies_of_every_kind_never_fail_or_change_a_job(models, hf_mode
 # --- a tail frees the sessions of heads that are gone (in process, a static tail of two slots) ----------------
 def _tail(target, r, names: Keys) -> TailWorker:
     shard = load_shard(target, (SPLIT, 4), embed=False, head=True, dtype=torch.float32)
-    engine = Engine(shard, static=True, max_len=128, slots=2, label="tail")
+    engine = Engine(shard, Settings(engine={"static": True, "max_len": 128}), slots=2, label="tail")
     return TailWorker(shard, r, names=names, engine=engine, settings=Settings())
 
 
@@ -190,14 +190,14 @@ def test_a_tail_frees_the_sessions_of_heads_that_restarted_or_died(models, redis
     assert all(isinstance(_answer(worker, _opening(f"s{i}", old, hidden)), Verdict) for i in range(2))
     # full, its heads alive: a new session waits ("busy"); a forger claiming h1's new boot frees nothing
     assert _answer(worker, _opening("s2", HeadRef(name="h2", boot="0000000b", reply_timeout_s=60), hidden)).busy
-    time.sleep(Settings().head_recheck_s)
+    time.sleep(Settings().relay.head_recheck_s)
     forger = HeadRef(name="h1", boot="000000ff", reply_timeout_s=60)
     assert _answer(worker, _opening("s3", forger, hidden)).busy
     assert len(worker.sessions) == 2
     # h1 restarts (its key names the new boot): its old sessions go at once, the new one is served
     new = HeadRef(name="h1", boot="0000000c", reply_timeout_s=60)
     redis_client.set(names.head("h1"), new.boot)
-    time.sleep(Settings().head_recheck_s)
+    time.sleep(Settings().relay.head_recheck_s)
     assert isinstance(_answer(worker, _opening("s4", new, hidden)), Verdict)
     assert {sid for sid, _ in worker.sessions.items()} == {"s4"}
     # a killed head (its key expired): its sessions go once silent longer than its reply timeout

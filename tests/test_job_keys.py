@@ -13,7 +13,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from schemas.jobs import RUN_GENERATION
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from tests.job_env import Env
 
 TTL = 60
@@ -136,7 +136,7 @@ def test_forged_job_records_never_stop_the_head(env):
     assert env.procs["head"].poll() is None and "unhandled exception" not in log and "restarting" not in log
     for jid in ("forged-meta", "forged-data", "forged-limit"):
         assert env.r.hget(f"rq:job:{jid}", "status") == b"failed", jid
-        assert 0 < env.r.ttl(f"rq:job:{jid}") <= DEFAULTS.result_ttl_s, jid  # kept like any failed job
+        assert 0 < env.r.ttl(f"rq:job:{jid}") <= Settings().jobs.result_ttl_s, jid  # kept like any failed job
     assert "ignoring the rate limit" in log and "NOPERM" not in log
 
 

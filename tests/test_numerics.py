@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from schemas.errors import NonFiniteError
 from schemas.requests import DraftSettings, GenerationRequest
+from schemas.settings import Settings
 from tests.job_env import Env
 from workers.engine.numerics import finite_rows
 from workers.head.runtime import HeadRuntime, generate
@@ -51,7 +52,7 @@ def test_finite_rows():
 def test_float16_overflow_fails_cleanly(side, overflowing, tails, redis_client):
     target = overflowing[side]
     names = tails.get(target, 2, 4, ("--dtype", "float16"))
-    runtime = HeadRuntime.load(target, (0, 2), dtype=torch.float16)
+    runtime = HeadRuntime.load(target, (0, 2), settings=Settings(engine={"dtype": "float16"}))
     what, layers = ("hidden states", "0:2") if side == "head" else ("logits", "2:4")
     with pytest.raises(NonFiniteError, match=f"non-finite {what} after layers {layers} in float16"):
         generate(request(), runtime, redis_client, names=names)
@@ -82,7 +83,8 @@ def half_parity(target: Path, dtype: torch.dtype, names, redis_client, draft: Pa
     were in generate's logits where they parted (units in the last place, `divergence_ulps`)."""
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
     tok = AutoTokenizer.from_pretrained(target)  # as the workers load it
-    runtime = HeadRuntime.load(target, (0, 2), draft=draft, dtype=dtype)
+    engine = {"dtype": str(dtype).removeprefix("torch.")}
+    runtime = HeadRuntime.load(target, (0, 2), draft=draft, settings=Settings(engine=engine))
     ulps = []
     for p in PROMPTS:
         ids = torch.tensor([tok.encode(p)])

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from schemas.openai import CHAT, TEXT, BatchLine, ChatBody, JobTag, output_line, visible_text
+from schemas.settings import GenerationSettings
 from tests.conftest import PROMPTS
 from tests.job_env import Env, batch_line, reference, write_jsonl
 
@@ -38,11 +39,11 @@ def test_bodies_become_generation_requests():
             "stop": "\n",
             "seed": 3,
         }
-    ).generation()
+    ).generation(GenerationSettings())
     assert chat.messages[0].role == "system" and chat.messages[0].content == "Be brief."
     assert chat.max_new_tokens == 7 and chat.stop == ["\n"] and chat.sampling.temperature == 1.0
     assert chat.sampling.seed == 3
-    text = BatchLine.model_validate(batch_line("a", prompt=["x y"], max_tokens=4)).generation()
+    text = BatchLine.model_validate(batch_line("a", prompt=["x y"], max_tokens=4)).generation(GenerationSettings())
     assert text.prompt == "x y" and text.chat_template is False and text.sampling.greedy
     for bad in ({"n": 2}, {"logit_bias": {}}, {"temperature": 3}, {"prompt": ["a", "b"]}):
         with pytest.raises(ValidationError):

@@ -75,7 +75,7 @@ def test_greedy_parity_with_static_caches(family, models, hf_models, tokenizers,
     """Static KV caches rolled back in place (the path CUDA graphs replay over) give the same tokens."""
     ms = models[family]
     names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache",))
-    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True)
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=Settings(engine={"static": True}))
     assert runtime.engine.pool is not None and type(runtime.engine.acquire()).__name__ == "StaticKVCache"
     expected = reference(family, hf_models[family], tokenizers[family])
     for k in (1, 8):
@@ -90,7 +90,9 @@ def test_greedy_parity_batched_in_flight(family, models, hf_models, tokenizers, 
     sequences' slots at once, plus one-slot pools beyond the slots) and still equal HF generate."""
     ms = models[family]
     names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache", "--slots", "3"))
-    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, static=True, settings=Settings(batch_slots=3))
+    runtime = HeadRuntime.load(
+        ms.target, (0, 2), draft=ms.drafter, settings=Settings(engine={"static": True, "slots": 3})
+    )
     expected = reference(family, hf_models[family], tokenizers[family])
 
     def one(i: int) -> list[int]:

@@ -10,10 +10,10 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoConfig
 
-from producer import options
 from producer.cli import main
 from producer.cli_plan import parse_size
 from schemas.settings import Settings
+from workers.engine import preflight
 from workers.engine.plan import GiB, model_shape, plan_split, shard_weights
 from workers.engine.shard import load_shard
 
@@ -32,7 +32,7 @@ def test_planned_weights_are_what_the_loader_holds(models, quant, part):
 
 def test_split_follows_memory(models):
     config = AutoConfig.from_pretrained(models["qwen2"].target)
-    cfg = Settings(cuda_context_gib=0)
+    cfg = Settings(engine={"cuda_context_gib": 0})
     even = plan_split(config, [GiB, GiB], dtype=torch.float32, settings=cfg)
     assert [w.role for w in even.workers] == ["head", "tail"] and even.workers[0].layers == (0, 2)
     small_head = plan_split(config, [GiB, 4 * GiB], dtype=torch.float32, settings=cfg)  # less room beside workspace
@@ -89,10 +89,10 @@ def test_a_drafter_on_its_own_device_is_checked_against_that_budget(monkeypatch)
     assert together.exit_code == 2 and "the head does not fit its memory budget" in together.output, together.output
     checked: list[tuple[str, str, int]] = []
     monkeypatch.setattr(
-        options, "preflight", lambda role, _r, parts, device, *_: checked.append((role, device, len(parts)))
+        preflight, "preflight", lambda role, _r, parts, device, *_: checked.append((role, device, len(parts)))
     )
-    kw = dict(dtype=None, settings=None, quant="none", draft_quant="none")
     for device, draft_device in (("cuda", "cuda:0"), ("cuda:1", "cuda:1"), ("cuda:0", None), ("cuda:0", "cuda:1")):
-        options.preflight_head(None, "t", (0, 1), "d", device, draft_device, **kw)
+        settings = Settings(engine={"device": device, "draft_device": draft_device})
+        preflight.preflight_head(None, "t", (0, 1), "d", settings)  # type: ignore[arg-type]
     assert checked[:3] == [("head", "cuda", 2), ("head", "cuda:1", 2), ("head", "cuda:0", 2)]
     assert checked[3:] == [("head", "cuda:0", 1), ("head's drafter", "cuda:1", 1)]

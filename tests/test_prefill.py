@@ -30,7 +30,7 @@ def test_prompts_run_batched_and_equal_each_alone(models, wants):
     v = shard.config.vocab_size
     lengths = [23, 9, 31, 14]
     tokens = [torch.arange(7 * i, 7 * i + n) % v for i, n in enumerate(lengths)]
-    engine = Engine(shard, static=True, max_len=64, step_tokens=4, slots=4)
+    engine = Engine(shard, Settings(engine={"static": True, "max_len": 64}), step_tokens=4, slots=4)
     calls: list[int] = []
     run = shard.run_batch
 
@@ -58,7 +58,9 @@ def test_prompts_run_batched_and_equal_each_alone(models, wants):
 def test_prompt_batches_keep_to_their_budget_and_slots(models):
     """Batches of at most prefill_tokens padded tokens; a row whose padding would pass its slot runs alone."""
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
-    engine = Engine(shard, static=True, max_len=40, step_tokens=4, slots=4, settings=Settings(prefill_tokens=40))
+    engine = Engine(
+        shard, Settings(engine={"static": True, "max_len": 40, "prefill_tokens": 40}), step_tokens=4, slots=4
+    )
     caches = [engine.acquire() for _ in range(4)]
     xs = [torch.arange(n) for n in (12, 10, 12, 11)]
     assert engine._prefill_parts([0, 1, 2, 3], caches, xs, [0, 0, 0, 0]) == [[0, 1, 2], [3]]

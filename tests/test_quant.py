@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from schemas.errors import ModelLoadError
 from schemas.requests import DraftSettings, GenerationRequest
+from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from workers.engine import shard as shard_mod
 from workers.engine.quant import exact_on_cpu, is_quantized, transformers_config
@@ -57,7 +58,9 @@ def test_quantized_split_equals_hf_generate_on_the_quantized_model(
     want = references(hf_quantized(ms.target, scheme), tok, prompts)
     assert want != references(hf_models["qwen2"], tok, prompts)  # quantizing changed the model's output
     names = tails.get(ms.target, 2, ms.n_layers, ("--quant", scheme))
-    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, quant=scheme, draft_quant=scheme)
+    runtime = HeadRuntime.load(
+        ms.target, (0, 2), draft=ms.drafter, settings=Settings(engine={"quant": scheme, "draft_quant": scheme})
+    )
     assert runtime.shard.quant == scheme and runtime.draft_model.engine.shard.quant == scheme
     assert all(is_quantized(m) for m in runtime.shard.layers[0].modules() if isinstance(m, nn.Linear))
     plain = load_shard(ms.target, (0, 2), embed=True, head=False)

@@ -102,7 +102,7 @@ def test_group_reader_claims_what_a_dead_consumer_left(redis_client):
         "live",
         [names.shared_requests],
         claim_streams=[names.shared_requests],
-        settings=Settings(claim_idle_ms=200),
+        settings=Settings(relay={"claim_idle_ms": 200}),
     )
     assert live.read(block_ms=50) == []  # not idle long enough yet
     import time

@@ -36,11 +36,11 @@ def test_each_entry_once_and_again_after_the_stream_expired(redis_client):
     stream, dead = f"t:{uuid.uuid4().hex}:reply:head.x.b", f"t:{uuid.uuid4().hex}:dead"
     sink = Collect()
     got: list = []
-    rx = Receiver(redis_client, Settings(block_ms=100, head_readers=3), got.extend, sink)  # type: ignore[arg-type]
+    rx = Receiver(redis_client, Settings(redis={"block_ms": 100}, relay={"head_readers": 3}), got.extend, sink)  # type: ignore[arg-type]
     rx.watch(stream, dead)
     assert wait_for(lambda: redis_client.exists(stream) and redis_client.xinfo_groups(stream))
     assert redis_client.xinfo_groups(stream)[0]["name"].decode() == REPLY_GROUP
-    assert 0 < redis_client.ttl(stream) <= Settings().reply_ttl_s  # the stream made for the group expires
+    assert 0 < redis_client.ttl(stream) <= Settings().relay.reply_ttl_s  # the stream made for the group expires
     for i in range(20):  # junk names no session: each is dead-lettered once, whichever reader took it
         redis_client.xadd(stream, {"junk": str(i)})
     assert wait_for(lambda: len(sink.dead) >= 20)

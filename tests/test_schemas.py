@@ -20,6 +20,7 @@ from schemas.packets import (
     seal,
 )
 from schemas.requests import GenerationRequest, SamplingParams
+from schemas.settings import RelaySettings
 from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
 from tests.relay_util import TEST_KEY, sealed_round
 from workers.speculative.sampling import decode_q, encode_q
@@ -99,7 +100,7 @@ def test_packet_fields_must_match_header():
     with pytest.raises(PacketError, match="do not match"):
         decode_head_message(fields)
     with pytest.raises(PacketError, match="exceeds the cap"):
-        decode_head_message(fields, max_bytes=50)
+        decode_head_message(fields, caps=RelaySettings(max_packet_bytes=50))
 
 
 def test_rounds_and_replies_are_sealed_with_the_session_key():

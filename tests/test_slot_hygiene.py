@@ -123,7 +123,7 @@ class Tail:
         names = Keys(f"hyg-{secrets.token_hex(4)}")
         if hasattr(names, "head"):  # the head is alive, as a running head says (workers/tail/liveness.py)
             r.set(names.head(HEAD["name"]), HEAD["boot"], ex=600)
-        engine = Engine(shard, static=True, max_len=MAX_LEN, slots=SLOTS, label="tail")
+        engine = Engine(shard, Settings(engine={"static": True, "max_len": MAX_LEN}), slots=SLOTS, label="tail")
         self.worker = TailWorker(shard, r, names=names, engine=engine, settings=Settings())
         self.slots: list[int] = []
         acquire = engine.acquire

@@ -19,7 +19,9 @@ from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 
 def _engine(models) -> Engine:
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
-    return Engine(shard, static=True, max_len=64, step_tokens=4, slots=SlotPlan(2, short=3, short_len=32))
+    return Engine(
+        shard, Settings(engine={"static": True, "max_len": 64}), step_tokens=4, slots=SlotPlan(2, short=3, short_len=32)
+    )
 
 
 def test_a_sequence_takes_the_shortest_slot_it_fits(models):
@@ -64,7 +66,14 @@ def test_the_plan_splits_memory_between_lengths(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 10 * gib)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (90 * gib, 100 * gib))
-    cfg = Settings(gpu_memory=0.5, graph_reserve=0.1, max_slots=256, long_slots_share=0.25, cuda_context_gib=0)
+    engine = {
+        "gpu_memory": 0.5,
+        "graph_reserve": 0.1,
+        "max_slots": 256,
+        "long_slots_share": 0.25,
+        "cuda_context_gib": 0,
+    }
+    cfg = Settings(engine=engine)
     dev = torch.device("cuda:0")
     # (50 - 10) * 0.9 = 36 GiB: 9 full-length slots of 1 GiB in a quarter, 108 short ones of 0.25 GiB in the rest
     assert sizing.plan_slots(dev, gib, gib // 4, 2048, cfg) == SlotPlan(9, 108, 2048)
@@ -73,7 +82,7 @@ def test_the_plan_splits_memory_between_lengths(monkeypatch):
     # a workspace larger than graph_reserve's share is kept instead: (50 - 10) - 8 = 32 GiB
     assert sizing.plan_slots(dev, gib, gib // 4, 2048, cfg, workspace=8 * gib) == SlotPlan(8, 96, 2048)
     assert sizing.short_len_of(8192, cfg) == 2048 and sizing.short_len_of(2048, cfg) == 0
-    assert sizing.short_len_of(8192, cfg.model_copy(update={"short_cache_len": 0})) == 0
+    assert sizing.short_len_of(8192, cfg.replace(engine={"short_cache_len": 0})) == 0
 
 
 @torch.inference_mode()
@@ -81,8 +90,15 @@ def test_greedy_drafts_across_both_lengths_equal_drafts_alone(models):
     """Sessions in short and full-length slots drafted together (one whole draft per pool) propose what each
     proposes alone with a growing cache."""
     shard = load_shard(models["qwen2"].drafter, None, embed=True, head=True)
-    tiers = Engine(shard, static=True, max_len=64, step_tokens=2, pad=False, max_draft=4, slots=SlotPlan(2, 2, 32))
-    alone = Engine(shard, static=False, max_len=64, step_tokens=2, pad=False, max_draft=4)
+    tiers = Engine(
+        shard,
+        Settings(engine={"static": True, "max_len": 64}),
+        step_tokens=2,
+        pad=False,
+        max_draft=4,
+        slots=SlotPlan(2, 2, 32),
+    )
+    alone = Engine(shard, Settings(engine={"static": False, "max_len": 64}), step_tokens=2, pad=False, max_draft=4)
     v = shard.config.vocab_size
     contexts = [[(7 * i + j) % v for j in range(n)] for i, n in enumerate((9, 14, 6, 11))]
     needs, ks = [20, 50, 25, 60], [4, 3, 4, 2]

@@ -7,7 +7,7 @@ import torch
 
 from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
-from schemas.settings import DEFAULTS
+from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from workers.head.runtime import HeadRuntime, generate
 
@@ -102,7 +102,7 @@ def test_session_end_needs_no_close_unless_the_head_stopped(setup, redis_client)
     assert got.finish_reason == "length"
     assert not redis_client.exists(names.reply("ends-by-length"))
     shared = names.reply(Keys.head_reply_to(same.beacons.ref.name, same.beacons.ref.boot))
-    assert 0 < redis_client.ttl(shared) <= DEFAULTS.reply_ttl_s
+    assert 0 < redis_client.ttl(shared) <= Settings().relay.reply_ttl_s
     stop = same.tokenizer.decode(got.token_ids[2:3]).strip() or got.text.split()[-1]
     req = req.model_copy(update={"stop": [stop], "max_new_tokens": 20})
     got = generate(req, same, redis_client, names=names, session_id="ends-by-stop")

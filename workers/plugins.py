@@ -26,6 +26,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import BUILTIN_DRAFTERS
+from schemas.settings import EngineSettings
 from workers.engine.shard import Shard, Source, load_shard
 from workers.speculative.drafters import DraftSession
 
@@ -121,6 +122,19 @@ class Registry:
         weights = None if src is None else (src.config, src.weights)
         opts = dict(embed=embed, head=head, device=device, dtype=dtype, fused=fused, quant=quant)
         return load_shard(target, layers, **opts, source=weights)  # type: ignore[arg-type]
+
+    def load_for(
+        self, target: str | Path, layers: tuple[int, int] | None, engine: EngineSettings, *, embed: bool, head: bool
+    ) -> Shard:
+        """`load_shard` as a worker's engine settings say: device, dtype, quant, fused layers."""
+        dtype = None if engine.dtype == "auto" else getattr(torch, engine.dtype)
+        opts = dict(device=engine.device, dtype=dtype, fused=engine.fused_layers, quant=engine.quant)
+        return self.load_shard(target, layers, embed=embed, head=head, **opts)  # type: ignore[arg-type]
+
+    def load_draft(self, target: str | Path, engine: EngineSettings) -> Shard:
+        """A head's whole draft model as its engine settings say: on draft_device (default: device), draft_quant."""
+        where = {"device": engine.draft_device or engine.device, "quant": engine.draft_quant}
+        return self.load_for(target, None, engine.model_copy(update=where), embed=True, head=True)
 
 
 def load_plugins(modules: Iterable[str]) -> Registry:

@@ -129,7 +129,7 @@ class WorkerPlan:
     short: int = 0
     workspace: int = 0  # the least its budget keeps free beside weights and slots
     kv_slot: tuple[int, int] = (0, 0)  # keys/values alone of a full-length and a short slot
-    context: int = 0  # what its process holds outside the allocator (settings.cuda_context_gib)
+    context: int = 0  # what its process holds outside the allocator (settings.engine.cuda_context_gib)
     parts: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -176,7 +176,7 @@ def fit(w: WorkerPlan, cfg: Settings, short_len: int) -> WorkerPlan:
     """Fill w's budget as a worker does (`sizing.plan_slots`): long_slots_share of what the weights leave
     (less the reserve) in full-length slots, at least one, the rest in short ones; none if even one
     full-length slot does not fit."""
-    w.context = int(cfg.cuda_context_gib * GiB)
+    w.context = int(cfg.engine.cuda_context_gib * GiB)
     left = w.budget - w.context - w.weights
     left -= reserve_bytes(left, w.workspace, cfg)
     if left < w.full_slot:
@@ -205,9 +205,9 @@ def plan_split(
         raise ModelLoadError("a plan needs 2 GPUs (head, tail) or 3 (head, tail, the head's drafter)")
     cfg = settings or Settings()
     shape, size = model_shape(config, dtype, quant), torch.empty((), dtype=dtype).element_size()
-    full_len = min(cfg.static_cache_len, getattr(config, "max_position_embeddings", None) or cfg.static_cache_len)
+    full_len = min(cfg.engine.max_len, getattr(config, "max_position_embeddings", None) or cfg.engine.max_len)
     short_len = short_len_of(full_len, cfg)
-    k, n = cfg.draft_k, shape.layers
+    k, n = cfg.engine.graph_k, shape.layers
     if n < 2:
         raise ModelLoadError(f"a model of {n} layer cannot be split between a head and a tail")
 
@@ -283,8 +283,8 @@ def worker_needs(parts: list[Part], settings: Settings) -> tuple[int, int, int]:
         shape, size = model_shape(p.config, p.dtype, p.quant), torch.empty((), dtype=p.dtype).element_size()
         workspace = max(workspace, workspace_bytes(p.config, size, settings))
         weights += shard_weights(shape, p.layers, embed=p.embed, head=p.head)
-        n = min(settings.static_cache_len, getattr(p.config, "max_position_embeddings", None) or 1 << 30)
-        k = settings.draft_k  # a round of K+1 tokens, or a drafter's feed of 2 with K+2 positions of scratch
+        n = min(settings.engine.max_len, getattr(p.config, "max_position_embeddings", None) or 1 << 30)
+        k = settings.engine.graph_k  # a round of K+1 tokens, or a drafter's feed of 2 with K+2 positions of scratch
         tokens, scratch = (k + 1, k + 1) if i == 0 else (2, k + 2)
         slot += slot_bytes(shape, p.layers[1] - p.layers[0], n, tokens, p.head, size, scratch)
     return weights, slot, workspace
@@ -301,7 +301,7 @@ def check_worker(role: str, parts: list[Part], device: torch.device, settings: S
     if budget - weights - reserve < slot:
         raise ModelLoadError(
             f"the {role} does not fit its memory budget: weights {gb(weights)} GiB + one cache slot of "
-            f"{settings.static_cache_len} positions {gb(slot)} GiB + workspace {gb(reserve)} GiB > budget "
+            f"{settings.engine.max_len} positions {gb(slot)} GiB + workspace {gb(reserve)} GiB > budget "
             f"{gb(budget)} GiB (raise --gpu-memory, quantize with --quant, or give this worker fewer layers; "
             "`shardflow plan` shows a split)"
         )

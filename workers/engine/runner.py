@@ -57,38 +57,37 @@ class Engine:
     def __init__(
         self,
         shard: Shard,
+        settings: Settings | None = None,
         *,
-        static: bool | None = None,
-        graphs: bool | None = None,
-        max_len: int | None = None,
         step_tokens: int | None = None,
         pad: bool = True,
         slots: int | SlotPlan | None = None,
         compile: bool = False,
         max_draft: int = 0,
-        settings: Settings | None = None,
         label: str = "shard",
     ) -> None:
-        """max_len (default settings.static_cache_len, capped by the model's limit): positions a static cache
-        holds; step_tokens (default settings.draft_k + 1): tokens a round feeds per sequence; slots: sequences
-        of full length, or a `SlotPlan` with short slots too (default: settings.batch_slots, else what the
-        device's memory holds, `memory_plan`, or settings.cpu_slots); max_draft: longest whole-draft graph;
-        label: the engine's name in its memory log lines ("head", "draft", "tail")."""
+        """`settings.engine` (default: Settings()'s) says how: static caches and graphs, positions a static cache
+        holds (max_len, capped by the model's limit), slots, prefill and capture sizes. This engine's own shape:
+        step_tokens (default engine.graph_k + 1, never a request's k): tokens a round feeds per sequence
+        through the graphs (longer steps run eagerly); slots: sequences of full length, or a `SlotPlan` with
+        short slots too (default: engine.slots, else what the device's memory holds, `memory_plan`, or
+        engine.cpu_slots); max_draft: longest whole-draft graph; label: the engine's name in its memory log
+        lines ("head", "draft", "tail")."""
         settings = settings or Settings()
         self.label = label
-        step_tokens = settings.draft_k + 1 if step_tokens is None else step_tokens
+        step_tokens = settings.engine.graph_k + 1 if step_tokens is None else step_tokens
         self.shard = shard
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.run_batch = torch.compile(shard.run_batch)  # shapes seen twice become dynamic
-        self.static, self.graphs = cache_modes(shard, static, graphs)
-        self.max_len = cache_len(shard, max_len, settings)  # static caches hold this many positions
+        self.static, self.graphs = cache_modes(shard, settings.engine)
+        self.max_len = cache_len(shard, settings)  # static caches hold this many positions
         self.step_tokens, self.pad, self.max_draft = step_tokens, pad, max_draft  # max_draft: see `draft_many`
         plan = slots if isinstance(slots, SlotPlan) else SlotPlan(slots) if slots else self._plan(settings)
         self.slots = max(plan.total, 1)  # sequences held at once (both lengths)
-        self.capture_len = settings.graph_capture_len  # graphs of longer attended lengths: at first use
-        self.prefill_tokens = settings.prefill_tokens  # padded tokens of one batch of prompts
+        self.capture_len = settings.engine.graph_capture_len  # graphs of longer attended lengths: at first use
+        self.prefill_tokens = settings.engine.prefill_tokens  # padded tokens of one batch of prompts
         self._graphs: dict[tuple[int, int, int, int, int, int | None], BatchGraph] = {}
         self.graph_bytes = 0  # device memory the captures reserved (the pool and the output buffers)
         self.pool = self._new_pool(max(plan.slots, 1)) if self.static else None  # full-length slots
@@ -100,8 +99,8 @@ class Engine:
         """Slots as settings say, or from the device's memory (full-length and short ones), or cpu_slots."""
         if self.shard.device.type != "cuda":
             return cpu_plan(self.max_len, settings)
-        if settings.batch_slots or not self.static:
-            return SlotPlan(settings.batch_slots or settings.cpu_slots)
+        if settings.engine.slots or not self.static:
+            return SlotPlan(settings.engine.slots or settings.engine.cpu_slots)
         cost = partial(self.slot_bytes, self.shard, self.step_tokens, self.max_draft)
         return memory_plan(self.shard.device, cost, self.max_len, settings, shard_workspace(self.shard, settings))
 

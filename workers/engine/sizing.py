@@ -9,18 +9,18 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas.settings import Settings
+from schemas.settings import EngineSettings, Settings
 from workers.engine.kvcache import BatchView, KVPool
 from workers.engine.shard import FUSED_MAX_SCORE_BYTES, Shard, blank_input
 
 ALLOCATOR_SLACK = 512 << 20  # what fragmentation and small buffers take beside counted memory (expandable segments)
 
 
-def cache_modes(shard: Shard, static: bool | None, graphs: bool | None) -> tuple[bool, bool]:
-    """(static caches, CUDA graphs) as asked; by default static caches everywhere (the rounds of the sequences
-    in flight run as one batched forward: on a CPU too, where 8 sequences' rounds cost about 3x one's, where
-    growing caches cost 8x) and CUDA graphs on a CUDA device."""
-    cuda = shard.device.type == "cuda"
+def cache_modes(shard: Shard, engine: EngineSettings) -> tuple[bool, bool]:
+    """(static caches, CUDA graphs) as engine.static / engine.graphs ask; by default static caches everywhere (the
+    rounds of the sequences in flight run as one batched forward: on a CPU too, where 8 sequences' rounds cost
+    about 3x one's, where growing caches cost 8x) and CUDA graphs on a CUDA device."""
+    static, graphs, cuda = engine.static, engine.graphs, shard.device.type == "cuda"
     graphs = cuda if graphs is None else graphs
     if graphs and not cuda:
         raise ValueError("CUDA graphs need a CUDA device")
@@ -28,15 +28,15 @@ def cache_modes(shard: Shard, static: bool | None, graphs: bool | None) -> tuple
 
 
 def linger_s(shard: Shard, settings: Settings) -> float:
-    """Seconds a batch waits for stragglers: settings.batch_linger_ms, by default 5 ms on a CPU and 0 on CUDA."""
-    ms = settings.batch_linger_ms
+    """Seconds a batch waits for stragglers: settings.engine.batch_linger_ms, by default 5 ms on a CPU and 0 on CUDA."""
+    ms = settings.engine.batch_linger_ms
     return (ms if ms is not None else 0.0 if shard.device.type == "cuda" else 5.0) / 1000
 
 
-def cache_len(shard: Shard, max_len: int | None, settings: Settings) -> int:
-    """Positions a static cache holds: max_len (default settings.static_cache_len), within the model's limit."""
-    limit = getattr(shard.config, "max_position_embeddings", None) or settings.static_cache_len
-    return min(max_len or settings.static_cache_len, limit)
+def cache_len(shard: Shard, settings: Settings) -> int:
+    """Positions a static cache holds: settings.engine.max_len, within the model's limit."""
+    limit = getattr(shard.config, "max_position_embeddings", None) or settings.engine.max_len
+    return min(settings.engine.max_len, limit)
 
 
 def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int) -> int:
@@ -106,18 +106,18 @@ def workspace_bytes(config: object, dtype_bytes: int, settings: Settings) -> int
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
     width = (heads + 2 * kv) * head_dim + 2 * config.intermediate_size + 4 * config.hidden_size  # type: ignore[attr-defined]
-    return settings.prefill_tokens * width * dtype_bytes + FUSED_MAX_SCORE_BYTES + ALLOCATOR_SLACK
+    return settings.engine.prefill_tokens * width * dtype_bytes + FUSED_MAX_SCORE_BYTES + ALLOCATOR_SLACK
 
 
 def reserve_bytes(left: float, workspace: int, settings: Settings) -> float:
     """Of `left` bytes after the weights, what slots may not take: graph_reserve's share, at least `workspace`."""
-    return max(left * settings.graph_reserve, workspace)
+    return max(left * settings.engine.graph_reserve, workspace)
 
 
 def process_budget(device: torch.device, settings: Settings) -> int | None:
-    """A worker process's memory budget in bytes: settings.gpu_memory as a share of its CUDA device or GiB; on a
+    """A worker process's memory budget in bytes: settings.engine.gpu_memory as a share of its CUDA device or GiB; on a
     CPU only a budget given in GiB (None: no budget)."""
-    g = settings.gpu_memory
+    g = settings.engine.gpu_memory
     if device.type == "cuda":
         return int(g * torch.cuda.get_device_properties(device).total_memory if g <= 1 else g * 2**30)
     return int(g * 2**30) if g > 1 else None
@@ -125,11 +125,11 @@ def process_budget(device: torch.device, settings: Settings) -> int | None:
 
 def allocator_budget(device: torch.device, settings: Settings) -> int | None:
     """What the worker's tensors may take: its process budget less, on CUDA, what the process holds outside the
-    allocator (settings.cuda_context_gib)."""
+    allocator (settings.engine.cuda_context_gib)."""
     whole = process_budget(device, settings)
     if whole is None or device.type != "cuda":
         return whole
-    return max(whole - int(settings.cuda_context_gib * 2**30), 0)
+    return max(whole - int(settings.engine.cuda_context_gib * 2**30), 0)
 
 
 def budget(device: torch.device, settings: Settings, workspace: int = 0) -> float:
@@ -144,7 +144,7 @@ def budget(device: torch.device, settings: Settings, workspace: int = 0) -> floa
 
 def fit_slots(device: torch.device, slot_bytes: int, settings: Settings, workspace: int = 0) -> int:
     """Slots of `slot_bytes` each (`slot_cost`) that fit the device's `budget`; 1 to max_slots."""
-    return max(1, min(settings.max_slots, int(budget(device, settings, workspace) // max(slot_bytes, 1))))
+    return max(1, min(settings.engine.max_slots, int(budget(device, settings, workspace) // max(slot_bytes, 1))))
 
 
 def plan_slots(
@@ -162,24 +162,24 @@ def split_slots(left: float, cost: int, short_cost: int, short_len: int, setting
     """`left` bytes as slots: long_slots_share in full-length ones (`cost` each, at least one), the rest in short
     ones (`short_cost`, `short_len` positions; none without a short length); at most max_slots in all. Workers
     (`plan_slots`) and `shardflow plan` (workers/engine/plan.py) both size slots so."""
-    share = settings.long_slots_share if short_len else 1.0
-    full = max(1, min(settings.max_slots, int(left * share // max(cost, 1))))
+    share = settings.engine.long_slots_share if short_len else 1.0
+    full = max(1, min(settings.engine.max_slots, int(left * share // max(cost, 1))))
     if not short_len:
         return SlotPlan(full)
-    short = max(0, min(settings.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
+    short = max(0, min(settings.engine.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
     return SlotPlan(full, short, short_len)
 
 
 def cpu_plan(max_len: int, settings: Settings) -> SlotPlan:
-    """A CPU worker's slots: settings.batch_slots full-length ones if given, else settings.cpu_slots, of which
+    """A CPU worker's slots: settings.engine.slots full-length ones if given, else settings.engine.cpu_slots, of which
     long_slots_share full-length (at least one) and the rest short."""
-    if settings.batch_slots:
-        return SlotPlan(settings.batch_slots)
+    if settings.engine.slots:
+        return SlotPlan(settings.engine.slots)
     short = short_len_of(max_len, settings)
     if not short:
-        return SlotPlan(settings.cpu_slots)
-    full = max(1, round(settings.cpu_slots * settings.long_slots_share))
-    return SlotPlan(full, max(settings.cpu_slots - full, 0), short)
+        return SlotPlan(settings.engine.cpu_slots)
+    full = max(1, round(settings.engine.cpu_slots * settings.engine.long_slots_share))
+    return SlotPlan(full, max(settings.engine.cpu_slots - full, 0), short)
 
 
 def memory_plan(
@@ -196,8 +196,8 @@ def shard_workspace(shard: Shard, settings: Settings) -> int:
 
 
 def short_len_of(max_len: int, settings: Settings) -> int:
-    """Positions of a short slot: settings.short_cache_len when shorter than the full length, else 0 (none)."""
-    return settings.short_cache_len if 0 < settings.short_cache_len < max_len else 0
+    """Positions of a short slot: settings.engine.short_cache_len when shorter than the full length, else 0 (none)."""
+    return settings.engine.short_cache_len if 0 < settings.engine.short_cache_len < max_len else 0
 
 
 def attended_lengths(pool: KVPool) -> list[int]:

@@ -38,7 +38,7 @@ class HeadBeacon:
 
     def __init__(self, r: redis.Redis, names: Keys, ref: HeadRef, settings: Settings) -> None:
         self.r, self.key, self.ref = r, names.head(ref.name), ref
-        self.period_s = max(min(settings.heartbeat_s, ref.reply_timeout_s / 4), 0.05)
+        self.period_s = max(min(settings.jobs.heartbeat_s, ref.reply_timeout_s / 4), 0.05)
         self.ttl_ms = max(int(ref.reply_timeout_s * 1000), int(self.period_s * 3000))
         self.stop = threading.Event()
         self._announce()  # before the first round goes out
@@ -75,7 +75,7 @@ class Beacons:
     def __init__(self, name: str | None, settings: Settings) -> None:
         self.settings = settings
         self.ref = HeadRef(
-            name=name or default_head_name(), boot=secrets.token_hex(8), reply_timeout_s=settings.reply_timeout_s
+            name=name or default_head_name(), boot=secrets.token_hex(8), reply_timeout_s=settings.relay.reply_timeout_s
         )
         self._by_prefix: dict[str, HeadBeacon] = {}
         self._lock = threading.Lock()

@@ -126,7 +126,7 @@ class Dispatcher:
         # the queue was empty: block for a job, and take the rest of its batch in the same round trip (an
         # enqueue of many jobs is one transaction, so they are all there when the first wakes us)
         queue = self.w.queues[0]
-        timeout = max(int(self.w.shardflow_settings.block_ms // 1000), 1)
+        timeout = max(int(self.w.shardflow_settings.redis.block_ms // 1000), 1)
         pipe = r.pipeline(transaction=False)
         pipe.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT")
         for _ in range(n - 1):
@@ -295,7 +295,7 @@ class Dispatcher:
         """Heartbeats of the worker and its running jobs every heartbeat_s; RQ's maintenance when due.
         Errors are logged and tried again next period (a job whose beats stop is retried elsewhere)."""
         cfg = self.w.shardflow_settings
-        while not stop.wait(cfg.heartbeat_s):
+        while not stop.wait(cfg.jobs.heartbeat_s):
             try:
                 self.beat()
                 if self.w.should_run_maintenance_tasks:

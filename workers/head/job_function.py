@@ -79,7 +79,7 @@ class Progress:
     keys: Keys
     tokenizer: object
     ttl: int  # of the checkpoint and the token stream: the job's result TTL
-    interval_s: float  # least time between flushes (settings.progress_interval_s)
+    interval_s: float  # least time between flushes (settings.jobs.progress_interval_s)
     started: float = field(default_factory=time.monotonic)
     last_flush: float = 0.0
     rounds: int = 0
@@ -267,7 +267,7 @@ def start_generation(ctx: JobContext, job: Job, payload: dict, timeout_s: float 
     """Begin a job: its stored result if it has one; else validate the request, load its checkpoint and submit
     the generation to the head's step loop (which fails it past `timeout_s`). Never blocks on the generation."""
     raw_result, raw_checkpoint = ctx.prefetched.pop(job.id, None) or _read_keys(ctx, job.id)
-    ttl = job_ttl(job)
+    ttl = job_ttl(job, ctx.runtime.settings.jobs.result_ttl_s)
     stored = stored_result(raw_result, job.id)
     if stored is not None:
         return Started(job, ttl, stored=stored)
@@ -277,7 +277,13 @@ def start_generation(ctx: JobContext, job: Job, payload: dict, timeout_s: float 
         no_retry(job, f"invalid request: {e.errors()[0]['msg']}")
         raise InvalidRequest(job.meta["error"]) from None
     progress = Progress(
-        job, ctx.r, ctx.names, ctx.runtime.tokenizer, ttl, ctx.runtime.settings.progress_interval_s, pool=ctx.flusher
+        job,
+        ctx.r,
+        ctx.names,
+        ctx.runtime.tokenizer,
+        ttl,
+        ctx.runtime.settings.jobs.progress_interval_s,
+        pool=ctx.flusher,
     )
     job.meta.pop("error", None)
     job.meta.pop("stream_broken", None)  # an earlier attempt's: this one writes (or resets) the stream anew

@@ -216,9 +216,9 @@ class HeadLoop:
         by_stream: dict[str, list[dict]] = {}
         for _, stream, fields in out:
             by_stream.setdefault(stream, []).append(fields)
-        if not self.settings.group_messages:
+        if not self.settings.relay.group_messages:
             return [(stream, fields) for stream, rounds in by_stream.items() for fields in rounds]
-        cap = self.settings.max_packet_bytes // 2  # a tail refuses a group over its packet cap whole
+        cap = self.settings.relay.max_packet_bytes // 2  # a tail refuses a group over its packet cap whole
         return [
             (stream, pack_group(chunk) if len(chunk) > 1 else chunk[0])
             for stream, rounds in by_stream.items()

@@ -31,7 +31,7 @@ from schemas.errors import PacketError
 from schemas.groups import is_group, unpack_group
 from schemas.packets import DeadLetterRecord, decode_tail_message
 from schemas.peek import peek_session, raw_header
-from schemas.settings import Settings
+from schemas.settings import RelaySettings, Settings
 
 log = logging.getLogger("shardflow.head")
 
@@ -49,7 +49,7 @@ class Sender:
     def __init__(self, r: redis.Redis, settings: Settings) -> None:
         self.r, self.settings = r, settings
         self._q: queue.Queue[Outgoing] = queue.Queue()
-        for i in range(max(settings.head_senders, 1)):
+        for i in range(max(settings.relay.head_senders, 1)):
             threading.Thread(target=self._run, daemon=True, name=f"head-sender-{i}").start()
 
     def put(self, out: Outgoing) -> None:
@@ -72,9 +72,9 @@ class Sender:
             publish_many(
                 self.r,
                 entries,
-                maxlen=self.settings.request_stream_maxlen,
+                maxlen=self.settings.relay.request_stream_maxlen,
                 dead=dead,
-                dead_maxlen=self.settings.dead_letter_maxlen,
+                dead_maxlen=self.settings.relay.dead_letter_maxlen,
             )
         except BaseException as e:  # a transport error past its retries: these sends fail
             log.warning("head: could not publish %d entries: %s", len(entries), e)
@@ -96,7 +96,7 @@ class Receiver:
         self._users: dict[str, int] = {}  # generations waiting on each stream
         self._grouped: set[str] = set()  # streams whose consumer group this head made (or found)
         self._cv = threading.Condition()
-        for i in range(max(settings.head_readers, 1)):
+        for i in range(max(settings.relay.head_readers, 1)):
             threading.Thread(target=self._run, args=(f"r{i}",), daemon=True, name=f"head-receiver-{i}").start()
 
     def watch(self, stream: str, dead_stream: str) -> None:
@@ -130,7 +130,7 @@ class Receiver:
                     consumer,
                     dict.fromkeys(streams, ">"),
                     count=1000,
-                    block=self.settings.block_ms,
+                    block=self.settings.redis.block_ms,
                     noack=True,
                 )
             except redis.ResponseError as e:  # NOGROUP: a stream expired and came back without its group
@@ -141,7 +141,7 @@ class Receiver:
             except redis.RedisError as e:  # Redis away: ridden out (the generations time out and replay)
                 (log.debug if failing else log.warning)("head: reading replies failed (%s); retrying", e)
                 failing = True
-                time.sleep(self.settings.reconnect_min_s)
+                time.sleep(self.settings.redis.reconnect_min_s)
                 continue
             failing = False
             try:
@@ -162,7 +162,7 @@ class Receiver:
         pipe = self.r.pipeline(transaction=False)
         for stream in new:
             pipe.xgroup_create(stream, REPLY_GROUP, id="0", mkstream=True)
-            pipe.expire(stream, self.settings.reply_ttl_s)
+            pipe.expire(stream, self.settings.relay.reply_ttl_s)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, redis.ResponseError) and "BUSYGROUP" not in str(reply):
                 raise reply
@@ -187,7 +187,9 @@ class Receiver:
         malformed container) is dead-lettered here; a reply naming a session goes to that session's generation,
         which checks it (one for a session no longer in flight, a late duplicate say, is dropped)."""
         try:
-            parts = unpack_group(fields, max_bytes=self.settings.max_packet_bytes) if is_group(fields) else [fields]
+            parts = (
+                unpack_group(fields, max_bytes=self.settings.relay.max_packet_bytes) if is_group(fields) else [fields]
+            )
         except PacketError as e:
             self._refuse(stream, dead_stream, entry_id, fields, str(e))
             return []
@@ -195,7 +197,7 @@ class Receiver:
         for part in parts:
             sid = peek_session(part)[0]
             if sid is None:
-                self._refuse(stream, dead_stream, entry_id, part, _why(part))
+                self._refuse(stream, dead_stream, entry_id, part, _why(part, self.settings.relay))
             else:
                 out.append((sid, entry_id, part))
         return out
@@ -212,10 +214,10 @@ class Receiver:
         self.sender.put(Outgoing([], dead=[(dead_stream, record)]))
 
 
-def _why(fields: dict) -> str:
+def _why(fields: dict, caps: RelaySettings) -> str:
     """Why an entry naming no session is no reply (what decoding it says)."""
     try:
-        decode_tail_message(fields)
+        decode_tail_message(fields, caps=caps)
     except PacketError as e:
         return str(e)
     return "a reply naming no session"

@@ -162,7 +162,7 @@ class RoundLoop:
         """The round went out: the time by which its verdict must come (the reply timeout)."""
         assert self.round is not None
         self.round.sent_at = time.perf_counter()
-        timeout = self.reply_timeout_s if self.reply_timeout_s is not None else self.settings.reply_timeout_s
+        timeout = self.reply_timeout_s if self.reply_timeout_s is not None else self.settings.relay.reply_timeout_s
         return time.monotonic() + timeout
 
     def take(self, fields: dict) -> Outcome:
@@ -201,7 +201,9 @@ class RoundLoop:
     def busy_wait_s(self) -> float:
         """How long to wait before sending the round again to a full tail (doubling, capped)."""
         assert self.round is not None
-        return min(self.settings.tail_busy_wait_s * 2 ** (self.round.busy - 1), self.settings.tail_busy_max_s)
+        return min(
+            self.settings.relay.tail_busy_wait_s * 2 ** (self.round.busy - 1), self.settings.relay.tail_busy_max_s
+        )
 
     def result(self) -> GenerationResult:
         assert self.finish is not None
@@ -251,7 +253,7 @@ class RoundLoop:
         tail's own, MAC'd: a forged one never gets here): rebuild the session on any live tail by replaying
         every committed token from position 0 in the next round. The generation fails (with the last reason)
         once it has used `resume_attempts` replays."""
-        if self.replays >= self.settings.resume_attempts:
+        if self.replays >= self.settings.relay.resume_attempts:
             raise type(why)(f"{why} (after {self.replays} replays onto other tails)")
         self.replays += 1
         log.warning("session %s: %s; replaying %d tokens onto a live tail", self.sid, why, len(self.committed))
@@ -268,7 +270,7 @@ class RoundLoop:
         counts only if its MAC verifies under the session's key, or it is an unsigned "replay it" that echoes
         this round's MAC (`sent`): a tail that lost the session has no key to sign with."""
         try:
-            msg = decode_tail_message(fields)
+            msg = decode_tail_message(fields, caps=self.settings.relay)
         except PacketError as e:
             return self._refuse(str(e), fields, None)
         if not authentic(self.key, fields, reply=True):
@@ -302,7 +304,7 @@ class RoundLoop:
                 at=time.time(),
             ).fields()
         )
-        if self.reader.refused in (1, self.settings.reply_dead_letters_max):
+        if self.reader.refused in (1, self.settings.relay.reply_dead_letters_max):
             log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.reader.refused, reason)
         return None
 
@@ -370,7 +372,7 @@ class RoundLoop:
                 return
             bye = encode_message(ClosePacket(session_id=self.sid), self.key)
             close_session(
-                self.r, self.stream, bye, self.names.reply(self.sid), maxlen=self.settings.request_stream_maxlen
+                self.r, self.stream, bye, self.names.reply(self.sid), maxlen=self.settings.relay.request_stream_maxlen
             )
         except ShardFlowError as e:
             log.warning("session %s: could not close cleanly: %s", self.sid, e)

@@ -57,7 +57,8 @@ def head_job_class(ctx: jobs.JobContext) -> type[SafeJob]:
     imported by it; see relay_broker/rq_jobs.py)."""
     run = functools.partial(jobs.run_generation, ctx)
     functions: Mapping[str, Callable[..., Any]] = {RUN_GENERATION: run, LEGACY_RUN_GENERATION: run}
-    return type("HeadJob", (SafeJob,), {"functions": functions})
+    fallback = ctx.runtime.settings.jobs.result_ttl_s  # a record's TTL where it has none usable
+    return type("HeadJob", (SafeJob,), {"functions": functions, "fallback_ttl_s": fallback})
 
 
 class HeadWorker(SimpleWorker):
@@ -86,9 +87,9 @@ class HeadWorker(SimpleWorker):
         job_class = head_job_class(self.job_context)
         kwargs.setdefault("serializer", JSONSerializer)
         kwargs.setdefault("job_class", job_class)
-        kwargs.setdefault("maintenance_interval", cfg.maintenance_s)
-        kwargs.setdefault("worker_ttl", max(cfg.heartbeat_ttl_s * 2, 16))
-        kwargs.setdefault("job_monitoring_interval", max(int(cfg.heartbeat_s), 1))
+        kwargs.setdefault("maintenance_interval", cfg.jobs.maintenance_s)
+        kwargs.setdefault("worker_ttl", max(cfg.jobs.heartbeat_ttl_s * 2, 16))
+        kwargs.setdefault("job_monitoring_interval", max(int(cfg.jobs.heartbeat_s), 1))
         super().__init__(
             [Queue(q, connection=r, serializer=JSONSerializer, job_class=job_class) for q in queues],
             connection=r,
@@ -113,7 +114,9 @@ class HeadWorker(SimpleWorker):
             return ride_out(
                 lambda: self._work_once(burst, logging_level, with_scheduler),
                 errors=(_LoopEnded,),
-                wait=lambda _: min(2.0 ** max(self._quick_ends - 1, 0), self.shardflow_settings.worker_restart_max_s),
+                wait=lambda _: min(
+                    2.0 ** max(self._quick_ends - 1, 0), self.shardflow_settings.jobs.worker_restart_max_s
+                ),
                 on_retry=lambda e, s: log.warning("worker %s: %s; restarting in %.0fs", self.name, e, s),
             )
         except StopRequested:  # a stop signal while waiting
@@ -135,7 +138,7 @@ class HeadWorker(SimpleWorker):
             worked = False
         if burst or self._stop_requested or self._shutdown_requested_date is not None:
             return worked  # finished, or stopped on request (an idle worker's stop sets only the date)
-        ran_well = time.monotonic() - started > self.shardflow_settings.worker_restart_reset_s
+        ran_well = time.monotonic() - started > self.shardflow_settings.jobs.worker_restart_reset_s
         self._quick_ends = 1 if ran_well else self._quick_ends + 1
         self._restarted = True
         raise _LoopEnded("its loop ended on an error")
@@ -214,7 +217,7 @@ class HeadWorker(SimpleWorker):
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """A short TTL: a running job whose worker stops heartbeating is abandoned within seconds."""
-        return self.shardflow_settings.heartbeat_ttl_s
+        return self.shardflow_settings.jobs.heartbeat_ttl_s
 
     def _serve(self, burst: bool, logging_level: str | None, with_scheduler: bool) -> bool:
         """RQ's `work` with its one-job loop replaced by the dispatcher's: start up as RQ does (record,

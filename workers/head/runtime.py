@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import torch
 from transformers import AutoTokenizer
 
 from schemas.errors import InvalidRequest
@@ -84,7 +83,7 @@ class HeadRuntime:
         if self.engine is None:
             self.engine = Engine(self.shard, settings=self.settings)
         # a CPU head and its tail usually share their cores: a split would leave nothing idle to fill
-        groups = self.settings.head_groups or (None if self.shard.device.type == "cuda" else 1)
+        groups = self.settings.relay.head_groups or (None if self.shard.device.type == "cuda" else 1)
         plan = GroupPlan(fixed=groups)
         self.batcher = Batcher(self.engine, self.lock, plan, linger_s(self.shard, self.settings))
         self.beacons = Beacons(self.name, self.settings)
@@ -105,46 +104,39 @@ class HeadRuntime:
         layers: tuple[int, int],
         *,
         draft: str | Path | None = None,
-        device: str = "cpu",
-        dtype: torch.dtype | None = None,
-        static: bool | None = None,
-        graphs: bool | None = None,
-        max_len: int | None = None,
-        compile_draft: bool = False,
         settings: Settings | None = None,
         plugins: Registry | None = None,
-        quant: str = "none",
-        draft_quant: str = "none",
-        draft_device: str | None = None,
     ) -> HeadRuntime:
         """Load the target's tokenizer and layers [a, b) (+ embedding), and the draft model if given.
 
-        static / graphs pick static KV caches and CUDA graphs (default: on for CUDA devices); compile_draft
-        runs the draft model through torch.compile; `settings` (default: Settings()) gives K (draft_k),
-        the batch slots, the cache length and fused layers; `plugins` may add drafter kinds and model
-        schemes (workers/plugins.py); quant / draft_quant: weight-only quantization of the shard's and the
-        draft model's layers (workers/engine/quant.py); draft_device: where the draft model runs (default:
-        the shard's device; drafts reach the shard as host ids, as they reach the packet, so another local
-        GPU costs no extra host sync)."""
+        `settings` (default: Settings()) says how, in its engine group: device, dtype, quant, static caches and
+        CUDA graphs (default: on for CUDA devices), the cache length, the batch slots, the graphs' draft length
+        (graph_k), fused layers, and for the draft model compile_draft (torch.compile), draft_quant and
+        draft_device (default: the shard's device; drafts reach the shard as host ids, as they reach the packet,
+        so another local GPU costs no extra host sync); `plugins` may add drafter kinds and model schemes
+        (workers/plugins.py)."""
         settings, plugins = settings or Settings(), plugins or Registry()
-        load = dict(dtype=dtype, fused=settings.fused_layers)
-        shard = plugins.load_shard(target, layers, embed=True, head=False, device=device, quant=quant, **load)  # type: ignore[arg-type]
-        dshard = None
-        if draft:
-            where = dict(device=draft_device or device, quant=draft_quant)
-            dshard = plugins.load_shard(draft, None, embed=True, head=True, **where, **load)  # type: ignore[arg-type]
+        shard = plugins.load_for(target, layers, settings.engine, embed=True, head=False)
+        dshard = plugins.load_draft(draft, settings.engine) if draft else None
         if dshard is not None and dshard.config.vocab_size < shard.config.vocab_size:
             raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
-        k = settings.draft_k
-        slots = _joint_slots(shard, dshard, static, graphs, max_len, settings)
-        opts = dict(static=static, graphs=graphs, max_len=max_len, settings=settings, slots=slots)
+        k = settings.engine.graph_k
+        slots = _joint_slots(shard, dshard, settings)
         drafter = None
         if dshard is not None:
+            compile_draft = settings.engine.compile_draft
             dengine = Engine(
-                dshard, step_tokens=2, pad=False, compile=compile_draft, max_draft=k, label="draft", **opts
-            )  # type: ignore[arg-type]
+                dshard,
+                settings,
+                step_tokens=2,
+                pad=False,
+                compile=compile_draft,
+                max_draft=k,
+                slots=slots,
+                label="draft",
+            )
             drafter = ModelDrafter(dshard, dengine)
-        engine = Engine(shard, label="head", **opts)  # type: ignore[arg-type]
+        engine = Engine(shard, settings, slots=slots, label="head")
         source = plugins.source(target)
         if source is not None:  # a plugin's model: its tokenizer and EOS ids
             tok, eos = source.tokenizer, list(source.eos_token_ids)
@@ -205,15 +197,13 @@ class HeadRuntime:
             raise
 
 
-def _joint_slots(
-    shard: Shard, dshard: Shard | None, static: bool | None, graphs: bool | None, max_len: int | None, cfg: Settings
-) -> SlotPlan | None:
+def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan | None:
     """Slots for the lower shard's and the draft model's caches together (full-length and short ones, each
     costing both models' slots), sized from the device's memory when the settings name none and the caches
     are static on a CUDA device (None: each engine decides)."""
-    if cfg.batch_slots is not None or shard.device.type != "cuda" or not cache_modes(shard, static, graphs)[0]:
+    if cfg.engine.slots is not None or shard.device.type != "cuda" or not cache_modes(shard, cfg.engine)[0]:
         return None
-    k, n_max = cfg.draft_k, cache_len(shard, max_len, cfg)
+    k, n_max = cfg.engine.graph_k, cache_len(shard, cfg)
 
     def head_cost(n: int) -> int:
         return slot_cost(shard, n, k + 1, k + 1)

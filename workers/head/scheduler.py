@@ -50,7 +50,7 @@ class ThreadScheduler(RQScheduler):
     @property
     def lock_ttl(self) -> int:
         """Seconds a lock (and the scheduler's record) outlives its last refresh."""
-        return max(int(self.shardflow_settings.heartbeat_ttl_s), math.ceil(3 * self.interval), 2)
+        return max(int(self.shardflow_settings.jobs.heartbeat_ttl_s), math.ceil(3 * self.interval), 2)
 
     # --- locks, without Lua ------------------------------------------------------------------------
     def _acquire_or_refresh(self, key: str) -> LockOutcome:

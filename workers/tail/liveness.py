@@ -33,7 +33,7 @@ class HeadWatch:
         self._boots: dict[str, str] = {}  # the last boot seen per head name (heads are few)
 
     def due(self, urgent: bool = False) -> bool:
-        wait = self.settings.head_recheck_s if urgent else self.settings.head_check_s
+        wait = self.settings.relay.head_recheck_s if urgent else self.settings.relay.head_check_s
         return time.monotonic() - self._last >= wait
 
     def new_boot(self, head: HeadRef) -> bool:
@@ -77,7 +77,7 @@ class HeadWatch:
 def keep_alive(r: redis.Redis, names: Keys, tail_id: str, settings: Settings) -> None:
     """Keep a tail's own stream from expiring (a dead tail's goes after tail_stream_ttl_s) and drop consumers of
     the shared group that have been idle that long."""
-    ttl_s = settings.tail_stream_ttl_s
+    ttl_s = settings.relay.tail_stream_ttl_s
     try:
         r.expire(names.tail_requests(tail_id), ttl_s)
         shared, group = names.shared_requests, names.tail_group

@@ -89,17 +89,17 @@ class TailWorker:
         if shard.lm_head is None:
             raise ValueError("a tail shard needs the final norm and LM head")
         self.settings = cfg = settings or Settings()
-        self.shard, self.r, self.max_packet_bytes = shard, r, cfg.max_packet_bytes
+        self.shard, self.r, self.max_packet_bytes = shard, r, cfg.relay.max_packet_bytes
         self.engine = engine or Engine(shard, settings=cfg, label="tail")
         self.names = names or Keys()
         self.tail_id = tail_id or default_tail_id()
         if not TAIL_ID.fullmatch(self.tail_id):
             raise ValueError(f"tail name {self.tail_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
-        if cfg.max_sessions < self.engine.slots:  # a batch's sessions must never evict one another
+        if cfg.relay.max_sessions < self.engine.slots:  # a batch's sessions must never evict one another
             raise ValueError(
-                f"max_sessions ({cfg.max_sessions}) must be at least the batch slots ({self.engine.slots})"
+                f"max_sessions ({cfg.relay.max_sessions}) must be at least the batch slots ({self.engine.slots})"
             )
-        self.sessions = SessionStore(cfg.max_sessions, cfg.session_ttl_s, release=self.engine.release)
+        self.sessions = SessionStore(cfg.relay.max_sessions, cfg.relay.session_ttl_s, release=self.engine.release)
         self.heads = HeadWatch(r, self.names, cfg)
         wait_s = linger_s(shard, cfg)
         self.linger_ms = max(1, round(wait_s * 1000)) if wait_s > 0 else 0  # a Redis BLOCK time: whole ms
@@ -150,7 +150,7 @@ class TailWorker:
     def _keepalive(self) -> None:
         """Now and then (tail_keepalive_s): this tail's stream kept, dead tails' idle consumers dropped."""
         now = time.monotonic()
-        if now - self._last_keepalive >= self.settings.tail_keepalive_s:
+        if now - self._last_keepalive >= self.settings.relay.tail_keepalive_s:
             self._last_keepalive = now
             keep_alive(self.r, self.names, self.tail_id, self.settings)
 
@@ -234,9 +234,9 @@ class TailWorker:
         cap whose MAC verifies, why it is refused. A close for a session not held comes back with no key."""
         oversized = None
         try:
-            msg = decode_head_header(fields, max_bytes=self.max_packet_bytes)
+            msg = decode_head_header(fields, caps=self.settings.relay)
         except Oversized as e:
-            msg, oversized = decode_head_header(fields, max_bytes=None), e
+            msg, oversized = decode_head_header(fields, caps=self.settings.relay, capped=False), e
         held = self.sessions.peek(msg.session_id)
         if held is not None:
             key = held.key
@@ -292,7 +292,7 @@ class TailWorker:
     def _reply_for(self, packet: dict, sid: str, fields: dict) -> Reply:
         """An error reply to a packet (its head's reply stream as its header names it, or the session's own)."""
         to = peek_reply_to(packet)
-        return self._to(to, sid, fields, self.settings.final_reply_ttl_s)
+        return self._to(to, sid, fields, self.settings.relay.final_reply_ttl_s)
 
     def _reply(self, p: RoundPacket, fields: dict, ttl_s: int) -> Reply:
         """A round's reply: to its head's reply stream (shared by its sessions), or the session's own."""
@@ -302,7 +302,7 @@ class TailWorker:
         """A head's shared reply stream lives reply_ttl_s past its last reply (its other sessions go on)."""
         if reply_to is None:
             return Reply(self.names.reply(sid), fields, ttl_s)
-        return Reply(self.names.reply(reply_to), fields, self.settings.reply_ttl_s, True)
+        return Reply(self.names.reply(reply_to), fields, self.settings.relay.reply_ttl_s, True)
 
     def _session_for(self, p: RoundPacket, key: bytes) -> TailSession | None:
         sess = self.sessions.get(p.session_id)
@@ -340,7 +340,7 @@ class TailWorker:
             busy = ErrorReply(
                 session_id=msg.session_id, round_id=msg.round_id, error=str(e), tail_id=self.tail_id, busy=True
             )
-            return self._reply(msg, encode_message(busy, key), self.settings.final_reply_ttl_s)
+            return self._reply(msg, encode_message(busy, key), self.settings.relay.final_reply_ttl_s)
         if sess is None:  # duplicate or late: answer again with the verdict already sent, if it was the last one
             dup = self.sessions.get(msg.session_id)
             last = dup.last_reply if dup is not None and dup.last_round == msg.round_id else None
@@ -348,8 +348,8 @@ class TailWorker:
             self._dead.append(
                 DeadLetter(fields, f"duplicate or late round (session at round {held})", *peek_session(fields))
             )
-            return self._reply(msg, last, self.settings.reply_ttl_s) if last is not None else None
-        tensors = round_tensors(msg, fields)  # on the host: the batch's rows go to the device in one copy
+            return self._reply(msg, last, self.settings.relay.reply_ttl_s) if last is not None else None
+        tensors = round_tensors(msg, fields, caps=self.settings.relay)  # on the host: a batch's rows go in one copy
         hidden = tensors["hidden"]
         cfg = self.shard.config
         if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != cfg.hidden_size:
@@ -374,7 +374,8 @@ class TailWorker:
 
     def _rounds_together(self, batch: list[Prepared]) -> list[Reply | None]:
         clock = BatchClock(self.shard.device)
-        plan = plan_rounds(batch, self.shard.device, self.settings.verify_warp_rows)  # its ids copy during the forward
+        warp_rows = self.settings.engine.verify_warp_rows
+        plan = plan_rounds(batch, self.shard.device, warp_rows)  # its ids copy during the forward
         logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch, self.upload)))
         judged = plan.run(logits, lambda: non_finite_error("logits", self.shard.layer_range, self.shard.dtype))
         timings = dict(zip(("tail_forward_ms", "verify_ms"), clock.split(), strict=True)) | {"batch": len(batch)}
@@ -409,6 +410,6 @@ class TailWorker:
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict, prep.key)
         if finish is None:
-            return self._reply(p, sess.last_reply, self.settings.reply_ttl_s)
+            return self._reply(p, sess.last_reply, self.settings.relay.reply_ttl_s)
         self.sessions.drop(p.session_id)
-        return self._reply(p, sess.last_reply, self.settings.final_reply_ttl_s)
+        return self._reply(p, sess.last_reply, self.settings.relay.final_reply_ttl_s)
