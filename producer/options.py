@@ -98,7 +98,7 @@ def setting_default(group: str, name: str) -> dict[str, Any]:
     --help shows."""
     model = Settings.model_fields[group].annotation
     documented = model.model_fields[name].default  # type: ignore[union-attr]
-    return {"default": lambda: getattr(getattr(Settings(), group), name), "show_default": str(documented)}
+    return {"default": lambda: getattr(getattr(worker_settings(), group), name), "show_default": str(documented)}
 
 
 redis_opt = click.option(

@@ -1,6 +1,6 @@
 """Static KV caches, batched forwards and CUDA-graph replay for a shard's fixed-size steps.
 
-`Engine(shard, static=..., graphs=...)` is how workers run a shard over sequences' caches:
+`Engine(shard, settings)` is how workers run a shard over sequences' caches (settings.engine.static / graphs):
 - dynamic (`--dynamic-cache`): a growing `KVCache` per sequence, eager forwards, one at a time;
 - static (the default): each sequence holds a slot of a preallocated `KVPool`, rolled back in place, and
   `forward_many` runs the steps of several sequences (a round's [last token, drafts], or one drafter
