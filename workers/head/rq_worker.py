@@ -52,12 +52,12 @@ class _LoopEnded(Exception):
     """RQ's loop ended on an error, not on a stop request: restart it."""
 
 
-def head_job_class(ctx: jobs.JobContext) -> type[SafeJob]:
+def head_job_class(ctx: jobs.JobContext, fallback_ttl_s: int | None = None) -> type[SafeJob]:
     """This worker's job class: the one job function, bound to its models, looked up by its wire name (never
     imported by it; see relay_broker/rq_jobs.py)."""
     run = functools.partial(jobs.run_generation, ctx)
     functions: Mapping[str, Callable[..., Any]] = {RUN_GENERATION: run, LEGACY_RUN_GENERATION: run}
-    fallback = ctx.runtime.settings.jobs.result_ttl_s  # a record's TTL where it has none usable
+    fallback = SafeJob.fallback_ttl_s if fallback_ttl_s is None else fallback_ttl_s  # a record's TTL if it has none
     return type("HeadJob", (SafeJob,), {"functions": functions, "fallback_ttl_s": fallback})
 
 
@@ -84,7 +84,7 @@ class HeadWorker(SimpleWorker):
         # the runtime's settings (RQ's Worker has a `settings`-free namespace of its own, hence the name)
         self.shardflow_settings = cfg = runtime.settings if runtime is not None else Settings()
         self.job_context = jobs.JobContext(runtime, r, self.names)
-        job_class = head_job_class(self.job_context)
+        job_class = head_job_class(self.job_context, cfg.jobs.result_ttl_s)
         kwargs.setdefault("serializer", JSONSerializer)
         kwargs.setdefault("job_class", job_class)
         kwargs.setdefault("maintenance_interval", cfg.jobs.maintenance_s)
