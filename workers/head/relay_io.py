@@ -2,13 +2,13 @@
 never waits on a round trip (over a WAN link one costs the whole link's latency).
 
 - `Sender` publishes what the loop queues (a group's round entries, close packets, dead letters) on
-  `head_senders` threads, each taking all that is queued at once in one pipeline of its own connection: a group
+  `relay.head_senders` threads, each taking all that is queued at once in one pipeline of its own connection: a group
   computed while another's publish is on the wire goes at once rather than a round trip later. Entries of one
   session never overtake each other: a session has one round on the wire at a time, and its close packet goes
   after its last verdict came.
 - `Receiver` reads the head's own reply streams (`reply:head.NAME.BOOT`, one per key prefix), where tails put
   every reply to its sessions (a batch's replies in one entry, schemas/groups.py), through a consumer group
-  (`REPLY_GROUP`) on `head_readers` threads: each entry goes to one of them, and while one reader's answer
+  (`REPLY_GROUP`) on `relay.head_readers` threads: each entry goes to one of them, and while one reader's answer
   travels back another's read already waits at Redis, so a reply is taken as it comes (with one blocking XREAD,
   a reply written while the answer to the last read travels waits for the next read to arrive: up to one more
   round trip). The loop gets each reply with the session it names; what is not a reply container is
