@@ -67,7 +67,8 @@ def test_fused_attention_through_sdpa_equals_hf_layers(models, monkeypatch):
     monkeypatch.setattr(fused_mod, "SDPA_MIN_ROWS", 0)
     x = torch.arange(3, 60) % fused.config.vocab_size
     for static in (False, True):
-        ef, ep = Engine(fused, static=static, max_len=128), Engine(plain, static=static, max_len=128)
+        settings = Settings(engine={"static": static, "max_len": 128})
+        ef, ep = Engine(fused, settings), Engine(plain, settings)
         cf, cp = ef.acquire(), ep.acquire()
         torch.testing.assert_close(ef.forward(cf, x[:30], 0, 30), ep.forward(cp, x[:30], 0, 30), rtol=1e-4, atol=1e-4)
         for i in range(30, 33):
