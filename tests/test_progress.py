@@ -4,6 +4,7 @@ job writes, off its round loop."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -43,13 +44,13 @@ def test_progress_flushes_off_the_round_loop(redis_client, monkeypatch):
     job = SimpleNamespace(id="j2", key="offpath:job:j2", meta={}, serializer=JSONSerializer)
     progress = Progress(job, redis_client, keys, Chars(), 600, 0.2)  # type: ignore[arg-type]
     gate = threading.Event()
-    real_flush = progress.flush
+    real_took = progress.took_flush
 
-    def held_flush(generated, final):
+    def held_took(replies, mark):
         gate.wait(30)  # a Redis far away: this flush is slow until the test lets it go
-        real_flush(generated, final)
+        return real_took(replies, mark)
 
-    monkeypatch.setattr(progress, "flush", held_flush)
+    monkeypatch.setattr(progress, "took_flush", held_took)
     progress.on_tokens([0], [0])  # starts a flush, returns while it is held
     progress.on_tokens([1], [0, 1])  # the flush is still in flight: nothing queued behind it
     assert progress._inflight is not None and not progress._inflight.done()
@@ -64,3 +65,43 @@ def test_progress_flushes_off_the_round_loop(redis_client, monkeypatch):
     progress.wait()
     assert "".join(f[b"text"].decode() for _, f in redis_client.xrange(keys.tokens("j2"))) == "abc"
     assert redis_client.get(keys.checkpoint("j2")) is not None
+
+
+def test_flushes_queued_together_share_one_round_trip(redis_client, monkeypatch):
+    """The head's flush threads send every flush queued when they come free as one pipeline
+    (workers/head/flushes.py): 40 jobs' flushes queued behind a slow one cost one more round trip, not 40; each
+    job's answer stays its own (a cancel request fails that job's flush alone)."""
+    import redis
+
+    from workers.head.flushes import FlushPool
+
+    executes = []
+    real_execute = redis.client.Pipeline.execute
+
+    def counted(self, *a, **kw):
+        executes.append(len(self.command_stack))
+        return real_execute(self, *a, **kw)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
+    keys = Keys(prefix="coalesce")
+    pool = FlushPool(redis_client, threads=1)
+    jobs = [SimpleNamespace(id=f"j{i}", key=f"coalesce:job:j{i}", meta={}, serializer=JSONSerializer) for i in range(41)]
+    progs = [Progress(job, redis_client, keys, Chars(), 600, 0.2, pool=pool) for job in jobs]  # type: ignore[arg-type]
+    gate = threading.Event()
+    real_took = progs[0].took_flush
+    monkeypatch.setattr(progs[0], "took_flush", lambda replies, mark: gate.wait(30) and real_took(replies, mark))
+    first = pool.submit(progs[0], [0], False)
+    time.sleep(0.2)  # the pool's thread holds the first flush
+    redis_client.set(keys.cancel("j7"), 1)
+    rest = [pool.submit(p, [0, 1], False) for p in progs[1:]]
+    gate.set()
+    assert first.result(30) is True
+    for i, fut in enumerate(rest, start=1):
+        if i == 7:
+            with pytest.raises(JobCancelled):
+                fut.result(30)
+        else:
+            assert fut.result(30) is True
+    assert len(executes) == 2, executes  # the slow one, then the 40 queued behind it together
+    assert all(redis_client.get(keys.checkpoint(f"j{i}")) for i in range(41))
+    pool.shutdown()

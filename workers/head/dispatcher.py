@@ -28,9 +28,9 @@ Capacity (jobs in flight) is the head's `--concurrency`, by default what its bat
 from __future__ import annotations
 
 import logging
+import queue as queues
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +46,19 @@ from rq.utils import now
 from rq.worker import SimpleWorker
 from rq.worker.base import WorkerStatus
 
-from workers.head.job_function import JobCancelled, Started, end_generation, run_generation, start_generation
+from schemas.requests import GenerationResult
+from workers.head.job_function import (
+    JobCancelled,
+    Started,
+    end_generation,
+    finish_many,
+    run_generation,
+    settle,
+    start_generation,
+)
 
 log = logging.getLogger("shardflow.dispatcher")
-FINISHERS = 4  # threads that store results and record ends (each a few Redis round trips)
+FINISHERS = 2  # threads that store results and record ends (each end batch: two Redis round trips for all of it)
 
 
 @dataclass
@@ -70,7 +79,9 @@ class Dispatcher:
         self.running: dict[str, Running] = {}
         self.cond = threading.Condition()
         self.completed = 0
-        self.finisher = ThreadPoolExecutor(FINISHERS, "finisher")  # ends of jobs: results and RQ's records
+        self._ends: queues.Queue[tuple[Running, Started | None, Any]] = queues.Queue()  # jobs whose generation ended
+        for i in range(FINISHERS):  # each takes every end queued: results and RQ's records a round trip for all
+            threading.Thread(target=self._finisher, daemon=True, name=f"finisher_{i}").start()
 
     # --- the loop -------------------------------------------------------------------------------------
     def serve(self, burst: bool) -> bool:
@@ -199,16 +210,63 @@ class Dispatcher:
             timeout = job.timeout or run.queue.DEFAULT_TIMEOUT
             started = start_generation(self.w.job_context, job, *job.args, timeout_s=timeout, **job.kwargs)
         except BaseException:
-            self.finisher.submit(self._end, run, None, sys.exc_info())
+            self._ends.put((run, None, sys.exc_info()))
             return
         if started.future is None:
-            self.finisher.submit(self._end, run, started, None)
+            self._ends.put((run, started, None))
         else:
-            started.future.add_done_callback(lambda _: self.finisher.submit(self._end, run, started, None))
+            started.future.add_done_callback(lambda _: self._ends.put((run, started, None)))
+
+    def _finisher(self) -> None:
+        while True:
+            batch = [self._ends.get()]
+            while True:
+                try:
+                    batch.append(self._ends.get_nowait())
+                except queues.Empty:
+                    break
+            try:
+                self._end_many(batch)
+            except BaseException:  # a bug: logged; each job's heartbeat expiry retries what was not recorded
+                log.exception("recording the ends of %d jobs failed", len(batch))
+
+    def _end_many(self, batch: list[tuple[Running, Started | None, Any]]) -> None:
+        """Record how these jobs ended. Generations that succeeded are finished together: their results and
+        final text in one round trip (the flush pool's), RQ's records in one transaction; anything else (a
+        stored result, a failure, a cancel) one job at a time, as `_end`."""
+        ended: list[tuple[Running, Started, GenerationResult]] = []
+        for run, started, failed in batch:
+            if failed is not None or started is None or started.stored is not None:
+                self._end(run, started, failed)
+                continue
+            try:
+                ended.append((run, started, settle(started)))
+            except BaseException:
+                self._end(run, started, sys.exc_info())
+        if not ended:
+            return
+        ctx = self.w.job_context
+        values = finish_many(ctx, [(s.job, s.progress, result, s.ttl) for _, s, result in ended])  # type: ignore[misc]
+        done: list[tuple[Running, Any]] = []
+        for (run, started, _), value in zip(ended, values, strict=True):
+            if isinstance(value, BaseException):
+                self._end(run, started, (type(value), value, value.__traceback__))
+                continue
+            run.job._result, run.job.ended_at = value, now()
+            done.append((run, value))
+        try:
+            for run, _ in done:
+                run.recorded.wait()
+            self._finish_many(done)
+        except BaseException:  # could not be recorded: heartbeat expiry retries them (their results are stored)
+            log.exception("could not record the ends of %d jobs", len(done))
+        finally:
+            for run, _ in done:
+                self._forget(run)
 
     def _end(self, run: Running, started: Started | None, failed: Any) -> None:
         """Record how the job ended: finished (its result stored), canceled, or failed (RQ's retries)."""
-        job, w = run.job, self.w
+        job = run.job
         try:
             try:
                 if failed is not None:
@@ -229,35 +287,50 @@ class Dispatcher:
         except BaseException:  # the failure could not be recorded either: heartbeat expiry retries it
             log.exception("job %s: could not record how it ended", job.id)
         finally:
-            w.job_context.prefetched.pop(job.id, None)  # a job whose function never ran leaves it behind
-            with self.cond:
-                self.running.pop(job.id, None)
-                w.executions.pop(run.execution.id, None)
-                self.completed += 1
-                self.cond.notify_all()
+            self._forget(run)
+
+    def _forget(self, run: Running) -> None:
+        """The job is over for this worker: out of its running set (room for the next)."""
+        w = self.w
+        w.job_context.prefetched.pop(run.job.id, None)  # a job whose function never ran leaves it behind
+        with self.cond:
+            self.running.pop(run.job.id, None)
+            w.executions.pop(run.execution.id, None)
+            self.completed += 1
+            self.cond.notify_all()
 
     def _finish(self, run: Running, value: Any) -> None:
         """RQ's success bookkeeping for one job as one transaction (jobs never have dependents here)."""
-        job, w, ex = run.job, self.w, run.execution
-        job._result, job._status = value, JobStatus.FINISHED
-        ttl = job.get_result_ttl(w.default_result_ttl)
+        self._finish_many([(run, value)])
+
+    def _finish_many(self, done: list[tuple[Running, Any]]) -> None:
+        """RQ's success bookkeeping for these jobs as one transaction (jobs never have dependents here)."""
+        if not done:
+            return
+        w = self.w
         with w.connection.pipeline() as tx:
-            w.increment_successful_job_count(pipeline=tx)
-            w.increment_total_working_time(job.ended_at - job.started_at, tx)  # type: ignore[operator]
-            job._handle_success(
-                ttl,
-                pipeline=tx,
-                worker_name=w.name,
-                execution_id=ex.id,
-                execution_started_at=ex.created_at,
-                execution_ended_at=job.ended_at,
-            )
-            job.cleanup(ttl, pipeline=tx, remove_from_queue=False)
-            w.cleanup_execution(job, pipeline=tx, execution=ex)
-            if len(self.running) <= 1:
+            for run, value in done:
+                job, ex = run.job, run.execution
+                job._result, job._status = value, JobStatus.FINISHED
+                ttl = job.get_result_ttl(w.default_result_ttl)
+                w.increment_successful_job_count(pipeline=tx)
+                w.increment_total_working_time(job.ended_at - job.started_at, tx)  # type: ignore[operator]
+                job._handle_success(
+                    ttl,
+                    pipeline=tx,
+                    worker_name=w.name,
+                    execution_id=ex.id,
+                    execution_started_at=ex.created_at,
+                    execution_ended_at=job.ended_at,
+                )
+                job.cleanup(ttl, pipeline=tx, remove_from_queue=False)
+                w.cleanup_execution(job, pipeline=tx, execution=ex)
+            if len(self.running) <= len(done):
                 w.set_state(WorkerStatus.IDLE, pipeline=tx)
             tx.execute()
-        log.info("job %s finished in %.2fs", job.id, (job.ended_at - job.started_at).total_seconds())  # type: ignore[operator]
+        for run, _ in done:
+            job = run.job
+            log.info("job %s finished in %.2fs", job.id, (job.ended_at - job.started_at).total_seconds())  # type: ignore[operator]
 
     def _cancelled(self, run: Running) -> None:
         """A job its user cancelled, as one transaction: `canceled` (status, canceled registry) with its

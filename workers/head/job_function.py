@@ -8,7 +8,8 @@ GenerationRequest). The
 function runs in the worker's own process, with the models and settings of its JobContext, and:
 - returns an already stored result untouched (a re-run cannot clobber a finished result);
 - publishes progress to the job's meta and committed text to a per-job token stream, throttled and off
-  the step loop's path (on the head's few flush threads, `JobContext.flusher`), with a checkpoint of the
+  the step loop's path (on the head's few flush threads, `JobContext.flusher`: every flush queued goes in one
+  round trip), with a checkpoint of the
   committed tokens beside them: a retried job (its head worker died) resumes there;
 - never fails because of its token stream (a convenience; the result is the truth): a write Redis refuses
   (another client type-broke the key, or added an entry past the text) is reported once, in the job's meta
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import redis
@@ -34,9 +35,11 @@ from schemas.errors import InvalidRequest, JobError, NonFiniteError, ShardFlowEr
 from schemas.jobs import Checkpoint, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import STREAM_BROKEN_MAX, GenerationRequest, GenerationResult
+from workers.head.flushes import FlushMark, FlushPool
 from workers.head.runtime import HeadRuntime, round_loop
 
 log = logging.getLogger("shardflow.jobs")
+FLUSH_THREADS = 2  # a head's flush threads (each round trip carries every flush queued)
 
 
 class JobCancelled(JobError):
@@ -54,8 +57,12 @@ class JobContext:
     # job id -> (stored result, checkpoint) as the dispatcher read them with the job's record (saves two
     # round trips per job); taken once, then read from Redis as usual
     prefetched: dict[str, tuple[bytes | None, bytes | None]] = field(default_factory=dict)
-    # every job's progress flushes (a fixed few threads, however many jobs are in flight)
-    flusher: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "progress"))
+    # every job's progress flushes and final writes: a fixed few threads, each sending all that is queued in one
+    # round trip (workers/head/flushes.py), however many jobs are in flight
+    flusher: FlushPool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flusher", FlushPool(self.r, FLUSH_THREADS, "progress"))
 
 
 def no_retry(job: Job, reason: str) -> None:
@@ -88,13 +95,13 @@ class Progress:
     text: str = ""
     fresh_stream: bool = True  # no checkpoint: the first write drops an earlier attempt's stale token stream
     stream_broken: str | None = None  # why the token stream is written no more (None: it holds the text so far)
-    pool: ThreadPoolExecutor | None = field(default=None, repr=False)  # default: a thread of its own
+    pool: FlushPool | None = field(default=None, repr=False)  # default: a thread of its own
     _inflight: Future | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._own_pool = self.pool is None
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(1, "progress")
+            self.pool = FlushPool(self.r, 1, "progress")
 
     def resume_from(self, generated: list[int]) -> None:
         """Continue after a checkpoint: its text is on the token stream already."""
@@ -112,7 +119,7 @@ class Progress:
             self._inflight = None
         if time.monotonic() - self.last_flush >= self.interval_s:
             self.last_flush = time.monotonic()
-            self._inflight = self.pool.submit(self.flush, list(generated), False)  # type: ignore[union-attr]
+            self._inflight = self.pool.submit(self, list(generated), False)  # type: ignore[union-attr]
 
     def wait(self) -> None:
         """Let the flush in flight finish (what it found is not raised: the generation is over)."""
@@ -120,12 +127,21 @@ class Progress:
             wait([self._inflight])
             self._inflight = None
         if self._own_pool:
-            self.pool.shutdown(wait=True)  # type: ignore[union-attr]
+            self.pool.shutdown()  # type: ignore[union-attr]
 
     def flush(self, generated: list[int], final: bool, result_json: str | None = None) -> bool:
         """Write progress, text and checkpoint (a final flush: end the text, drop the checkpoint), in one
         round trip; `result_json` is stored first in the same round trip unless a result is there (then
-        False is returned). Raises JobCancelled if the user asked to cancel."""
+        False is returned). Raises JobCancelled if the user asked to cancel. (On the head's flush threads many
+        jobs' flushes share a round trip: `queue_flush`, then `took_flush`, workers/head/flushes.py.)"""
+        pipe = self.r.pipeline(transaction=False)
+        mark = self.queue_flush(pipe, generated, final, result_json)
+        return self.took_flush(pipe.execute(raise_on_error=False)[mark.start : mark.end], mark)
+
+    def queue_flush(
+        self, pipe: redis.client.Pipeline, generated: list[int], final: bool, result_json: str | None = None
+    ) -> FlushMark:
+        """Append this flush's commands to `pipe` (see `flush`); what `took_flush` needs to read their answers."""
         self.last_flush = time.monotonic()
         self.text = self.tokenizer.decode(generated, skip_special_tokens=True)  # type: ignore[attr-defined]
         if not final:
@@ -138,7 +154,7 @@ class Progress:
             "tokens_per_round": round(len(generated) / max(self.rounds, 1), 3),
             "accepted_per_round": round(self.accepted / max(self.rounds, 1), 3),
         }
-        pipe = self.r.pipeline(transaction=False)
+        start = len(pipe)
         if result_json is not None:  # first: a retry finds the result, not the checkpoint
             pipe.set(self.keys.result(self.job.id), result_json, nx=True, ex=self.ttl)
         pipe.hset(self.job.key, "meta", self.job.serializer.dumps(self.job.meta))
@@ -149,19 +165,25 @@ class Progress:
             pipe.set(ckpt, Checkpoint(token_ids=generated).model_dump_json(), ex=self.ttl)
         written = self._queue_text(pipe, final)
         pipe.exists(self.keys.cancel(self.job.id))
-        replies = pipe.execute(raise_on_error=False)
-        stream_replies = range(written[0], written[0] + 2) if written is not None else range(0)
+        mark = FlushMark(start, len(pipe), None, final=final, stores_result=result_json is not None)
+        if written is not None:
+            mark.stream_at, mark.entry, mark.fields = written[0] - start, written[1], written[2]
+        return mark
+
+    def took_flush(self, replies: list, mark: FlushMark) -> bool:
+        """Read what Redis answered one flush's commands (`replies`: theirs alone, in order); see `flush`."""
+        stream_replies = range(mark.stream_at, mark.stream_at + 2) if mark.stream_at is not None else range(0)
         for i, reply in enumerate(replies):
             if isinstance(reply, Exception) and i not in stream_replies:
                 raise reply
-        if written is not None:
-            self._check_text(replies[written[0]], *written[1:])
+        if mark.stream_at is not None:
+            self._check_text(replies[mark.stream_at], mark.entry, mark.fields)
             self.fresh_stream = False
         cancelled = replies[-1]
         self.flushed_chars = len(self.text)
-        if cancelled and not final:
+        if cancelled and not mark.final:
             raise JobCancelled("cancelled by user")
-        return result_json is None or bool(replies[0])
+        return not mark.stores_result or bool(replies[0])
 
     def _queue_text(self, pipe: redis.client.Pipeline, final: bool) -> tuple[int, str, dict[bytes, bytes]] | None:
         """Queue the text not streamed yet (and, final, the end marker) on `pipe`: (where its XADD is in the
@@ -234,8 +256,39 @@ def stored_result(raw: bytes | None, job_id: str) -> dict | None:
 def finish(ctx: JobContext, job: Job, progress: Progress, result: GenerationResult, ttl: int) -> dict:
     """Store the result unless a readable one exists (kept `ttl` seconds), end the token stream and drop the
     checkpoint, in one round trip; return whichever result is stored. A stream that broke says so in it."""
-    data = result.model_copy(update={"stream_broken": progress.stream_broken}).model_dump(mode="json")
-    ours = progress.flush(result.token_ids, final=True, result_json=json.dumps(data))
+    out = finish_many(ctx, [(job, progress, result, ttl)])[0]
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
+def finish_many(ctx: JobContext, ends: list[tuple[Job, Progress, GenerationResult, int]]) -> list[dict | BaseException]:
+    """`finish` for several jobs: their final writes go through the flush pool together (one round trip for all
+    of them; a Progress with a pool of its own writes alone), then each job's rare leftovers (a stream that broke
+    at this very write, a result another attempt stored first) one by one. What failed a job is its entry."""
+    pending = []
+    for _job, progress, result, _ in ends:
+        data = result.model_copy(update={"stream_broken": progress.stream_broken}).model_dump(mode="json")
+        if progress._own_pool:  # its pool is shut down once the generation ended (Progress.wait)
+            done: Future = Future()
+            try:
+                done.set_result(progress.flush(result.token_ids, final=True, result_json=json.dumps(data)))
+            except BaseException as e:
+                done.set_exception(e)
+        else:
+            done = ctx.flusher.submit(progress, result.token_ids, True, json.dumps(data))
+        pending.append((data, done))
+    out: list[dict | BaseException] = []
+    for (job, progress, _, ttl), (data, done) in zip(ends, pending, strict=True):
+        try:
+            out.append(_stored(ctx, job, progress, data, done.result(), ttl))
+        except BaseException as e:
+            out.append(e)
+    return out
+
+
+def _stored(ctx: JobContext, job: Job, progress: Progress, data: dict, ours: bool, ttl: int) -> dict:
+    """After a job's final write: the result that is stored (ours, or the one another attempt stored first)."""
     if progress.stream_broken != data["stream_broken"]:  # it broke at this last write: amend what was stored
         data["stream_broken"] = progress.stream_broken
         pipe = ctx.r.pipeline(transaction=False)
@@ -304,6 +357,13 @@ def end_generation(ctx: JobContext, started: Started) -> dict:
     failed it, recorded in the job's meta (JobCancelled: the dispatcher records the job canceled)."""
     if started.stored is not None:
         return started.stored
+    assert started.progress is not None
+    return finish(ctx, started.job, started.progress, settle(started), started.ttl)
+
+
+def settle(started: Started) -> GenerationResult:
+    """The generation's result once its Future is done (its last progress flush landed); raises what failed it,
+    recorded in the job's meta (JobCancelled: the dispatcher records the job canceled). Stores nothing."""
     job, progress = started.job, started.progress
     assert started.future is not None and progress is not None
     try:
@@ -321,7 +381,7 @@ def end_generation(ctx: JobContext, started: Started) -> dict:
         job.meta["error"] = f"{type(e).__name__}: {e}"
         job.save_meta()
         raise
-    return finish(ctx, job, progress, result, started.ttl)
+    return result
 
 
 def run_generation(ctx: JobContext, payload: dict) -> dict:
