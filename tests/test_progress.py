@@ -85,7 +85,9 @@ def test_flushes_queued_together_share_one_round_trip(redis_client, monkeypatch)
     monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
     keys = Keys(prefix="coalesce")
     pool = FlushPool(redis_client, threads=1)
-    jobs = [SimpleNamespace(id=f"j{i}", key=f"coalesce:job:j{i}", meta={}, serializer=JSONSerializer) for i in range(41)]
+    jobs = [
+        SimpleNamespace(id=f"j{i}", key=f"coalesce:job:j{i}", meta={}, serializer=JSONSerializer) for i in range(41)
+    ]
     progs = [Progress(job, redis_client, keys, Chars(), 600, 0.2, pool=pool) for job in jobs]  # type: ignore[arg-type]
     gate = threading.Event()
     real_took = progs[0].took_flush
