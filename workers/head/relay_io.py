@@ -136,7 +136,11 @@ class Receiver:
             except redis.ResponseError as e:  # NOGROUP: a stream expired and came back without its group
                 with self._cv:
                     self._grouped.difference_update(streams)
-                log.debug("head: reading replies: %s; making the groups again", e)
+                (log.debug if "NOGROUP" in str(e) else log.warning)(
+                    "head: reading replies: %s; making the groups again", e
+                )
+                if "NOGROUP" not in str(e):  # refused (an ACL without XGROUP, say): not a hot loop
+                    time.sleep(self.settings.redis.reconnect_min_s)
                 continue
             except redis.RedisError as e:  # Redis away: ridden out (the generations time out and replay)
                 (log.debug if failing else log.warning)("head: reading replies failed (%s); retrying", e)
