@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for issue 26's figures (one nvidia-h200, head and tail sharing it): the job path at N = 1, 64,
 # 256 with py-spy on both workers and their loops' phase lines, then bench/stages.py and bench/attn_variants.py.
-#   OUT=$OUT bash bench/device_round.sh [JOBS_S] [STAGES_S] [ATTN_S]     # each part capped (seconds)
+#   OUT=$OUT bash bench/device_round.sh [JOBS_S] [STAGES_S] [ATTN_S]     # each part capped (seconds; 0 skips it)
+#   NS=64,256 VARIANTS="auto=;g2=--groups 2;g8=--groups 8" ...           # other batch sizes, variants (';' between)
 # What comes back (flat, at most 8 files): jobs.json, jobs.md, spy-head.txt, spy-tail.txt, phases.txt,
 # stages.json, attn.json.
 set -uo pipefail
@@ -12,17 +13,20 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+variants=()
+IFS=';' read -ra vs <<< "${VARIANTS:-default=}"
+for v in "${vs[@]}"; do variants+=(--variant "$v"); done
 quiet() { grep --line-buffered -v -E "USDT|UserWarning|warn\(|_warn_once|profiler.py|pkg_resources"; }
 timeout "${1:-330}" bench/spy.sh /tmp/o python3 -m bench.jobs --target random:qwen2.5-7b --split 14 \
   --draft random:qwen2.5-0.5b --synthetic 0.78 --head-device cuda:0 --tail-device cuda:0 --dtype bfloat16 \
   --delay-ms 43 --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,64,256}" --distinct 16 --singles 3 \
-  --head-args "--gpu-memory 0.45" --tail-args "--gpu-memory 0.45" --variant "default=" --out /tmp/o/jobs 2>&1 \
-  | quiet | grep -E "^\||N=[0-9]+:|rror" | tail -16
+  --head-args "--gpu-memory 0.45" --tail-args "--gpu-memory 0.45" "${variants[@]}" --out /tmp/o/jobs 2>&1 \
+  | quiet | grep -E "^\||N=[0-9]+:|rror" | tail -30
 cp /tmp/o/jobs/jobs.json /tmp/o/jobs/jobs.md /tmp/o/spy-*.txt "$OUT"/ 2>/dev/null
 grep -h -E "head loop:|tail loop:|captured|memory:|Traceback|Error" /tmp/o/jobs/logs/*.log > "$OUT/phases.txt"
-timeout "${2:-200}" python3 -m bench.stages --device cuda:0 --b 1,16,64,128,256 --iters 10 --no-reference \
+[ "${2:-200}" != 0 ] && timeout "${2:-200}" python3 -m bench.stages --device cuda:0 --b 1,16,64,128,256 --iters 10 --no-reference \
   --out /tmp/o/stages 2>&1 | quiet | tail -12
 cp /tmp/o/stages/stages.json "$OUT"/ 2>/dev/null
-timeout "${3:-90}" python3 -m bench.attn_variants --out /tmp/o/attn 2>&1 | quiet | tail -10
+[ "${3:-90}" != 0 ] && timeout "${3:-90}" python3 -m bench.attn_variants --out /tmp/o/attn 2>&1 | quiet | tail -10
 cp /tmp/o/attn/attn.json "$OUT"/ 2>/dev/null
 ls "$OUT"
