@@ -23,7 +23,7 @@ timeout "${1:-330}" bench/spy.sh /tmp/o python3 -m bench.jobs --target random:qw
   --head-args "--gpu-memory 0.45" --tail-args "--gpu-memory 0.45" "${variants[@]}" --out /tmp/o/jobs 2>&1 \
   | quiet | grep -E "^\||N=[0-9]+:|rror" | tail -30
 cp /tmp/o/jobs/jobs.json /tmp/o/jobs/jobs.md /tmp/o/spy-*.txt "$OUT"/ 2>/dev/null
-grep -h -E "head loop:|tail loop:|captured|memory:|Traceback|Error" /tmp/o/jobs/logs/*.log > "$OUT/phases.txt"
+grep -h -E "head loop:|head senders:|tail loop:|captured|memory:|Traceback|Error" /tmp/o/jobs/logs/*.log > "$OUT/phases.txt"
 [ "${2:-200}" != 0 ] && timeout "${2:-200}" python3 -m bench.stages --device cuda:0 --b 1,16,64,128,256 --iters 10 --no-reference \
   --out /tmp/o/stages 2>&1 | quiet | tail -12
 cp /tmp/o/stages/stages.json "$OUT"/ 2>/dev/null

@@ -109,3 +109,43 @@ def test_a_group_larger_than_the_packet_cap_goes_in_several_entries(models, tail
     with ThreadPoolExecutor(12) as pool:
         got = list(pool.map(one, prompts))
     assert got == [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 6) for p in prompts]
+
+
+def test_a_round_that_cannot_be_sealed_fails_its_generation_alone(
+    models, tails, redis_client, hf_models, tokenizers, monkeypatch
+):
+    """Rounds are sealed on the head's sender threads, off the step loop: one that cannot be sealed fails its
+    own generation (with why), and the rest of its group goes out and equals HF generate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from schemas.requests import GenerationRequest
+    from tests.conftest import PROMPTS
+    from tests.job_env import reference
+    from workers.head.rounds import RoundLoop
+    from workers.head.runtime import HeadRuntime, generate
+
+    ms = models["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers)
+    runtime = HeadRuntime.load(ms.target, (0, 2))
+    prompts, bad = PROMPTS[:6], PROMPTS[2]
+    packet = RoundLoop.packet
+
+    def sealing(self: RoundLoop) -> dict:
+        if self.req.prompt == bad and self.rounds >= 1:
+            raise PacketError("this round cannot be sealed")
+        return packet(self)
+
+    monkeypatch.setattr(RoundLoop, "packet", sealing)
+
+    def one(p: str) -> list[int] | str:
+        req = GenerationRequest(prompt=p, max_new_tokens=6, chat_template=False)
+        try:
+            return generate(req, runtime, redis_client, names=names).token_ids
+        except PacketError as e:
+            return str(e)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = dict(zip(prompts, pool.map(one, prompts), strict=True))
+    assert got.pop(bad) == "this round cannot be sealed"
+    for p, ids in got.items():
+        assert ids == reference(hf_models["qwen2"], tokenizers["qwen2"], p, 6), p

@@ -13,6 +13,7 @@ per phase.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ class PhaseClock:
         self.spent: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._since = time.perf_counter()
+        self._lock = threading.Lock()  # threads beside a loop may add to its clock (the head's senders do)
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -34,8 +36,9 @@ class PhaseClock:
             self.add(phase, time.perf_counter() - t0)
 
     def add(self, phase: str, seconds: float) -> None:
-        self.spent[phase] = self.spent.get(phase, 0.0) + seconds
-        self.calls[phase] = self.calls.get(phase, 0) + 1
+        with self._lock:
+            self.spent[phase] = self.spent.get(phase, 0.0) + seconds
+            self.calls[phase] = self.calls.get(phase, 0) + 1
 
     def maybe_log(self) -> None:
         """Log the shares since the last line, if every_s has passed and anything but waiting was timed."""
@@ -43,11 +46,13 @@ class PhaseClock:
         span = now - self._since
         if span < self.every_s:
             return
-        busy = {k: v for k, v in self.spent.items() if k != "wait"}
+        with self._lock:
+            spent, calls = self.spent, self.calls
+            self.spent, self.calls, self._since = {}, {}, now
+        busy = {k: v for k, v in spent.items() if k != "wait"}
         if busy and sum(busy.values()) > 0.01 * span:
             parts = [
-                f"{k} {100 * v / span:.0f}% ({1000 * v / max(self.calls[k], 1):.1f} ms x {self.calls[k]})"
-                for k, v in sorted(self.spent.items(), key=lambda kv: -kv[1])
+                f"{k} {100 * v / span:.0f}% ({1000 * v / max(calls[k], 1):.1f} ms x {calls[k]})"
+                for k, v in sorted(spent.items(), key=lambda kv: -kv[1])
             ]
             self.log.info("%s: %.1f s: %s", self.name, span, ", ".join(parts))
-        self.spent, self.calls, self._since = {}, {}, now

@@ -379,5 +379,14 @@ class Engine:
             self._graphs[key] = graph
             self.graph_bytes += (torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0) - before
             if log_it:  # a capture at first use (a longer attended length, a spare pool)
+                log.info(
+                    "%s: captured a graph at first use (batch %d, %d tokens, %d picked, %d steps, %s positions)",
+                    self.label,
+                    size,
+                    t,
+                    p,
+                    steps,
+                    length,
+                )
                 self.log_memory()
         return graph

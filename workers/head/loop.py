@@ -73,6 +73,7 @@ class HeadLoop:
         self._cv = threading.Condition()
         self.steps = 0
         self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
+        self.seal_clock = PhaseClock("head senders", log)  # sealing a group's rounds, on the sender threads
         self.sender = Sender(r, self.settings)
         self.receiver = Receiver(r, self.settings, self._deliver, self.sender)
         threading.Thread(target=self._run, daemon=True, name="head-loop").start()
@@ -125,6 +126,7 @@ class HeadLoop:
             self._compute(ready[:size])
         self.steps += 1
         clock.maybe_log()
+        self.seal_clock.maybe_log()
 
     def _wait(self) -> tuple[list[Slot], list[Reply], list]:
         """What the I/O threads and callers brought; sleeps while there is nothing to do."""
@@ -184,23 +186,19 @@ class HeadLoop:
             spent = time.perf_counter() - t0
             self.rt.batcher.plan.note_batch(len(works), spent)
             self.clock.add("compute", spent)
-        t0 = time.perf_counter()
-        out: list[tuple[Slot, str, dict]] = []
+        ok: list[Slot] = []
         for slot, work in zip(group, works, strict=True):
             if work.error is not None:
                 self._fail(slot, work.error)
-                continue
-            try:
-                out.append((slot, slot.gen.stream, slot.gen.packet()))
-            except Exception as e:
-                self._fail(slot, e)
-        self._send(out)
-        self.clock.add("packets", time.perf_counter() - t0)
+            else:
+                ok.append(slot)
+        self._send(ok, build=True)
 
-    def _send(self, out: list[tuple[Slot, str, dict]]) -> None:
-        if not out:
+    def _send(self, slots: list[Slot], build: bool = False) -> None:
+        """Put these rounds on the wire: sealed on a sender's thread (`build`: just computed), or as sealed
+        before (a resend to a full tail)."""
+        if not slots:
             return
-        slots = [slot for slot, _, _ in out]
         for slot in slots:
             slot.state, slot.due = State.SENT, slot.gen.sent()
 
@@ -209,7 +207,31 @@ class HeadLoop:
                 self._failed.append((slots, e))
                 self._cv.notify()
 
-        self.sender.put(Outgoing(self._entries(out), on_error=failed))
+        if build:
+            self.sender.put(Outgoing([], on_error=failed, build=lambda: self._seal(slots)))
+        else:
+            entries = self._entries([(s, s.gen.stream, s.gen.round.fields) for s in slots if s.gen.round])
+            self.sender.put(Outgoing(entries, on_error=failed))
+
+    def _seal(self, slots: list[Slot]) -> list[tuple[str, dict]]:
+        """On a sender's thread: each round's sealed fields (a round that cannot be sealed fails alone, on the
+        loop), then the group entries. The loop touches none of these generations' rounds until a reply or a
+        timeout, which come after this send."""
+        t0 = time.perf_counter()
+        out: list[tuple[Slot, str, dict]] = []
+        bad: list[tuple[list[Slot], BaseException]] = []
+        for slot in slots:
+            try:
+                out.append((slot, slot.gen.stream, slot.gen.packet()))
+            except Exception as e:
+                bad.append(([slot], e))
+        if bad:
+            with self._cv:
+                self._failed += bad
+                self._cv.notify()
+        entries = self._entries(out)
+        self.seal_clock.add("seal", time.perf_counter() - t0)
+        return entries
 
     def _entries(self, out: list[tuple[Slot, str, dict]]) -> list[tuple[str, dict]]:
         """The stream entries for these rounds: one group entry per tail stream (one round goes alone)."""
@@ -227,8 +249,7 @@ class HeadLoop:
 
     def _resend(self, now: float) -> None:
         """Rounds a full tail refused, whose wait is over: the same packets again."""
-        due = [s for s in self.slots.values() if s.state is State.BUSY and s.due <= now]
-        self._send([(s, s.gen.stream, s.gen.round.fields) for s in due if s.gen.round is not None])
+        self._send([s for s in self.slots.values() if s.state is State.BUSY and s.due <= now and s.gen.round])
 
     # --- replies --------------------------------------------------------------------------------------
     def _route(self, replies: list[Reply]) -> None:
@@ -285,6 +306,8 @@ class HeadLoop:
         slot.future.set_result(result)
 
     def _fail(self, slot: Slot, e: BaseException, add: bool = True) -> None:
+        if add and self.slots.get(slot.gen.sid) is not slot:
+            return  # retired already (a round that could not be sealed, then its group's send failed too)
         self._retire(slot, add)
         if not slot.future.done():
             slot.future.set_exception(e)

@@ -38,11 +38,14 @@ log = logging.getLogger("shardflow.head")
 
 @dataclass
 class Outgoing:
-    """Stream entries to publish (and dead-letter records for `dead_stream`), with what to call if they fail."""
+    """Stream entries to publish (and dead-letter records for `dead_stream`), with what to call if they fail.
+    `build`, if set, makes more entries on the sender's thread just before they go (a group's rounds are sealed
+    there, off the step loop); it must not raise (what fails in it is its own to report)."""
 
     entries: list[tuple[str, dict]]
     dead: list[tuple[str, dict]] = field(default_factory=list)  # (dead-letter stream, record fields)
     on_error: Callable[[BaseException], None] | None = None
+    build: Callable[[], list[tuple[str, dict]]] | None = None
 
 
 class Sender:
@@ -66,7 +69,7 @@ class Sender:
             self._publish(batch)
 
     def _publish(self, batch: list[Outgoing]) -> None:
-        entries = [e for out in batch for e in out.entries]
+        entries = [e for out in batch for e in (*out.entries, *(out.build() if out.build is not None else ()))]
         dead = [d for out in batch for d in out.dead]
         try:
             publish_many(

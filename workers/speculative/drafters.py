@@ -207,7 +207,7 @@ def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[i
             if got is None:
                 rest += idx
                 continue
-            for i, row in zip(idx, got.tolist(), strict=True):  # read before the next replay reuses its output
+            for i, row in zip(idx, got.cpu().tolist(), strict=True):  # read before the next replay reuses it
                 rows[i] = row
         if rest:
             stepped = _draft_steps(
