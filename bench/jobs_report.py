@@ -331,17 +331,23 @@ def _batched(x: dict | None) -> str:  # head / tail rounds per batched forward
     return f"{_f(x.get('head'), '.1f')} / {_f(x.get('tail'), '.1f')}" if isinstance(x, dict) else "—"
 
 
-STAGE_KEYS = ("draft_ms", "head_forward_ms", "relay_ms", "tail_queue_ms", "tail_forward_ms", "verify_ms", "total_ms")
+STAGE_KEYS = (
+    *("draft_ms", "head_forward_ms", "relay_ms", "send_ms", "tail_prepare_ms", "back_ms", "tail_queue_ms"),
+    *("tail_forward_ms", "verify_ms", "total_ms"),
+)
 
 
 def _f(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
-def _stages(x: dict) -> str:  # draft / head / relay / tail queue / tail ms per round
+def _stages(x: dict) -> str:  # draft / head / relay (send, tail prepare, back) / tail queue / tail ms per round
     st = x.get("stage_ms_per_round") or {}
+    parts = " ".join(_f(st.get(k), ".0f") for k in ("send_ms", "tail_prepare_ms", "back_ms"))
     keys = ("draft_ms", "head_forward_ms", "relay_ms", "tail_queue_ms", "tail_forward_ms")
-    return " / ".join(_f(st.get(k), ".1f") for k in keys)
+    out = [_f(st.get(k), ".1f") for k in keys]
+    out[2] += f" ({parts})"
+    return " / ".join(out)
 
 
 def markdown(rows: list[dict], seeds: str | None = None) -> str:
@@ -350,7 +356,7 @@ def markdown(rows: list[dict], seeds: str | None = None) -> str:
     lines += [
         "| variant | N | done | aggregate tok/s | GPU busy: mean / share >= 50% | max threads head / tail | "
         "per-job tok/s p50 | latency p50 / p95 s | TTFT p50 / p95 s | tok/round | "
-        "draft / head / relay / tail queue / tail ms | "
+        "draft / head / relay (send prepare back) / tail queue / tail ms | "
         "rounds/forward head / tail | head / tail mem GB | mismatches |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -117,6 +117,10 @@ class RoundTimings(BaseModel):
     draft_ms: float = 0.0
     head_forward_ms: float = 0.0
     relay_ms: float = 0.0  # the link both ways, Redis, and what the head's I/O threads add
+    # parts of relay_ms, timed against wall clocks on both sides (meaningful where they agree, as on one host):
+    send_ms: float = 0.0  # from the loop queueing a round to its entry reaching Redis (sealing, the sender, the link)
+    tail_prepare_ms: float = 0.0  # the tail decoding and checking the round's batch before its forward
+    back_ms: float = 0.0  # from the tail's verdict to the loop taking it (the link, the receiver, the loop's step)
     tail_queue_ms: float = 0.0  # from a round's entry reaching Redis to its tail taking it up (the tail's clock)
     tail_forward_ms: float = 0.0
     verify_ms: float = 0.0

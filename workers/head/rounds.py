@@ -60,6 +60,7 @@ class OpenRound:
     fields: dict[bytes, bytes] = field(default_factory=dict)
     mac: str = ""
     sent_at: float = 0.0
+    sent_wall: float = 0.0  # time.time() when sent (beside the tail's wall-clock timings)
     busy: int = 0  # "busy" answers so far (the resend waits double each time)
 
 
@@ -161,7 +162,7 @@ class RoundLoop:
     def sent(self) -> float:
         """The round went out: the time by which its verdict must come (the reply timeout)."""
         assert self.round is not None
-        self.round.sent_at = time.perf_counter()
+        self.round.sent_at, self.round.sent_wall = time.perf_counter(), time.time()
         timeout = self.reply_timeout_s if self.reply_timeout_s is not None else self.settings.relay.reply_timeout_s
         return time.monotonic() + timeout
 
@@ -189,6 +190,7 @@ class RoundLoop:
             self.rt.batcher.plan.note_wait(wait_s)
         self.t.head_batch_rounds += rnd.work.batch
         self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s), rnd.work.k_free)
+        self._relay_parts(msg.timings, rnd.sent_wall, wait_s * 1000)
         self.finish = self._commit(msg, rnd.start)
         self.rounds += 1
         self.round = None
@@ -327,6 +329,19 @@ class RoundLoop:
             timed = self.req.sampling.greedy  # greedy output does not depend on K; seeded sampling does
             # free: graphs, where a shorter draft would cost the same and commit fewer tokens
             self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed, free)
+
+    def _relay_parts(self, timings: dict[str, float], sent_wall: float, wait_ms: float) -> None:
+        """Where the relay's time went, from the tail's wall-clock marks (each part clamped to the round's wait:
+        a tail's timings are only as good as its clock)."""
+        now_ms, sent_ms = time.time() * 1000, sent_wall * 1000
+        taken, replied = timings.get("taken_at_ms"), timings.get("replied_at_ms")
+        queue = timings.get("queue_ms", 0.0)
+        clamp = lambda x: min(max(x, 0.0), wait_ms)  # noqa: E731
+        if taken is not None:
+            self.t.send_ms += clamp(taken - queue - sent_ms)
+        if replied is not None:
+            self.t.back_ms += clamp(now_ms - replied)
+        self.t.tail_prepare_ms += clamp(timings.get("prepare_ms", 0.0))
 
     def _commit(self, v: Verdict, start: int) -> FinishReason | None:
         if not self.pinned:

@@ -196,10 +196,14 @@ def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[i
     rows: list[list[int]] = [[] for _ in sessions]
     with torch.inference_mode():
         caches = [s.cache for s in sessions]
+        plans = _prefilled(engine, caches, plans)
         by_pool: dict[int, list[int]] = {}  # one whole-draft graph per pool (short and full-length slots)
-        for i, c in enumerate(caches):
-            by_pool.setdefault(id(getattr(c, "pool", None)), []).append(i)
         rest = []
+        for i, c in enumerate(caches):
+            if len(plans[i][0]) > engine.step_tokens:  # a feed still too long for the graph: drafted by steps
+                rest.append(i)
+            else:
+                by_pool.setdefault(id(getattr(c, "pool", None)), []).append(i)
         for idx in by_pool.values():
             got = engine.draft_many(
                 [caches[i] for i in idx], [plans[i][0] for i in idx], [plans[i][1] for i in idx], [ks[i] for i in idx]
@@ -224,6 +228,24 @@ def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[i
     for s, c, k, row in zip(sessions, contexts, ks, rows, strict=True):
         s.tokens = list(c) + row[: max(k - 1, 0)]
         out.append(Draft(row[:k]))
+    return out
+
+
+def _prefilled(engine: Engine, caches: list, plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
+    """Plans whose feeds are longer than a graph step (a new session's prompt, a replay) prefilled up to their
+    last token, in one batched forward: the whole draft then runs through the graph with the other rows, rather
+    than every row of the batch drafting step by step (and capturing step graphs at first use)."""
+    if not engine.static:  # no whole-draft graph to join: the step path takes the feed whole
+        return plans
+    long = [i for i, (feed, _) in enumerate(plans) if len(feed) - 1 > engine.step_tokens]
+    if not long:
+        return plans
+    feeds = [torch.tensor(plans[i][0][:-1], device=engine.shard.device) for i in long]
+    engine.forward_many([caches[i] for i in long], feeds, [plans[i][1] for i in long], logits_last=0)
+    out = list(plans)
+    for i in long:
+        feed, start = plans[i]
+        out[i] = (feed[-1:], start + len(feed) - 1)
     return out
 
 

@@ -113,6 +113,7 @@ class TailWorker:
         self.clock = PhaseClock("tail loop", log)  # where the loop's time goes, logged every 10 s
         self.upload = HostToDevice(shard.device)
         self._queue_ms = 0.0  # how long the entries of the batch being handled waited in Redis (mean)
+        self._taken_at_ms = self._prepare_ms = 0.0  # when they were read (wall clock), their decoding and checks
         shared = self.names.shared_requests
         self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
             r,
@@ -169,7 +170,7 @@ class TailWorker:
             )
         if not entries:
             return
-        self._queue_ms = entries_age_ms(entries)
+        self._queue_ms, self._taken_at_ms = entries_age_ms(entries), time.time() * 1000
         with clock("unpack"):
             flat, bad = expand_groups(entries, self.max_packet_bytes)  # a group entry: its sessions' rounds
         done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
@@ -221,7 +222,8 @@ class TailWorker:
                 batch.append((i, prep))
             else:
                 out[i] = prep
-        self.clock.add("prepare", time.perf_counter() - t0)
+        self._prepare_ms = (time.perf_counter() - t0) * 1000
+        self.clock.add("prepare", self._prepare_ms / 1000)
         for (i, _), reply in zip(batch, self._rounds([p for _, p in batch]), strict=True):
             out[i] = reply
         for i in later:
@@ -379,7 +381,8 @@ class TailWorker:
         logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch, self.upload)))
         judged = plan.run(logits, lambda: non_finite_error("logits", self.shard.layer_range, self.shard.dtype))
         timings = dict(zip(("tail_forward_ms", "verify_ms"), clock.split(), strict=True)) | {"batch": len(batch)}
-        timings["queue_ms"] = self._queue_ms
+        timings |= {"queue_ms": self._queue_ms, "taken_at_ms": self._taken_at_ms, "prepare_ms": self._prepare_ms}
+        timings["replied_at_ms"] = time.time() * 1000  # its verdicts go out with the next round trip
         self.clock.add("forward+verify", (timings["tail_forward_ms"] + timings["verify_ms"]) / 1000)
         out: list[Reply | None] = []
         for p, got in zip(batch, judged, strict=True):  # the batch's one wait for the device is behind it
