@@ -46,17 +46,13 @@ from pathlib import Path
 import click
 
 from bench.delay_proxy import spawn_proxy
+from bench.jobs_models import Model, build_prompts, hf_references, resolve_model, say
 from bench.jobs_report import (
     BatchRun,
     FirstTokens,
-    Model,
-    build_prompts,
     git_state,
-    hf_references,
     memory_parts,
     process_memory_gb,
-    resolve_model,
-    say,
     summarize,
     write_outputs,
 )

@@ -1,13 +1,11 @@
-"""The measured side of the job-path benchmark (bench/jobs.py): the model it runs, its prompts and
-reference outputs (HF `generate`), per-N figures from the producer's views, RQ's job timestamps and
-token-stream arrival times, worker memory, and the files jobs.json / jobs.md / jobs.png. Not run on its
+"""The measured side of the job-path benchmark (bench/jobs.py): per-N figures from the producer's views, RQ's job
+timestamps and token-stream arrival times, worker memory, and the files jobs.json / jobs.md / jobs.png. Not run on its
 own: see `python -m bench.jobs --help`.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
 import subprocess
 import sys
@@ -16,112 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
 import redis
 from rq.job import Job
 
 from bench.usage import brief
-
-
-def say(msg: str) -> None:
-    click.echo(f"[jobs {time.strftime('%H:%M:%S')}] {msg}", err=True)
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    target: str
-    layers: int
-    split: int
-    draft: str | None
-    vocab: int
-    tokenizer: str | None  # a directory to load the tokenizer from; None: random prompt ids
-
-
-def random_preset(name: str) -> dict:
-    """The shape of a `random:<preset>` target, from the benchmark plugin (or where it lived before)."""
-    import importlib
-
-    for mod in ("bench.synthetic", "workers.engine.shard"):
-        try:
-            presets = getattr(importlib.import_module(mod), "RANDOM_PRESETS", None)
-        except ImportError:
-            continue
-        if presets and name in presets:
-            return presets[name]
-    raise click.BadParameter(f"unknown random preset {name!r}", param_hint="--target")
-
-
-def resolve_model(
-    tiny: bool, smollm: bool, target: str | None, split: int | None, draft: str | None, tmp: Path
-) -> Model:
-    """The model the bench runs, from --tiny (built into `tmp`), --smollm (the demo's SmolLM2) or --target."""
-    from transformers import AutoConfig
-
-    from producer.local import layer_count
-
-    if sum([tiny, smollm, target is not None]) != 1:
-        raise click.UsageError("give exactly one of --tiny, --smollm or --target DIR")
-    name, tokenizer = target or "", None  # tokenizer: where prompts are tokenized from (None: random ids)
-    if tiny:  # random weights: random prompt ids
-        from workers.tiny_models import save_tiny_model
-
-        name, target = "tiny (random qwen2, 4 layers)", str(save_tiny_model(tmp / "tiny", "qwen2"))
-    elif smollm:
-        from producer.demo import smollm2_dir
-
-        name, target = "SmolLM2-135M-Instruct", str(smollm2_dir())
-    assert target is not None
-    if target.startswith("random:"):
-        preset = random_preset(target.split(":", 1)[1])
-        n_layers, vocab = int(preset["num_hidden_layers"]), int(preset["vocab_size"])
-    else:
-        n_layers, vocab = layer_count(target), int(AutoConfig.from_pretrained(target).vocab_size)
-        if not tiny and any((Path(target) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tokenizer = target
-    split = split if split is not None else n_layers // 2
-    if not 0 < split < n_layers:
-        raise click.BadParameter(f"{split}: the model has {n_layers} layers", param_hint="--split")
-    return Model(name, target, n_layers, split, draft, vocab, tokenizer)
-
-
-def build_prompts(model: Model, count: int, length: int, seed: int) -> list[list[int]]:
-    """`count` distinct prompts of exactly `length` token ids: varied text through the tokenizer, or random
-    in-vocabulary ids for models without one (random weights, where text means nothing anyway)."""
-    rng = random.Random(seed)
-    if model.tokenizer is None:
-        return [[rng.randrange(model.vocab) for _ in range(length)] for _ in range(count)]
-    from transformers import AutoTokenizer
-
-    from workers.tiny_models import CORPUS, PROMPTS
-
-    tok = AutoTokenizer.from_pretrained(model.tokenizer)
-    sentences = [*CORPUS, *PROMPTS]
-    out: list[list[int]] = []
-    for i in range(count):
-        ids = tok.encode(f"Request {i}.", add_special_tokens=False)
-        while len(ids) < length:
-            ids += tok.encode(" " + " ".join(rng.sample(sentences, len(sentences))), add_special_tokens=False)
-        out.append(ids[:length])
-    return out
-
-
-def hf_references(model: Model, prompts: list[list[int]], new: int, device: str) -> list[list[int]]:
-    """Greedy continuations of the unsplit target: `generate(do_sample=False)` per prompt."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model.target, dtype=torch.float32).to(device).eval()
-    refs = []
-    with torch.no_grad():
-        for i, p in enumerate(prompts):
-            ids = torch.tensor([p], device=device)
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
-            refs.append(out[0, ids.shape[1] :].tolist())
-            if (i + 1) % 16 == 0:
-                say(f"references: {i + 1}/{len(prompts)}")
-    del hf
-    return refs
 
 
 def git_state(repo: Path) -> str | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from bench.jobs import spawn
-from bench.jobs_report import resolve_model, say
+from bench.jobs_models import resolve_model, say
 from producer.client import Client, Followed, TextChunk
 from producer.local import stop_processes, wait_for_tails
 from relay_broker.connection import connect

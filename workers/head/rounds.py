@@ -31,6 +31,7 @@ from schemas.packets import (
 from schemas.peek import raw_header
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from workers.head.batching import HeadWork
+from workers.head.round_times import add_round
 from workers.speculative.adaptive import DraftLength
 from workers.speculative.drafters import Draft
 from workers.speculative.sampling import encode_q, round_generator
@@ -190,7 +191,6 @@ class RoundLoop:
             self.rt.batcher.plan.note_wait(wait_s)
         self.t.head_batch_rounds += rnd.work.batch
         self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s), rnd.work.k_free)
-        self._relay_parts(msg.timings, rnd.sent_wall, wait_s * 1000)
         self.finish = self._commit(msg, rnd.start)
         self.rounds += 1
         self.round = None
@@ -311,37 +311,14 @@ class RoundLoop:
         return None
 
     def _account(self, draft: Draft, v: Verdict, spans: tuple[float, float, float], free: bool = False) -> None:
-        draft_s, head_s, wait_s = spans
-        tail_ms, verify_ms = v.timings.get("tail_forward_ms", 0.0), v.timings.get("verify_ms", 0.0)
-        self.t.draft_ms += draft_s * 1000
-        self.t.head_forward_ms += head_s * 1000
-        self.t.tail_forward_ms += tail_ms
-        self.t.verify_ms += verify_ms
-        batch = v.timings.get("batch", 0.0)  # written by the tail: counted only if it is a plausible size
-        self.t.tail_batch_rounds += int(batch) if 0 <= batch <= 1 << 20 else 0
-        queue_ms = min(max(v.timings.get("queue_ms", 0.0), 0.0), wait_s * 1000)  # the tail's, from entry ids
-        self.t.tail_queue_ms += queue_ms
-        self.t.relay_ms += max(wait_s * 1000 - tail_ms - verify_ms - queue_ms, 0.0)
+        add_round(self.t, v.timings, spans, self.round.sent_wall if self.round else 0.0)
         self.drafted += len(draft.tokens)
         self.accepted += v.accepted
         if self.req.draft.adaptive and draft.tokens:
-            other_ms = head_s * 1000 + wait_s * 1000
+            draft_s, head_s, wait_s = spans
             timed = self.req.sampling.greedy  # greedy output does not depend on K; seeded sampling does
             # free: graphs, where a shorter draft would cost the same and commit fewer tokens
-            self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, other_ms, timed, free)
-
-    def _relay_parts(self, timings: dict[str, float], sent_wall: float, wait_ms: float) -> None:
-        """Where the relay's time went, from the tail's wall-clock marks (each part clamped to the round's wait:
-        a tail's timings are only as good as its clock)."""
-        now_ms, sent_ms = time.time() * 1000, sent_wall * 1000
-        taken, replied = timings.get("taken_at_ms"), timings.get("replied_at_ms")
-        queue = timings.get("queue_ms", 0.0)
-        clamp = lambda x: min(max(x, 0.0), wait_ms)  # noqa: E731
-        if taken is not None:
-            self.t.send_ms += clamp(taken - queue - sent_ms)
-        if replied is not None:
-            self.t.back_ms += clamp(now_ms - replied)
-        self.t.tail_prepare_ms += clamp(timings.get("prepare_ms", 0.0))
+            self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, (head_s + wait_s) * 1000, timed, free)
 
     def _commit(self, v: Verdict, start: int) -> FinishReason | None:
         if not self.pinned:

@@ -1,4 +1,4 @@
-"""Which of a tail's sessions belong to heads that are gone.
+"""Which of a tail's sessions belong to heads that are gone, and the session a round runs on (`session_for`).
 
 A running head keeps `{prefix}:head:{name}` set to its boot id, expiring after its reply timeout
 (workers/head/beacon.py). A session is its head's if the key still names the boot the session's rounds
@@ -16,10 +16,12 @@ from collections import Counter
 
 import redis
 
+from schemas.errors import SessionError, TailBusy
 from schemas.keys import Keys
-from schemas.packets import HeadRef
+from schemas.packets import HeadRef, RoundPacket
 from schemas.settings import Settings
-from workers.tail.sessions import SessionStore
+from workers.engine.runner import Engine
+from workers.tail.sessions import SessionStore, TailSession
 
 log = logging.getLogger("shardflow.tail")
 
@@ -86,3 +88,32 @@ def keep_alive(r: redis.Redis, names: Keys, tail_id: str, settings: Settings) ->
                 r.xgroup_delconsumer(shared, group, c["name"])
     except redis.RedisError as e:
         log.debug("keepalive skipped: %s", e)
+
+
+def session_for(
+    p: RoundPacket, key: bytes, sessions: SessionStore, heads: HeadWatch, engine: Engine, tail_id: str
+) -> TailSession | None:
+    """The session an authentic round runs on: opened for a round at position 0 (a new session, or one replayed
+    onto this tail: its old cache goes back first; when every cache is taken, dead heads' sessions go first,
+    else TailBusy), found for a later one (SessionError if this tail does not hold it where the round starts);
+    None for a duplicate or late round."""
+    sess = sessions.get(p.session_id)
+    if sess is not None and p.round_id <= sess.last_round:
+        return None  # duplicate or late
+    if p.start_pos == 0:
+        if heads.new_boot(p.head):  # its head restarted? the old one's sessions may go now
+            heads.sweep(sessions, urgent=True)
+        if sess is not None:
+            sessions.drop(p.session_id)
+        need = len(p.input_ids) + p.max_new + len(p.draft_ids) + 1  # positions the session may hold
+        cache = engine.acquire(overflow=False, need=need)  # full: busy (caches never outgrow memory)
+        if cache is None and heads.sweep(sessions, urgent=True):
+            cache = engine.acquire(overflow=False, need=need)
+        if cache is None:
+            raise TailBusy(f"the caches of tail {tail_id} that hold {need} positions are all in use")
+        return sessions.open(p.session_id, cache, key, p.head)
+    if sess is None:
+        raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
+    if p.start_pos != sess.cache.length:
+        raise SessionError(f"round {p.round_id} starts at {p.start_pos}, the session holds {sess.cache.length}")
+    return sess

@@ -52,7 +52,7 @@ from workers.engine.sizing import linger_s
 from workers.phases import PhaseClock
 from workers.speculative.stopping import cut_at_stops
 from workers.speculative.verify import Outcome
-from workers.tail.liveness import HeadWatch, keep_alive
+from workers.tail.liveness import HeadWatch, keep_alive, session_for
 from workers.tail.rounds import (
     BatchClock,
     DeadLetter,
@@ -307,26 +307,7 @@ class TailWorker:
         return Reply(self.names.reply(reply_to), fields, self.settings.relay.reply_ttl_s, True)
 
     def _session_for(self, p: RoundPacket, key: bytes) -> TailSession | None:
-        sess = self.sessions.get(p.session_id)
-        if sess is not None and p.round_id <= sess.last_round:
-            return None  # duplicate or late
-        if p.start_pos == 0:  # a new session, or one replayed onto this tail
-            if self.heads.new_boot(p.head):  # its head restarted? the old one's sessions may go now
-                self.heads.sweep(self.sessions, urgent=True)
-            if sess is not None:
-                self.sessions.drop(p.session_id)  # a replay onto this tail: its old cache goes back first
-            need = len(p.input_ids) + p.max_new + len(p.draft_ids) + 1  # positions the session may hold
-            cache = self.engine.acquire(overflow=False, need=need)  # full: busy (caches never outgrow memory)
-            if cache is None and self.heads.sweep(self.sessions, urgent=True):  # dead heads' sessions go first
-                cache = self.engine.acquire(overflow=False, need=need)
-            if cache is None:
-                raise TailBusy(f"the caches of tail {self.tail_id} that hold {need} positions are all in use")
-            return self.sessions.open(p.session_id, cache, key, p.head)
-        if sess is None:
-            raise SessionError(f"unknown session {p.session_id} (expired, or this tail restarted)")
-        if p.start_pos != sess.cache.length:
-            raise SessionError(f"round {p.round_id} starts at {p.start_pos}, the session holds {sess.cache.length}")
-        return sess
+        return session_for(p, key, self.sessions, self.heads, self.engine, self.tail_id)
 
     def _prepare(self, msg: RoundPacket | ClosePacket, key: bytes | None, fields: dict) -> Prepared | Reply | None:
         """Check one authentic entry: a round to run, or the reply to send at once (None: nothing)."""
