@@ -20,6 +20,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -134,6 +135,7 @@ class Batcher:
         self.live = 0  # generations in flight (`enter` / `leave`)
         self._entered = -math.inf  # when a generation last entered
         self.batches = self.rounds = 0  # counters: how well rounds batch
+        self._idle: Callable[[], None] | None = None  # `compute`'s caller's work while the device runs
 
     def enter(self) -> None:
         with self._cv:
@@ -209,10 +211,15 @@ class Batcher:
                     return
                 self._cv.wait(min(deadline - now, self.linger_s) if starting else deadline - now)
 
-    def compute(self, batch: list[HeadWork]) -> None:
+    def compute(self, batch: list[HeadWork], idle: Callable[[], None] | None = None) -> None:
         """Compute a batch the caller assembled (the head's step loop, holding the runtime's lock): every
-        item's draft and hidden states, or its error."""
-        self._compute(batch)
+        item's draft and hidden states, or its error. `idle`, if given, is called while the device runs the
+        lower shard, before the batch's last wait for it (the loop takes the replies that came meanwhile)."""
+        self._idle = idle
+        try:
+            self._compute(batch)
+        finally:
+            self._idle = None
 
     def _compute(self, batch: list[HeadWork]) -> None:
         """The batch as one forward; if that fails, each item alone (`run_isolated`): only an item that
@@ -237,6 +244,8 @@ class Batcher:
             flat = torch.tensor([t for row in ids for t in row], dtype=torch.long).to(dev, non_blocking=True)  # 1 copy
             xs = list(flat.split([len(row) for row in ids]))
             hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
+            if self._idle is not None:  # the forward is queued on the device: host work overlaps it
+                self._idle()
             hidden, finite = _to_host_checked(hidden)
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)

@@ -7,8 +7,10 @@ Each step it
    through its callback; waits after a full tail's "busy"; replays after a tail's error), fails the sends that
    failed, replays the sessions whose tail went silent, and retires finished generations;
 3. computes one group of the generations that are ready: drafts for all of them at once and the lower shard
-   once over all of them (`Batcher.compute`, workers/head/batching.py), seals each round and queues the group
-   as one entry per tail stream (schemas/groups.py).
+   once over all of them (`Batcher.compute`, workers/head/batching.py; while the device runs the lower shard the
+   loop takes the replies that came meanwhile, as in 2, for generations outside the group), and queues the
+   group to a sender thread, which seals each round and publishes the group as one entry per tail stream
+   (schemas/groups.py).
 
 The loop itself never waits on Redis: a sender thread publishes what it queues and a receiver thread reads the
 head's own reply stream, where tails put every reply to its sessions (workers/head/relay_io.py). With nothing
@@ -72,6 +74,7 @@ class HeadLoop:
         self._failed: list[tuple[list[Slot], BaseException]] = []
         self._cv = threading.Condition()
         self.steps = 0
+        self._idle_s = 0.0  # of the group being computed: the time `_meanwhile` took
         self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
         self.seal_clock = PhaseClock("head senders", log)  # sealing a group's rounds, on the sender threads
         self.sender = Sender(r, self.settings)
@@ -180,10 +183,11 @@ class HeadLoop:
     def _compute(self, group: list[Slot]) -> None:
         with self.clock("work"):
             works = [s.gen.next_work() for s in group]
+        self._idle_s = 0.0
         with self.rt.lock:
             t0 = time.perf_counter()
-            self.rt.batcher.compute(works)
-            spent = time.perf_counter() - t0
+            self.rt.batcher.compute(works, idle=self._meanwhile)
+            spent = time.perf_counter() - t0 - self._idle_s
             self.rt.batcher.plan.note_batch(len(works), spent)
             self.clock.add("compute", spent)
         ok: list[Slot] = []
@@ -193,6 +197,20 @@ class HeadLoop:
             else:
                 ok.append(slot)
         self._send(ok, build=True)
+
+    def _meanwhile(self) -> None:
+        """While the device runs a group's lower shard: the replies and failed sends that came since the step
+        began, taken now rather than after the group (the group's own generations are READY: untouched)."""
+        t0 = time.perf_counter()
+        with self._cv:
+            replies, self._replies = self._replies, []
+            failed, self._failed = self._failed, []
+        for slots, e in failed:
+            for slot in slots:
+                self._fail(slot, e)
+        self._route(replies)
+        self._idle_s = time.perf_counter() - t0
+        self.clock.add("replies", self._idle_s)
 
     def _send(self, slots: list[Slot], build: bool = False) -> None:
         """Put these rounds on the wire: sealed on a sender's thread (`build`: just computed), or as sealed
