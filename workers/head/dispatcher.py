@@ -47,6 +47,7 @@ from rq.worker import SimpleWorker
 from rq.worker.base import WorkerStatus
 
 from schemas.requests import GenerationResult
+from workers.drain import take_queued
 from workers.head.job_function import (
     JobCancelled,
     Started,
@@ -219,12 +220,7 @@ class Dispatcher:
 
     def _finisher(self) -> None:
         while True:
-            batch = [self._ends.get()]
-            while True:
-                try:
-                    batch.append(self._ends.get_nowait())
-                except queues.Empty:
-                    break
+            batch = take_queued(self._ends)
             try:
                 self._end_many(batch)
             except BaseException:  # a bug: logged; each job's heartbeat expiry retries what was not recorded

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import redis
 
+from workers.drain import take_queued
+
 log = logging.getLogger("shardflow.jobs")
 MAX_BATCH = 1024  # flushes one pipeline carries at most (each a handful of commands)
 
@@ -85,21 +87,13 @@ class FlushPool:
 
     def _run(self) -> None:
         while True:
-            first = self._q.get()
-            if first is None:
-                return
-            batch, stop = [first], False
-            while len(batch) < MAX_BATCH:
-                try:
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            run_flushes(self.r, batch)
-            if stop:
+            taken = take_queued(self._q, MAX_BATCH)
+            batch = [item for item in taken if item is not None]
+            if batch:
+                run_flushes(self.r, batch)
+            if len(batch) < len(taken):  # a stop (close queues one per thread, after every flush)
+                for _ in range(len(taken) - len(batch) - 1):
+                    self._q.put(None)  # the others' stops go back to them
                 return
 
 

@@ -32,6 +32,7 @@ from schemas.groups import is_group, unpack_group
 from schemas.packets import DeadLetterRecord, decode_tail_message
 from schemas.peek import peek_session, raw_header
 from schemas.settings import RelaySettings, Settings
+from workers.drain import take_queued
 
 log = logging.getLogger("shardflow.head")
 
@@ -60,13 +61,7 @@ class Sender:
 
     def _run(self) -> None:
         while True:
-            batch = [self._q.get()]
-            while True:
-                try:
-                    batch.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            self._publish(batch)
+            self._publish(take_queued(self._q))
 
     def _publish(self, batch: list[Outgoing]) -> None:
         entries = [e for out in batch for e in (*out.entries, *(out.build() if out.build is not None else ()))]
