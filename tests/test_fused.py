@@ -251,11 +251,10 @@ def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
     engine = Engine(shard, Settings(engine={"static": True, "max_len": 3000}), slots=6, step_tokens=3, max_draft=5)
     engine.graphs = True  # as on CUDA
     full = engine.pool.index.shape[0]
-    assert sizing.attended_lengths(engine.pool) == [256, 512, 1024, 2048, full]
-    assert [engine.attended(engine.pool, n) for n in (1, 256, 257, 513, 2049)] == [256, 256, 512, 1024, full]
-    assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 32 and engine.capture([(3, 0, 0)]) == 0
-    lengths = (256, 512, 1024, 2048)
-    want = [(b, t, p, s, n) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)) for n in lengths]
+    assert sizing.attended_lengths(engine.pool) == [512, 1024, 2048, full]
+    assert [engine.attended(engine.pool, n) for n in (1, 512, 513, 2049)] == [512, 512, 1024, full]
+    assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 24 and engine.capture([(3, 0, 0)]) == 0
+    want = [(b, t, p, s, n) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)) for n in (512, 1024, 2048)]
     assert sorted(made) == sorted(want)
 
 

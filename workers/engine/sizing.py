@@ -200,14 +200,10 @@ def short_len_of(max_len: int, settings: Settings) -> int:
     return settings.engine.short_cache_len if 0 < settings.engine.short_cache_len < max_len else 0
 
 
-FIRST_ATTENDED = 256  # the shortest attended length: a batch of short sequences gathers and attends over no more
-
-
 def attended_lengths(pool: KVPool) -> list[int]:
-    """Lengths a batch attends over: 256, 512, 1024, ... below the pool's slot length, then all of it (with CUDA
-    graphs a batch attends over the smallest that holds its rows: a graph per length and shape)."""
+    """Lengths a batch attends over: 512, 1024, ... below the pool's slot length, then all of it."""
     full, out = pool.index.shape[0], []
-    n = FIRST_ATTENDED
+    n = 512
     while n < full:
         out.append(n)
         n *= 2
