@@ -42,6 +42,7 @@ from workers.head.rounds import Outcome, RoundLoop
 from workers.phases import PhaseClock
 
 log = logging.getLogger("shardflow.head")
+MAX_HELD = 64  # reply-stream entries kept for a generation between its rounds (a flood beyond is dropped unread)
 
 
 class State(enum.Enum):
@@ -219,6 +220,8 @@ class HeadLoop:
             return
         for slot in slots:
             slot.state, slot.due = State.SENT, slot.gen.sent()
+            if slot.replies:  # entries that came while it was READY (none can answer this round yet)
+                self._take(slot)
 
         def failed(e: BaseException) -> None:
             with self._cv:
@@ -299,7 +302,9 @@ class HeadLoop:
                 self._done(slot)
             elif outcome is not Outcome.IGNORED:  # committed, or a replay: the next round is computed
                 slot.state, slot.since = State.READY, time.monotonic()
-        slot.replies.clear()  # what is left answers a round already settled
+        # what is left (READY: its round is being computed, or was just settled) is checked against its next round
+        # once that is sent: a stale verdict is dropped then, a forged entry dead-lettered
+        del slot.replies[:-MAX_HELD]
 
     def _expire(self, now: float) -> None:
         for slot in list(self.slots.values()):
