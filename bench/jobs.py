@@ -1,7 +1,7 @@
-"""The end-to-end job-path benchmark: real `shardflow tail` and `shardflow head` worker processes, an
-embedded Redis, optionally a WAN delay between the head and Redis, and batches of N jobs enqueued through
-the producer `Client`; for each N the aggregate and per-job tokens/s, job latency, time to first token,
-worker memory and (with --check) greedy outputs against Hugging Face `generate`.
+"""The end-to-end job-path benchmark: real `shardflow tail` and `shardflow head` worker processes, an embedded Redis,
+optionally a WAN delay between the head and Redis, and batches of N jobs enqueued through the producer `Client`; for
+each N the aggregate and per-job tokens/s, job latency, time to first token, worker memory and (with --check) greedy
+outputs against Hugging Face `generate`.
 
     # CPU: tiny random model, n-gram drafter, outputs checked against HF generate
     python -m bench.jobs --tiny --n 1,4,8 --new-tokens 32 --prompt-tokens 32 --check --out /tmp/jobs_tiny
@@ -14,18 +14,17 @@ worker memory and (with --check) greedy outputs against Hugging Face `generate`.
     python -m bench.jobs --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b --synthetic 0.78 \\
         --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43
 
-Workers run with their default flags plus --head-args / --tail-args and a variant's own
-(`--variant NAME=HEAD ARGS[ | TAIL ARGS]`, repeatable; each variant starts its own pair of workers, which
-serve every N in order after a warm-up job). The head reaches Redis through the delay proxy (it is the far
-machine); the tail and the producer connect directly. Writes jobs.json, jobs.md and (with matplotlib)
-jobs.png to --out, worker logs to --out/logs; progress goes to stderr, the table to stdout.
+Workers run with their default flags plus --head-args / --tail-args and a variant's own (`--variant NAME=HEAD ARGS[ |
+TAIL ARGS]`, repeatable; each variant starts its own pair of workers, which serve every N in order after a warm-up
+job). The head reaches Redis through the delay proxy (it is the far machine); the tail and the producer connect
+directly. Writes jobs.json, jobs.md and (with matplotlib) jobs.png to --out, worker logs to --out/logs; progress goes
+to stderr, the table to stdout.
 
-Each job has its own sampling seed by default (job i of every N the same one), so the synthetic drafter's
-accept/reject pattern differs from job to job as real traffic's would (`--same-seed`: none, every job rejects
-the same positions and a batch steps in lockstep; greedy outputs do not depend on the seed). For each N the
-bench samples, while the batch runs (bench/usage.py), GPU utilization (nvidia-smi every 200 ms: mean and share
-of samples >= 50%; skipped with a note without nvidia-smi or CUDA workers) and the head's and tail's thread
-counts (/proc/PID/status; max).
+Each job has its own sampling seed by default (job i of every N the same one), so the synthetic drafter's accept/reject
+pattern differs from job to job as real traffic's would (`--same-seed`: none, every job rejects the same positions and
+a batch steps in lockstep; greedy outputs do not depend on the seed). For each N the bench samples, while the batch
+runs (bench/usage.py), GPU utilization (nvidia-smi every 200 ms: mean and share of samples >= 50%; skipped with a note
+without nvidia-smi or CUDA workers) and the head's and tail's thread counts (/proc/PID/status; max).
 """
 
 from __future__ import annotations
