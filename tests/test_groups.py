@@ -32,13 +32,14 @@ def plan_with(compute: dict[int, float], wait: float) -> GroupPlan:
     return plan
 
 
-def test_one_group_until_both_stages_are_measured() -> None:
+def test_groups_of_at_least_16_until_both_stages_are_measured() -> None:
     plan = GroupPlan()
-    assert plan.groups(64) == 1
+    assert [plan.groups(n) for n in (1, 16, 31, 32, 64, 256)] == [1, 1, 1, 2, 4, 4]
     plan.note_batch(64, 0.07)
-    assert plan.groups(64) == 1  # no round wait yet
-    plan.note_wait(0.13)
-    assert plan.groups(64) > 1
+    assert plan.groups(64) == 4  # no round wait yet
+    plan.note_batch(16, 0.05)
+    plan.note_wait(0.001)  # a link far shorter than the compute: one group
+    assert plan.groups(64) == 1
     assert [bucket(n) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
 
 

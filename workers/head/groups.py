@@ -19,6 +19,7 @@ import math
 import threading
 
 MAX_GROUPS = 4
+FIRST_GROUP_MIN = 16  # before anything is measured, generations are split only into groups at least this large
 GAIN = 0.95  # a larger G is taken only if its round is at least 5% shorter
 SMOOTH = 0.2  # weight of a new measurement in the moving averages
 
@@ -65,13 +66,15 @@ class GroupPlan:
         return None if h is None or self.wait is None else max(h + self.wait, g * h)
 
     def groups(self, live: int) -> int:
-        """Groups for `live` generations in flight (1 until both stages are measured; `fixed` if set)."""
+        """Groups for `live` generations in flight (`fixed` if set). Until both stages are measured: as many as
+        keep FIRST_GROUP_MIN in each, up to max_groups (a batch of jobs' first rounds, their prompts, then go out
+        a group at a time while the next computes, rather than all after the last prompt)."""
         if self.fixed is not None:
             return max(1, min(self.fixed, live))
         with self._lock:
             best, best_t = 1, self.round_time(live, 1)
             if best_t is None:
-                return 1
+                return max(1, min(self.max_groups, live // FIRST_GROUP_MIN))
             for g in range(2, min(self.max_groups, live) + 1):
                 t = self.round_time(live, g)
                 if t is not None and t < GAIN * best_t:
