@@ -226,3 +226,25 @@ def test_ngram_rounds_propose_in_one_call(tiny: Tiny, monkeypatch: pytest.Monkey
     for spec, sampling, w in zip(specs, samplings, works, strict=True):
         assert_same_round(w, ref.batcher.run(make(ref, spec, sampling)), False)
     assert works[2].draft is not None and works[2].draft.tokens == [11, 12, 9]
+
+
+@torch.inference_mode()
+def test_a_prompt_batched_with_warm_rows_drafts_as_one_whole_draft(tiny: Tiny) -> None:
+    """A new session's prompt in a batch of warm sessions (static caches): its feed is prefilled up to its last
+    token in one forward, then every row drafts in the one `draft_many`, never step by step; the drafts equal
+    each session's drafted alone."""
+    from workers.speculative.drafters import propose_greedy_many
+
+    head, ref = Head(tiny, True), Head(tiny, True)
+    warm, fresh = [list(c) for c in CTX[:2]], list(CTX[2])
+    sessions, alone = [head.drafter.new_session() for _ in range(3)], [ref.drafter.new_session() for _ in range(3)]
+    for s, a, c in zip(sessions[:2], alone[:2], warm, strict=True):  # two sessions that drafted before (warm)
+        propose_greedy_many([s], [c], [3])
+        propose_greedy_many([a], [c], [3])
+    warm = [[*c, 20 + i] for i, c in enumerate(warm)]  # each committed one more token since
+    forwards, dmany = spy(head.drafter.engine, "forward_many"), spy(head.drafter.engine, "draft_many")
+    got = propose_greedy_many(sessions, [*warm, fresh], [3, 3, 3])
+    assert len(dmany) == 1 and len(dmany[0].caches) == 3  # the prompt joined the whole draft
+    assert [len(c.caches) for c in forwards] == [1]  # its prefill, one forward; no draft steps
+    want = [propose_greedy_many([a], [c], [3])[0] for a, c in zip(alone, [*warm, fresh], strict=True)]
+    assert [d.tokens for d in got] == [d.tokens for d in want]
