@@ -26,3 +26,13 @@ def test_a_tail_that_lies_moves_nothing_past_the_round_wait() -> None:
     for v in (t.send_ms, t.back_ms, t.tail_prepare_ms, t.tail_queue_ms, t.verify_ms, t.tail_forward_ms):
         assert 0.0 <= v <= 50.0
     assert t.tail_batch_rounds == 0 and t.relay_ms == 0.0
+
+
+def test_a_tail_that_writes_nan_or_infinity_moves_nothing() -> None:
+    t = RoundTimings()
+    bad = float("nan")
+    marks = {"queue_ms": bad, "taken_at_ms": float("inf"), "replied_at_ms": bad, "prepare_ms": float("-inf")}
+    add_round(t, marks | {"tail_forward_ms": bad, "verify_ms": float("inf"), "batch": bad}, (0.0, 0.0, 0.05), 0.0)
+    assert RoundTimings.model_validate_json(t.model_dump_json()) == t  # stored and read back as it was
+    assert t.send_ms == t.back_ms == t.tail_prepare_ms == t.tail_queue_ms == t.verify_ms == 0.0
+    assert t.relay_ms == 50.0

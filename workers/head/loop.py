@@ -210,8 +210,9 @@ class HeadLoop:
             for slot in slots:
                 self._fail(slot, e)
         self._route(replies)
-        self._idle_s = time.perf_counter() - t0
-        self.clock.add("replies", self._idle_s)
+        spent = time.perf_counter() - t0
+        self._idle_s += spent  # called again if the group is retried item by item
+        self.clock.add("replies", spent)
 
     def _send(self, slots: list[Slot], build: bool = False) -> None:
         """Put these rounds on the wire: sealed on a sender's thread (`build`: just computed), or as sealed
@@ -222,6 +223,9 @@ class HeadLoop:
             slot.state, slot.due = State.SENT, slot.gen.sent()
             if slot.replies:  # entries that came while it was READY (none can answer this round yet)
                 self._take(slot)
+        slots = [s for s in slots if self.slots.get(s.gen.sid) is s]  # one of those may have failed it
+        if not slots:
+            return
 
         def failed(e: BaseException) -> None:
             with self._cv:

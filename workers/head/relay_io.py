@@ -41,7 +41,7 @@ log = logging.getLogger("shardflow.head")
 class Outgoing:
     """Stream entries to publish (and dead-letter records for `dead_stream`), with what to call if they fail.
     `build`, if set, makes more entries on the sender's thread just before they go (a group's rounds are sealed
-    there, off the step loop); it must not raise (what fails in it is its own to report)."""
+    there, off the step loop); if it raises, `on_error` hears it and nothing of the item goes."""
 
     entries: list[tuple[str, dict]]
     dead: list[tuple[str, dict]] = field(default_factory=list)  # (dead-letter stream, record fields)
@@ -63,9 +63,27 @@ class Sender:
         while True:
             self._publish(take_queued(self._q))
 
+    @staticmethod
+    def _built(batch: list[Outgoing]) -> list[Outgoing]:
+        """Each item with its `build`'s entries added; one whose build fails gets its `on_error`, and goes
+        unsent (the sender thread goes on)."""
+        out: list[Outgoing] = []
+        for item in batch:
+            if item.build is not None:
+                try:
+                    item = Outgoing([*item.entries, *item.build()], item.dead, item.on_error)
+                except Exception as e:
+                    log.exception("head: could not build entries to publish")
+                    if item.on_error is not None:
+                        item.on_error(e)
+                    continue
+            out.append(item)
+        return out
+
     def _publish(self, batch: list[Outgoing]) -> None:
-        entries = [e for out in batch for e in (*out.entries, *(out.build() if out.build is not None else ()))]
-        dead = [d for out in batch for d in out.dead]
+        built = self._built(batch)
+        entries = [e for out in built for e in out.entries]
+        dead = [d for out in built for d in out.dead]
         try:
             publish_many(
                 self.r,
@@ -76,7 +94,7 @@ class Sender:
             )
         except BaseException as e:  # a transport error past its retries: these sends fail
             log.warning("head: could not publish %d entries: %s", len(entries), e)
-            for out in batch:
+            for out in built:
                 if out.on_error is not None:
                     out.on_error(e)
 

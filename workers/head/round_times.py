@@ -5,6 +5,7 @@ but these sums."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from schemas.requests import RoundTimings
@@ -18,8 +19,8 @@ def add_round(t: RoundTimings, timings: dict[str, float], spans: tuple[float, fl
     draft_s, head_s, wait_s = spans
     wait_ms = wait_s * 1000
 
-    def clamp(x: float) -> float:
-        return min(max(x, 0.0), wait_ms)
+    def clamp(x: float) -> float:  # NaN and infinities (JSON lets a tail write them) count as nothing
+        return min(max(x, 0.0), wait_ms) if math.isfinite(x) else 0.0
 
     tail_ms, verify_ms = clamp(timings.get("tail_forward_ms", 0.0)), clamp(timings.get("verify_ms", 0.0))
     t.draft_ms += draft_s * 1000
