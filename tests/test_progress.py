@@ -1,4 +1,4 @@
-"""Job progress (workers/head/job_function.py `Progress`): the token stream, checkpoints and cancel checks a running
+"""Job progress (workers/head/progress.py `Progress`): the token stream, checkpoints and cancel checks a running
 job writes, off its round loop."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from rq.serializers import JSONSerializer
 
 from schemas.keys import Keys
-from workers.head.job_function import JobCancelled, Progress
+from workers.head.progress import JobCancelled, Progress
 
 
 class Chars:

@@ -21,7 +21,8 @@ from schemas.keys import Keys
 from schemas.requests import GenerationResult, RoundTimings
 from tests.conftest import PROMPTS
 from tests.job_env import Env, reference
-from workers.head.job_function import Progress, finish
+from workers.head.job_function import finish
+from workers.head.progress import Progress
 
 
 class Chars:
