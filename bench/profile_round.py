@@ -61,7 +61,7 @@ def kernels(fn: Callable[[], object], dev: torch.device, calls: int = 3) -> dict
             total_us += dev_us
             count += ev.count
     rows.sort(key=lambda r: -r[1])
-    return {"kernels_per_call": count // calls, "device_ms_per_call": total_us / calls / 1000, "top": rows[:8]}
+    return {"kernels_per_call": count // calls, "device_ms_per_call": total_us / calls / 1000, "top": rows[:12]}
 
 
 def stage(name: str, fn: Callable[[], object], dev: torch.device, gap_ms: float, report: dict) -> None:

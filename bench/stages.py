@@ -38,6 +38,7 @@ from pathlib import Path
 import click
 import torch
 
+from bench.profile_round import kernels
 from bench.stages_floor import FLOOR_FORMULA, Reference, Shape, floors_ms
 from bench.synthetic import load_shard, preset_of
 from schemas.requests import SamplingParams
@@ -83,9 +84,12 @@ class Rig:
     """The three engines with max(B) sequences each, prefilled with `ctx` positions; `stage(name, b)` is one
     call of that stage for the first b of them."""
 
-    def __init__(self, shards: dict, k: int, ctx: int, max_len: int, bmax: int, graphs: bool | None) -> None:
+    def __init__(
+        self, shards: dict, k: int, ctx: int, max_len: int, bmax: int, graphs: bool | None, attention: str = "auto"
+    ) -> None:
         self.k, self.ctx, self.dev = k, ctx, shards["head"].device
-        settings = Settings(engine={"static": True, "graphs": graphs, "max_len": max_len, "graph_k": k})
+        engine = {"static": True, "graphs": graphs, "max_len": max_len, "graph_k": k, "attention": attention}
+        settings = Settings(engine=engine)
         self.head = Engine(shards["head"], settings, slots=bmax, label="head")
         self.tail = Engine(shards["tail"], settings, slots=bmax, label="tail")
         dengine = Engine(shards["draft"], settings, step_tokens=2, pad=False, max_draft=k, slots=bmax, label="draft")
@@ -234,10 +238,14 @@ def markdown(rows: list[dict], reference: bool) -> str:
 @click.option("--bandwidth", type=float, default=4.17, show_default=True, help="Device copy bandwidth, TB/s.")
 @click.option("--peak", type=float, default=700.0, show_default=True, help="Peak matrix rate, TFLOP/s.")
 @click.option("--reference/--no-reference", default=True, show_default=True, help="Time the plain-PyTorch one.")
+@click.option("--attention", type=click.Choice(["auto", "gather", "in_place"]), default="auto", show_default=True,
+              help="EngineSettings.attention: in place over the pools, or gathered copies.")
+@click.option("--profile", "profile_b", default="", help="Group sizes whose stages' top kernels are listed.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out/stages"))
 def main(device: str | None, target: str | None, draft: str | None, split: int | None, bs: str | None, k: int,
          ctx: int | None, max_len: int | None, dtype: str | None, graphs: bool | None, iters: int | None,
-         warmup: int, bandwidth: float, peak: float, reference: bool, out: Path) -> None:  # fmt: skip
+         warmup: int, bandwidth: float, peak: float, reference: bool, attention: str, profile_b: str,
+         out: Path) -> None:  # fmt: skip
     """Time one group's draft / head / tail at each B against the floor (see the module docstring)."""
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
@@ -263,7 +271,7 @@ def main(device: str | None, target: str | None, draft: str | None, split: int |
         "head": Shape.of(shards["head"].config, split, False, dt),
         "tail": Shape.of(shards["tail"].config, n_layers - split, True, dt),
     }
-    rig = Rig(shards, k, ctx, max_len, max(sizes), graphs)
+    rig = Rig(shards, k, ctx, max_len, max(sizes), graphs, attention)
     setup = f"set up in {time.perf_counter() - t0:.0f} s: {target} split {split}/{n_layers - split}, draft {draft}"
     click.echo(f"{setup}, K={k}, {ctx} cached, {max_len}-position slots, {dt}, graphs {rig.graphs}, {dev}", err=True)
     refs = {}
@@ -281,12 +289,20 @@ def main(device: str | None, target: str | None, draft: str | None, split: int |
             row[name] = time_ms(partial(fn, b), dev, warmup, iters)
         if refs:
             row["reference"] = reference_ms(refs, b, k, ctx, dev, warmup, iters)
+        if str(b) in profile_b.split(","):
+            row["kernels"] = {name: kernels(partial(rig.stage(name), b), dev) for name in ("draft", "head", "tail")}
+            for name, got in row["kernels"].items():
+                total = f"{got['kernels_per_call']} kernels, {got['device_ms_per_call']:.2f} ms"
+                click.echo(f"B={b} {name}: {total}", err=True)
+                for kname, ms, cnt in got["top"]:
+                    click.echo(f"    {ms:7.3f} ms  x{cnt:<4d} {kname}", err=True)
         rows.append(row)
         click.echo(f"B={b}: " + ", ".join(f"{s} {row[s]['ms']:.2f} ms" for s in STAGES), err=True)
     table = markdown(rows, bool(refs))
     formula = f"{FLOOR_FORMULA}; BW = {bandwidth} TB/s, P = {peak} TFLOP/s"
     doc = {
         "command": [sys.executable, "-m", "bench.stages", *sys.argv[1:]],
+        "attention_in_place": {s: rig_shard.attends_in_place for s, rig_shard in shards.items()},
         "settings": {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                      "torch": torch.__version__, "target": target, "draft": draft, "split": split,
                      "layers": n_layers, "k": k, "ctx": ctx, "max_len": max_len, "dtype": str(dt), "graphs": rig.graphs,

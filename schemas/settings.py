@@ -110,6 +110,13 @@ class EngineSettings(_Group):
     fused_layers: bool = Field(
         True, description="Run Llama/Qwen2-style layers through the lean fused forward (workers/engine/fused.py)."
     )
+    attention: Literal["auto", "gather", "in_place"] = Field(
+        "auto",
+        description="How fused layers attend over batched KV slots: in place, reading each row's slot where it sits "
+        "(FlashAttention-2, workers/engine/pool_attention.py), or from a gathered copy of the batch's keys and "
+        "values. auto: in place where that kernel runs (CUDA sm_80+, float16/bfloat16), else gather; in_place "
+        "elsewhere runs its reference kernel (tests).",
+    )
     max_len: int = Field(
         8192,
         ge=1,

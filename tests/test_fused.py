@@ -248,7 +248,8 @@ def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
     made: list[tuple] = []
     monkeypatch.setattr(runner, "BatchGraph", lambda shard, run, pool, *key: made.append(key[:5]) or made)
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
-    engine = Engine(shard, Settings(engine={"static": True, "max_len": 3000}), slots=6, step_tokens=3, max_draft=5)
+    gather = Settings(engine={"static": True, "max_len": 3000, "attention": "gather"})
+    engine = Engine(shard, gather, slots=6, step_tokens=3, max_draft=5)
     engine.graphs = True  # as on CUDA
     full = engine.pool.index.shape[0]
     assert sizing.attended_lengths(engine.pool) == [512, 1024, 2048, full]
@@ -256,6 +257,14 @@ def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
     assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 24 and engine.capture([(3, 0, 0)]) == 0
     want = [(b, t, p, s, n) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)) for n in (512, 1024, 2048)]
     assert sorted(made) == sorted(want)
+    # attending in place, every batch reads its rows' own lengths: one graph per bucket and shape, any length
+    made.clear()
+    in_place = Settings(engine={"static": True, "max_len": 3000, "attention": "in_place"})
+    engine = Engine(shard, in_place, slots=6, step_tokens=3, max_draft=5)
+    engine.graphs = True
+    assert [engine.attended(engine.pool, n) for n in (1, 2049)] == [full, full]
+    assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 8
+    assert sorted(made) == sorted((b, t, p, s, full) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)))
 
 
 @torch.inference_mode()

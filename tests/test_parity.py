@@ -84,15 +84,19 @@ def test_greedy_parity_with_static_caches(family, models, hf_models, tokenizers,
             assert generate(req, runtime, redis_client, names=names).token_ids == want, prompt
 
 
-@pytest.mark.parametrize("family", ["qwen2", pytest.param("llama", marks=pytest.mark.slow)])
-def test_greedy_parity_batched_in_flight(family, models, hf_models, tokenizers, tails, redis_client):
+@pytest.mark.parametrize(
+    ("family", "attention"),
+    [("qwen2", "auto"), ("qwen2", "in_place"), pytest.param("llama", "auto", marks=pytest.mark.slow)],
+)
+def test_greedy_parity_batched_in_flight(family, attention, models, hf_models, tokenizers, tails, redis_client):
     """Generations in flight on one runtime run batched (drafts, head and tail forwards over several
-    sequences' slots at once, plus one-slot pools beyond the slots) and still equal HF generate."""
+    sequences' slots at once, plus one-slot pools beyond the slots) and still equal HF generate; also with the
+    head's and drafter's attention over their pools in place (workers/engine/pool_attention.py's reference)."""
     ms = models[family]
     names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache", "--slots", "3"))
-    runtime = HeadRuntime.load(
-        ms.target, (0, 2), draft=ms.drafter, settings=Settings(engine={"static": True, "slots": 3})
-    )
+    engine = {"static": True, "slots": 3, "attention": attention}
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=Settings(engine=engine))
+    assert runtime.engine.shard.attends_in_place == (attention == "in_place")
     expected = reference(family, hf_models[family], tokenizers[family])
 
     def one(i: int) -> list[int]:

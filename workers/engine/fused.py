@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from workers.engine import pool_attention
+
 KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer"}
 SDPA_MIN_ROWS = 512  # query rows (batch x tokens x query heads) from which CUDA half batches attend through SDPA
 # ... for steps of up to this many tokens a row (rounds, drafts: the shapes graphs capture). cuDNN builds a plan per
@@ -106,6 +108,15 @@ class FusedLayers:
         )
         self.sdpa = w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)
         self.mask_half = tuple(v.to(w.dtype) for v in self.mask_values)
+        # attention over a batch's pool in place where FlashAttention runs (workers/engine/pool_attention.py);
+        # the engine may turn it off, or on with the reference kernel (EngineSettings.attention)
+        self.kernel: pool_attention.Kernel | None = (
+            pool_attention.flash if pool_attention.supported(w.device, w.dtype, head_dim) else None
+        )
+
+    def attends_in_place(self, cache: object) -> bool:
+        """Whether a forward over `cache` reads its pool in place (no gathered copy, no mask, any length)."""
+        return self.kernel is not None and hasattr(cache, "in_place")
 
     def __call__(
         self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, cache: object
@@ -117,9 +128,16 @@ class FusedLayers:
             rope: Callable[[torch.Tensor], torch.Tensor] = partial(rotate_elementwise, cos=cos, sin=sin)
         else:  # eager: one batched matmul is fewer launches than the five elementwise ops
             rope = partial(torch.matmul, other=rotation(*cos_sin, self.signs))
+        g = self.heads // self.kv_heads
+        if self.attends_in_place(cache):
+            pool, rows, last = cache.in_place()  # type: ignore[attr-defined]
+            lay = pool_attention.layout(rows, last, t, self.kv_heads, g, pool.index.shape[0])
+            in_place = partial(pool_attention.attend, lay=lay, scale=self.scale, kernel=self.kernel)
+            for layer in self.layers:
+                h = self._layer(layer, h, rope, partial(_in_place, cache, in_place))
+            return h
         bias: torch.Tensor | None = None
         attention = partial(attend, scale=self.scale, wide_gemm=self.wide_gemm)
-        g = self.heads // self.kv_heads
         if (
             self.sdpa
             and t <= SDPA_MAX_TOKENS
@@ -134,17 +152,11 @@ class FusedLayers:
             full = torch.where(mask, *self.mask_values)  # [B|1, 1, T, L] additive bias
             bias = full[:, :, None].expand(b, self.kv_heads, g, t, mask.shape[-1]).reshape(-1, g * t, mask.shape[-1])
         for layer in self.layers:
-            h = self._layer(layer, h, rope, bias, cache, attention)
+            h = self._layer(layer, h, rope, partial(_gathered, cache, attention, bias))
         return h
 
     def _layer(
-        self,
-        p: FusedLayer,
-        h: torch.Tensor,
-        rope: Callable[[torch.Tensor], torch.Tensor],
-        bias: torch.Tensor | None,
-        cache: object,
-        attention: Callable[..., torch.Tensor],
+        self, p: FusedLayer, h: torch.Tensor, rope: Callable[[torch.Tensor], torch.Tensor], attn: Attention
     ) -> torch.Tensor:
         b, t, width = h.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
@@ -152,13 +164,38 @@ class FusedLayers:
         qkv = _linear_cat(x, p.qkv).view(b * t, hq + 2 * hkv, d)
         qk = rope(qkv[:, : hq + hkv]).view(b, t, hq + hkv, d)  # rotary embeddings, q and k at once
         v = qkv[:, hq + hkv :].view(b, t, hkv, d).transpose(1, 2)
-        keys, values = cache.update(qk[:, :, hq:].transpose(1, 2), v, p.idx)  # type: ignore[attr-defined]
-        o = attention(qk[:, :, :hq], keys, values, bias)  # [B * T, hq * d]
+        o = attn(qk[:, :, :hq], qk[:, :, hq:].transpose(1, 2), v, p.idx)  # [B * T, hq * d]
         h2 = _residual(h.view(b * t, width), o, p.w_o, p.b_o)
         x = F.rms_norm(h2, (width,), p.ln2, p.eps2)
         gate, up = _linear_cat(x, p.gate_up).chunk(2, dim=-1)
         h2 = _residual(h2, F.silu(gate) * up, p.w_down, None)
         return h2.view(b, t, width)
+
+
+# (queries [B, T, hq, d], this step's keys and values [B, hkv, T, d], layer index) -> attention output [B * T, hq * d]
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def _gathered(
+    cache: object,
+    attention: Callable[..., torch.Tensor],
+    bias: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: int,
+) -> torch.Tensor:
+    """Write the step's keys/values, attend over what the cache returns (a slot, a gathered batch, a copy)."""
+    keys, values = cache.update(k, v, idx)  # type: ignore[attr-defined]
+    return attention(q, keys, values, bias)
+
+
+def _in_place(
+    cache: object, attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: int
+) -> torch.Tensor:
+    """Write the step's keys/values into the pool and attend over it where it is."""
+    keys, values = cache.write(k, v, idx)  # type: ignore[attr-defined]
+    return attention(q, keys, values)
 
 
 def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:

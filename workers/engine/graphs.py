@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from workers.engine.kvcache import BatchView, DraftBuffer, KVPool
+from workers.engine.kvcache import BatchView, DraftBuffer, DraftStep, KVPool
 from workers.engine.shard import Shard, blank_input
 
 
@@ -73,22 +73,29 @@ def greedy_steps(
     pick: torch.Tensor,
     k: int,
     length: int | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """k greedy draft tokens per row [b, k], each fed back on the device: the first from the row's token
-    at `pick` after running x, the rest one position further each (capturable as one graph); attention
-    over the first `length` positions of each slot, copied out of the pool once for all k steps and the
-    positions written copied back at the end (`DraftBuffer`)."""
-    buf = DraftBuffer(pool, rows, length)
-    cur = run(x, pos, buf.view(pos), pick)[:, -1].argmax(-1)
+    at `pick` after running x, the rest one position further each (capturable as one graph). With `in_place`
+    (a shard whose attention reads the pool where it is, workers/engine/pool_attention.py) every step runs over
+    the pool itself; else attention is over the first `length` positions of each slot, copied out of the pool
+    once for all k steps and the positions written copied back at the end (`DraftBuffer`)."""
+    buf = None if in_place else DraftBuffer(pool, rows, length)
+
+    def view(p: torch.Tensor) -> BatchView | DraftStep:
+        return BatchView(pool, rows, p, length) if buf is None else buf.view(p)
+
+    cur = run(x, pos, view(pos), pick)[:, -1].argmax(-1)
     out, written = [cur], [pos]
     last, zero = pos.gather(1, pick), torch.zeros_like(pick)
     limit = pool.index.shape[0] - 1  # padding rows stay on their scratch positions
     for _ in range(1, k):
         last = (last + 1).clamp(max=limit)
-        cur = run(cur[:, None], last, buf.view(last), zero)[:, -1].argmax(-1)
+        cur = run(cur[:, None], last, view(last), zero)[:, -1].argmax(-1)
         out.append(cur)
         written.append(last)
-    buf.write_back(torch.cat(written, dim=1))
+    if buf is not None:
+        buf.write_back(torch.cat(written, dim=1))
     return torch.stack(out, dim=1)
 
 
@@ -99,12 +106,13 @@ def _draft_body(
     pick: torch.Tensor,
     steps: int,
     length: int | None,
+    in_place: bool,
     x: torch.Tensor,
     pos: torch.Tensor,
     _view: BatchView,
     _pick: object,
 ) -> torch.Tensor:
-    return greedy_steps(run, pool, rows, x, pos, pick, steps, length)
+    return greedy_steps(run, pool, rows, x, pos, pick, steps, length, in_place)
 
 
 class BatchGraph:
@@ -135,7 +143,7 @@ class BatchGraph:
         self.forward = run
         if steps:
             self.pick = torch.full((b, 1), t - 1, dtype=torch.long, device=dev)
-            self.forward = partial(_draft_body, run, pool, self.rows, self.pick, steps, length)
+            self.forward = partial(_draft_body, run, pool, self.rows, self.pick, steps, length, shard.attends_in_place)
         run = self.forward
         with torch.cuda.device(dev):  # capture on the shard's GPU, not the process's current one
             memory = memory or GraphMemory(b)

@@ -167,6 +167,7 @@ class StaticKVCache:
         self._length = 0
         self.pos: torch.Tensor | None = None  # positions of the step being run (device)
         self.released = False  # given back to the pool (`KVPool.release`)
+        self.slot_row = torch.full((1,), slot, dtype=torch.long, device=pool.index.device)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
@@ -176,6 +177,18 @@ class StaticKVCache:
         k.index_copy_(2, self.pos, key_states)  # type: ignore[arg-type]
         v.index_copy_(2, self.pos, value_states)  # type: ignore[arg-type]
         return k, v
+
+    def write(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values at `self.pos`; the layer's pool tensors (every slot)."""
+        self.update(key_states, value_states, layer_idx)
+        return self.pool.keys[layer_idx], self.pool.values[layer_idx]
+
+    def in_place(self) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
+        """As `BatchView.in_place`, for this one sequence (its positions: those of the step being run)."""
+        assert self.pos is not None, "mask(pos) first"
+        return self.pool, self.slot_row, self.pos[-1:]
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return self._length
@@ -217,12 +230,24 @@ class BatchView:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter [B, heads, T, dim] into the rows' slots at their positions; gather the rows' caches."""
+        k, v = self.write(key_states, value_states, layer_idx)
+        n = self.length
+        return k[:, :, :n][self.rows], v[:, :, :n][self.rows]
+
+    def write(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatter [B, heads, T, dim] into the rows' slots at their positions; the layer's pool tensors."""
         k, v = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         slots = self.rows[:, None]
         k[slots, :, self.pos] = key_states.transpose(1, 2)
         v[slots, :, self.pos] = value_states.transpose(1, 2)
-        n = self.length
-        return k[:, :, :n][self.rows], v[:, :, :n][self.rows]
+        return k, v
+
+    def in_place(self) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
+        """(pool, slot of each row, position of each row's last token): what attention over the pool in place
+        reads (workers/engine/pool_attention.py)."""
+        return self.pool, self.rows, self.pos[:, -1]
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return 0

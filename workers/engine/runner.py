@@ -26,6 +26,7 @@ import torch
 import torch._dynamo
 
 from schemas.settings import Settings
+from workers.engine import pool_attention
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVCache, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
@@ -44,6 +45,17 @@ log = logging.getLogger("shardflow.engine")
 GB = 1e9
 
 Logits = int | Sequence[int]  # rows of logits wanted per sequence (0: hidden states)
+
+
+def set_attention(shard: Shard, mode: str) -> None:
+    """EngineSettings.attention on a loaded shard's fused layers: gather turns attention in place off, in_place
+    turns it on with the reference kernel where FlashAttention does not run, auto keeps what the load probed."""
+    if shard.fused is None or mode == "auto":
+        return
+    if mode == "gather":
+        shard.fused.kernel = None
+    elif shard.fused.kernel is None:
+        shard.fused.kernel = pool_attention.reference
 
 
 def pick_last(m: int, p: int) -> list[int]:
@@ -77,6 +89,7 @@ class Engine:
         self.label = label
         step_tokens = settings.engine.graph_k + 1 if step_tokens is None else step_tokens
         self.shard = shard
+        set_attention(shard, settings.engine.attention)
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -114,7 +127,8 @@ class Engine:
         its share of the graphs' memory; a drafter's whole drafts hold a copy of their rows' keys and values
         (`DraftBuffer`) in that memory too."""
         length, scratch = max_len or self.max_len, step_tokens + max_draft
-        copy = KVPool.slot_bytes(shard, length, scratch) if max_draft and shard.device.type == "cuda" else 0
+        buffered = max_draft and shard.device.type == "cuda" and not shard.attends_in_place
+        copy = KVPool.slot_bytes(shard, length, scratch) if buffered else 0
         return slot_cost(shard, length, step_tokens, scratch) + copy
 
     def _new_pool(self, slots: int, max_len: int | None = None) -> KVPool:
@@ -308,7 +322,7 @@ class Engine:
         if self.graphs:
             out = self._graph(pool, len(caches), t, 1, steps=k, length=length)(rows, x, pos, pick)  # type: ignore[arg-type]
         else:
-            out = greedy_steps(self.run_batch, pool, rows, x, pos, pick, k, length)  # type: ignore[arg-type]
+            out = greedy_steps(self.run_batch, pool, rows, x, pos, pick, k, length, self.shard.attends_in_place)  # type: ignore[arg-type]
         for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):
             cache.advance(start + m + kb - 1)  # type: ignore[union-attr]
         return out
@@ -323,7 +337,7 @@ class Engine:
         before = len(self._graphs)
         with torch.inference_mode():  # as rounds run (else autograd would keep every intermediate alive)
             for pool in sorted(self.pools, key=lambda q: -q.slots):  # largest batches first: the rest reuse memory
-                lengths = [n for n in attended_lengths(pool) if n <= self.capture_len] or attended_lengths(pool)[:1]
+                lengths = self.capture_lengths(pool)
                 for size in reversed(buckets(pool.slots)):
                     for t, p, steps in shapes:
                         for n in reversed(lengths):
@@ -357,11 +371,19 @@ class Engine:
             self.slots,
         )
 
+    def capture_lengths(self, pool: KVPool) -> list[int]:
+        """The attended lengths graphs are captured for when the engine starts (one where attention is in place)."""
+        if self.shard.attends_in_place:
+            return [pool.index.shape[0]]
+        return [n for n in attended_lengths(pool) if n <= self.capture_len] or attended_lengths(pool)[:1]
+
     def attended(self, pool: KVPool, need: int) -> int:
         """The attended length of a batch whose rows use positions below `need`: with graphs the smallest of
         `attended_lengths` that holds them (a few lengths, so a few graphs per shape), else `need` rounded up
         to 64 (eager batches gather and attend over no more than they use)."""
         full = pool.index.shape[0]
+        if self.shard.attends_in_place:  # each row's own length: one graph per shape
+            return full
         if not self.graphs:
             return min(-(-need // 64) * 64, full)
         return next((n for n in attended_lengths(pool) if n >= need), full)

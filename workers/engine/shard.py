@@ -194,14 +194,22 @@ class Shard(nn.Module):
         rows = torch.arange(h.shape[0], device=h.device)[:, None]
         return self.lm_head(self.norm(h[rows, pick]))
 
-    def _fused_fits(self, h: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    @property
+    def attends_in_place(self) -> bool:
+        """Whether batches over a pool attend where their keys and values sit (workers/engine/pool_attention.py):
+        no gathered copies, no attended-length buckets, no score buffers (any length runs the fused layers)."""
+        return self.fused is not None and self.fused.kernel is not None
+
+    def _fused_fits(self, h: torch.Tensor, mask: torch.Tensor | None, cache: object = None) -> bool:
         assert self.fused is not None
+        if cache is not None and self.fused.attends_in_place(cache):
+            return True
         positions = mask.shape[-1] if mask is not None else h.shape[1]
         return h.shape[0] * self.fused.heads * h.shape[1] * positions * 4 <= FUSED_MAX_SCORE_BYTES
 
     def _layers(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: object) -> torch.Tensor:
         cos_sin = self.rotary(h, pos)
-        if self.fused is not None and self._fused_fits(h, mask):
+        if self.fused is not None and self._fused_fits(h, mask, cache):
             return self.fused(h, cos_sin, mask, cache)
         for layer in self.layers:
             h = layer(
