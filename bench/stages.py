@@ -238,8 +238,13 @@ def markdown(rows: list[dict], reference: bool) -> str:
 @click.option("--bandwidth", type=float, default=4.17, show_default=True, help="Device copy bandwidth, TB/s.")
 @click.option("--peak", type=float, default=700.0, show_default=True, help="Peak matrix rate, TFLOP/s.")
 @click.option("--reference/--no-reference", default=True, show_default=True, help="Time the plain-PyTorch one.")
-@click.option("--attention", type=click.Choice(["auto", "gather", "in_place"]), default="auto", show_default=True,
-              help="EngineSettings.attention: in place over the pools, or gathered copies.")
+@click.option(
+    "--attention",
+    type=click.Choice(["auto", "gather", "in_place"]),
+    default="auto",
+    show_default=True,
+    help="EngineSettings.attention: in place over the pools, or gathered copies.",
+)
 @click.option("--profile", "profile_b", default="", help="Group sizes whose stages' top kernels are listed.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out/stages"))
 def main(device: str | None, target: str | None, draft: str | None, split: int | None, bs: str | None, k: int,
