@@ -54,7 +54,7 @@ def layout(rows: torch.Tensor, last: torch.Tensor, t: int, kv_heads: int, g: int
     starts = ((rows.to(torch.int32)[:, None] * kv_heads + heads) * length).flatten()
     n = starts.shape[0]
     cu_k = torch.cat([starts, starts.new_zeros(1)])
-    used = (last.to(torch.int32) + 1)[:, None].expand(-1, kv_heads).flatten()
+    used = (last.to(torch.int32) + 1)[:, None].expand(-1, kv_heads).contiguous().flatten()  # (B = 1: no stride 0)
     per = g if t == 1 else t
     cu_q = torch.arange(0, (n + 1) * per, per, device=dev, dtype=torch.int32)
     return Layout(cu_q, cu_k, used, per, length, t, causal=t > 1)
