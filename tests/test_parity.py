@@ -88,10 +88,15 @@ def test_greedy_parity_with_static_caches(family, models, hf_models, tokenizers,
     ("family", "attention"),
     [("qwen2", "auto"), ("qwen2", "in_place"), pytest.param("llama", "auto", marks=pytest.mark.slow)],
 )
-def test_greedy_parity_batched_in_flight(family, attention, models, hf_models, tokenizers, tails, redis_client):
+def test_greedy_parity_batched_in_flight(
+    family, attention, models, hf_models, tokenizers, tails, redis_client, monkeypatch
+):
     """Generations in flight on one runtime run batched (drafts, head and tail forwards over several
     sequences' slots at once, plus one-slot pools beyond the slots) and still equal HF generate; also with the
     head's and drafter's attention over their pools in place (workers/engine/pool_attention.py's reference)."""
+    from workers.engine import pool_attention
+
+    monkeypatch.setattr(pool_attention, "SPLIT_MIN_BATCH", 2)  # batched rounds attend in two parts, merged
     ms = models[family]
     names = tails.get(ms.target, 2, ms.n_layers, ("--static-cache", "--slots", "3"))
     engine = {"static": True, "slots": 3, "attention": attention}

@@ -195,7 +195,7 @@ def _in_place(
 ) -> torch.Tensor:
     """Write the step's keys/values into the pool and attend over it where it is."""
     keys, values = cache.write(k, v, idx)  # type: ignore[attr-defined]
-    return attention(q, keys, values)
+    return attention(q, keys, values, new=(k, v))
 
 
 def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:

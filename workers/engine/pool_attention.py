@@ -28,14 +28,18 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
-from torch.nn import functional as F
 
 Kernel = Callable[..., torch.Tensor]
 
 
+# Rows of several tokens (rounds) from this batch size on attend in two parts (see `attend`); below it, per head.
+SPLIT_MIN_BATCH = 8
+SPLIT_MAX_TOKENS = 16  # ... for rounds of up to this many tokens a row (longer steps, prompts: per head, causal)
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Variable-length attention arguments of one forward over a pool: see the module docstring."""
+    """Variable-length attention arguments of one forward over a pool: see the module docstring and `attend`."""
 
     cu_q: torch.Tensor  # int32 [n + 1]: query row offsets of each (row, key/value head)
     cu_k: torch.Tensor  # int32 [n + 1]: key offsets in the flat pool (the last one unused)
@@ -43,7 +47,8 @@ class Layout:
     max_q: int
     max_k: int
     t: int  # tokens a row
-    causal: bool
+    mode: str  # "fold" (one token), "heads" (causal, a head per query head), "split" (see `attend`)
+    bias: torch.Tensor | None = None  # split: [t * g, t - 1] 0 / -inf, which of a round's later tokens a row sees
 
 
 def layout(rows: torch.Tensor, last: torch.Tensor, t: int, kv_heads: int, g: int, length: int) -> Layout:
@@ -54,55 +59,110 @@ def layout(rows: torch.Tensor, last: torch.Tensor, t: int, kv_heads: int, g: int
     starts = ((rows.to(torch.int32)[:, None] * kv_heads + heads) * length).flatten()
     n = starts.shape[0]
     cu_k = torch.cat([starts, starts.new_zeros(1)])
-    used = (last.to(torch.int32) + 1)[:, None].expand(-1, kv_heads).contiguous().flatten()  # (B = 1: no stride 0)
-    per = g if t == 1 else t
+    mode = "fold" if t == 1 else "split" if t <= SPLIT_MAX_TOKENS and rows.shape[0] >= SPLIT_MIN_BATCH else "heads"
+    seen = last.to(torch.int32) + 1 - (t - 1 if mode == "split" else 0)  # split: up to the round's first token
+    used = seen[:, None].expand(-1, kv_heads).contiguous().flatten()  # (contiguous: at one row no stride 0)
+    per = {"fold": g, "heads": t, "split": t * g}[mode]
     cu_q = torch.arange(0, (n + 1) * per, per, device=dev, dtype=torch.int32)
-    return Layout(cu_q, cu_k, used, per, length, t, causal=t > 1)
+    bias = None
+    if mode == "split":  # row (token i, head j) sees the round's token j' >= 1 when j' <= i
+        tok = torch.arange(t, device=dev).repeat_interleave(g)[:, None]
+        later = torch.arange(1, t, device=dev)[None] > tok
+        bias = torch.zeros(t * g, t - 1, device=dev).masked_fill(later, -torch.inf)
+    return Layout(cu_q, cu_k, used, per, length, t, mode, bias)
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lay: Layout, scale: float, kernel: Kernel
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lay: Layout,
+    scale: float,
+    kernel: Kernel,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q [B, T, hq, d] against one layer's pool keys/values [slots, hkv, L, d]; returns [B * T, hq * d]."""
+    """q [B, T, hq, d] against one layer's pool keys/values [slots, hkv, L, d] (this step's keys and values `new`
+    [B, hkv, T, d] already written there); returns [B * T, hq * d].
+
+    - fold (T = 1): each (row, group)'s g heads are the query rows of one sequence, not causal;
+    - heads: the T tokens are the rows and the group's g heads its heads (one key/value head), causal;
+    - split (rounds of a batch): FlashAttention's tiles are 64-128 query rows, so a round's 9 rows a head would
+      leave most of each tile idle (on an H200, 331 us a 7B layer at 128 rows). Every token of a round sees the
+      pool up to the round's first token, so all T x g rows of a group attend there as one sequence, not causal;
+      the round's later T - 1 tokens (causal among themselves) are added here, their scores merged with the
+      kernel's log-sum-exp (float32)."""
     b, t, hq, d = q.shape
     hkv = keys.shape[1]
     g = hq // hkv
     flat_k, flat_v = keys.view(-1, 1, d), values.view(-1, 1, d)
-    if t == 1:  # [B * hkv * g, 1, d]: a group's heads are one sequence's query rows
-        q2 = q.reshape(b * hkv * g, 1, d)
-    else:  # [B * hkv * T, g, d]: a group's tokens are the rows, its heads the heads
+    if lay.mode == "fold":  # [B * hkv * g, 1, d]
+        return kernel(q.reshape(b * hkv * g, 1, d), flat_k, flat_v, lay, scale, False)[0].reshape(b, hq * d)
+    if lay.mode == "heads":  # [B * hkv * T, g, d]
         q2 = q.reshape(b, t, hkv, g, d).transpose(1, 2).reshape(b * hkv * t, g, d)
-    out = kernel(q2, flat_k, flat_v, lay, scale)
-    if t == 1:
-        return out.reshape(b, hq * d)
+        out = kernel(q2, flat_k, flat_v, lay, scale, True)[0]
+        return out.view(b, hkv, t, g, d).transpose(1, 2).reshape(b * t, hq * d)
+    assert new is not None and lay.bias is not None
+    q2 = q.reshape(b, t, hkv, g, d).transpose(1, 2).reshape(b * hkv * t * g, 1, d)
+    first, lse = kernel(q2, flat_k, flat_v, lay, scale, False)
+    n = b * hkv
+    out = merge_later(q2.view(n, t * g, d), first.view(n, t * g, d), lse.view(n, t * g), new, lay, scale)
     return out.view(b, hkv, t, g, d).transpose(1, 2).reshape(b * t, hq * d)
 
 
-def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, scale: float) -> torch.Tensor:
-    """torch's FlashAttention-2, variable length (CUDA, float16/bfloat16)."""
-    return torch.ops.aten._flash_attention_forward(
-        q, k, v, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, 0.0, lay.causal, False, scale=scale, seqused_k=lay.used
-    )[0]
+def merge_later(
+    q: torch.Tensor,
+    first: torch.Tensor,
+    lse: torch.Tensor,
+    new: tuple[torch.Tensor, torch.Tensor],
+    lay: Layout,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax over [keys up to the round's first token, the round's later tokens]: q [n, T * g, d], `first` the
+    attention over the former with its log-sum-exp `lse` [n, T * g]; new keys/values [B, hkv, T, d] (n = B x hkv)."""
+    n, d = q.shape[0], q.shape[2]
+    k2 = new[0][:, :, 1:].reshape(n, -1, d).float()
+    v2 = new[1][:, :, 1:].reshape(n, -1, d).float()
+    s2 = torch.baddbmm(lay.bias, q.float(), k2.transpose(1, 2), alpha=scale)  # type: ignore[arg-type]
+    top = torch.maximum(lse, s2.amax(-1))  # finite: every row sees at least the round's first token
+    w1 = torch.exp(lse - top)
+    e2 = torch.exp(s2 - top[..., None])
+    num = torch.baddbmm(first.float() * w1[..., None], e2, v2)
+    return (num / (w1 + e2.sum(-1))[..., None]).to(q.dtype)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, scale: float) -> torch.Tensor:
-    """What `flash` computes, with a gather and SDPA (float32 softmax at least): q [n * max_q, heads, d], flat k/v
-    [positions, 1, d]; returns [n * max_q, heads, d]."""
+def flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's FlashAttention-2, variable length (CUDA, float16/bfloat16): (out [total_q, heads, d], log-sum-exp
+    [heads, total_q], float32)."""
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, 0.0, causal, False, scale=scale, seqused_k=lay.used
+    )
+    return out[0], out[1]
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `flash` computes, with a gather and plain ops (float32 softmax at least): q [n * max_q, heads, d], flat
+    k/v [positions, 1, d]."""
     n, per, heads, d = lay.used.shape[0], lay.max_q, q.shape[1], q.shape[2]
     idx = lay.cu_k[:-1, None].long() + torch.arange(lay.max_k, device=q.device)
     idx = idx.clamp(max=k.shape[0] - 1)
-    keys, vals = k[idx, 0], v[idx, 0]  # [n, max_k, d]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    keys, vals = k[idx, 0].to(wide), v[idx, 0].to(wide)  # [n, max_k, d]
     cols = torch.arange(lay.max_k, device=q.device)
     used = lay.used.long()[:, None, None]
     mask = cols[None, None] < used  # [n, 1, max_k]
-    if lay.causal:  # query row j of a sequence sees keys up to used - per + j
+    if causal:  # query row j of a sequence sees keys up to used - per + j
         mask = mask & (cols[None, None] <= used - per + torch.arange(per, device=q.device)[None, :, None])
-    wide = torch.promote_types(q.dtype, torch.float32)
     qs = q.view(n, per, heads, d).transpose(1, 2).to(wide)  # [n, heads, per, d]
-    out = F.scaled_dot_product_attention(
-        qs, keys[:, None].to(wide), vals[:, None].to(wide), attn_mask=mask[:, None], scale=scale
-    )
-    return out.transpose(1, 2).reshape(n * per, heads, d).to(q.dtype)
+    scores = (qs @ keys[:, None].transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask[:, None], -torch.inf)
+    lse = torch.logsumexp(scores, -1)  # [n, heads, per]
+    out = torch.exp(scores - lse[..., None]) @ vals[:, None]
+    out = out.transpose(1, 2).reshape(n * per, heads, d).to(q.dtype)
+    return out, lse.permute(1, 0, 2).reshape(heads, n * per)
 
 
 @cache
@@ -121,16 +181,15 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
 def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """One small pool (3 slots, 2 key/value heads, 4 query heads each, 32 positions) through `flash` and
-    `reference`, one token and three tokens a row: whether they agree."""
+    `reference`, causal and not: whether outputs and log-sum-exps agree."""
     gen = torch.Generator(device=device).manual_seed(0)
     keys = torch.randn(3, 2, 32, head_dim, device=device, dtype=dtype, generator=gen)
     values = torch.randn(3, 2, 32, head_dim, device=device, dtype=dtype, generator=gen)
-    rows = torch.tensor([2, 0], device=device)
-    for t in (1, 3):
-        q = torch.randn(2, t, 8, head_dim, device=device, dtype=dtype, generator=gen)
-        lay = layout(rows, torch.tensor([20, 9], device=device), t, 2, 4, 32)
-        got = attend(q, keys, values, lay, head_dim**-0.5, flash).float()
-        want = attend(q, keys, values, lay, head_dim**-0.5, reference).float()
-        if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+    flat_k, flat_v = keys.view(-1, 1, head_dim), values.view(-1, 1, head_dim)
+    lay = layout(torch.tensor([2, 0], device=device), torch.tensor([20, 9], device=device), 3, 2, 4, 32)
+    q = torch.randn(4 * 3, 4, head_dim, device=device, dtype=dtype, generator=gen)
+    for causal in (False, True):
+        (o1, l1), (o2, l2) = (k(q, flat_k, flat_v, lay, head_dim**-0.5, causal) for k in (flash, reference))
+        if not (torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2) and torch.allclose(l1, l2, atol=1e-2)):
             return False
     return True

@@ -94,8 +94,13 @@ def _to_host_checked(hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], li
     sizes = [h.shape[0] for h in hidden]
     rows = torch.cat(hidden)
     ok_rows = torch.isfinite(rows).all(dim=-1)
-    if rows.is_cuda:
-        rows, ok_rows = rows.cpu(), ok_rows.cpu()
+    if rows.is_cuda:  # into pinned host memory (torch caches its blocks): a pageable copy ran at ~3 GB/s
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        ok_host = torch.empty(ok_rows.shape, dtype=ok_rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        ok_host.copy_(ok_rows, non_blocking=True)
+        torch.cuda.current_stream(rows.device).synchronize()
+        rows, ok_rows = host, ok_host
     bounds = torch.tensor([0, *sizes]).cumsum(0)
     bad = torch.cumsum(~ok_rows, 0)  # non-finite rows up to each row: a sequence's count is a difference
     bad = torch.cat([torch.zeros(1, dtype=bad.dtype), bad])
