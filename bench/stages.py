@@ -11,8 +11,9 @@ one pool of max(B) slots per engine; random weights of `random:<preset>` shapes)
 - draft: the drafter's K greedy steps for B sequences (`propose_many`; on CUDA the whole draft is one graph
   replay), each fed one new token, as after a rejection, and read back to the host;
 - head: the lower shard over B x (K+1) token ids (`Engine.forward_many`), the hidden states copied to the
-  host in one copy and checked for non-finite values there, as the head's batcher does today; "head, check
-  on device" is the same forward with one non-finite reduction on the device before the copy;
+  host in one (pageable) copy and checked for non-finite values there, as the head's batcher once did; "head,
+  check on device" is the batcher's way today: one non-finite reduction on the device and one copy into pinned
+  host memory (workers/head/batching.py `to_host_checked`);
 - tail: the upper shard + norm + LM head over B x (K+1) hidden rows (`Engine.forward_many`, logits of every
   row), then as the tail does today: a non-finite check per sequence and `verify_greedy` per sequence (one
   host read each); "tail, batched" is the same forward with one non-finite reduction and one argmax over the
@@ -45,6 +46,7 @@ from schemas.requests import SamplingParams
 from schemas.settings import Settings
 from workers.engine.numerics import finite_rows
 from workers.engine.runner import Engine
+from workers.head.batching import to_host_checked
 from workers.speculative.drafters import ModelDrafter, propose_many
 from workers.speculative.verify import verify_greedy
 
@@ -85,14 +87,25 @@ class Rig:
     call of that stage for the first b of them."""
 
     def __init__(
-        self, shards: dict, k: int, ctx: int, max_len: int, bmax: int, graphs: bool | None, attention: str = "auto"
+        self,
+        shards: dict,
+        k: int,
+        ctx: int,
+        max_len: int,
+        bmax: int,
+        graphs: bool | None,
+        attention: str = "auto",
+        compile_draft: bool = False,
     ) -> None:
         self.k, self.ctx, self.dev = k, ctx, shards["head"].device
         engine = {"static": True, "graphs": graphs, "max_len": max_len, "graph_k": k, "attention": attention}
         settings = Settings(engine=engine)
         self.head = Engine(shards["head"], settings, slots=bmax, label="head")
         self.tail = Engine(shards["tail"], settings, slots=bmax, label="tail")
-        dengine = Engine(shards["draft"], settings, step_tokens=2, pad=False, max_draft=k, slots=bmax, label="draft")
+        dengine = Engine(
+            shards["draft"], settings, step_tokens=2, pad=False, max_draft=k, slots=bmax, compile=compile_draft,
+            label="draft",
+        )  # fmt: skip
         self.graphs = self.head.graphs
         gen = torch.Generator().manual_seed(0)
         vocab = min(s.config.vocab_size for s in shards.values())
@@ -141,10 +154,7 @@ class Rig:
             c.crop(self.ctx)
         with torch.inference_mode():
             xs = [torch.tensor(r, device=self.dev) for r in self.rows[:b]]
-            flat = torch.cat(self.head.forward_many(self.hcaches[:b], xs, [self.ctx] * b))
-            ok = torch.isfinite(flat).view(b, -1).all(1)  # one reduction for the group
-            flat.cpu()
-            ok.tolist()
+            to_host_checked(self.head.forward_many(self.hcaches[:b], xs, [self.ctx] * b))  # as the batcher does
 
     def _tail_forward(self, b: int) -> list[torch.Tensor]:
         for c in self.tcaches[:b]:
@@ -245,12 +255,13 @@ def markdown(rows: list[dict], reference: bool) -> str:
     show_default=True,
     help="EngineSettings.attention: in place over the pools, or gathered copies.",
 )
+@click.option("--compile-draft", is_flag=True, help="The drafter through torch.compile (EngineSettings.compile_draft).")
 @click.option("--profile", "profile_b", default="", help="Group sizes whose stages' top kernels are listed.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out/stages"))
 def main(device: str | None, target: str | None, draft: str | None, split: int | None, bs: str | None, k: int,
          ctx: int | None, max_len: int | None, dtype: str | None, graphs: bool | None, iters: int | None,
-         warmup: int, bandwidth: float, peak: float, reference: bool, attention: str, profile_b: str,
-         out: Path) -> None:  # fmt: skip
+         warmup: int, bandwidth: float, peak: float, reference: bool, attention: str, compile_draft: bool,
+         profile_b: str, out: Path) -> None:  # fmt: skip
     """Time one group's draft / head / tail at each B against the floor (see the module docstring)."""
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
@@ -276,7 +287,7 @@ def main(device: str | None, target: str | None, draft: str | None, split: int |
         "head": Shape.of(shards["head"].config, split, False, dt),
         "tail": Shape.of(shards["tail"].config, n_layers - split, True, dt),
     }
-    rig = Rig(shards, k, ctx, max_len, max(sizes), graphs, attention)
+    rig = Rig(shards, k, ctx, max_len, max(sizes), graphs, attention, compile_draft)
     setup = f"set up in {time.perf_counter() - t0:.0f} s: {target} split {split}/{n_layers - split}, draft {draft}"
     click.echo(f"{setup}, K={k}, {ctx} cached, {max_len}-position slots, {dt}, graphs {rig.graphs}, {dev}", err=True)
     refs = {}

@@ -87,7 +87,7 @@ def _model_session(w: HeadWork) -> ModelDraftSession | None:
     return session if isinstance(session, ModelDraftSession) else None
 
 
-def _to_host_checked(hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
+def to_host_checked(hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
     """The batch's hidden states on the host (copied out before the lock goes: the next batch replays the same
     graphs) and, per sequence, whether all are finite: one reduction over every row on the device, read back
     with the copy (one sync for both), never a check per sequence on the host copy."""
@@ -251,7 +251,7 @@ class Batcher:
             hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
             if self._idle is not None:  # the forward is queued on the device: host work overlaps it
                 self._idle()
-            hidden, finite = _to_host_checked(hidden)
+            hidden, finite = to_host_checked(hidden)
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         batch_id, routes = secrets.token_hex(8), Counter(w.route for w in batch)
