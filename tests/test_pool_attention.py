@@ -2,7 +2,8 @@
 the layout's offsets, lengths and causal alignment give what the gathered path gives, for single tokens (draft
 steps: query heads folded), several tokens a row (rounds, prompts), rows in any slot order, padding rows, and
 positions past 2,048; a whole draft over the pool equals one over a `DraftBuffer`, slots included. GPU: the
-FlashAttention kernel is checked against `reference` at load (`supported`'s probe) and by bench/stages.py and the job path (docs/benchmarks.md runs 56–59)."""
+FlashAttention kernel is checked against `reference` at load (`supported`'s probe), and the job path's greedy
+outputs against the no-speculation reference (docs/benchmarks.md runs 56-59)."""
 
 from __future__ import annotations
 
