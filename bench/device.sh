@@ -21,12 +21,7 @@
 set -uo pipefail
 OUT=${OUT:-bench/out/device} QUANTS=${QUANTS:-4bit,int8} DTYPES=${DTYPES:-float32}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-quiet() { grep --line-buffered -v -E "USDT|UserWarning|warn\(|_warn_once|profiler.py|pkg_resources"; }
+source bench/device_env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 for part in "${@:-ladder}"; do
 LIMIT=${part#*:}; [ "$LIMIT" = "$part" ] && LIMIT=590

@@ -8,12 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-bench/out/device_kernels}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-quiet() { grep --line-buffered -v -E "USDT|UserWarning|warn\(|_warn_once|profiler.py|pkg_resources"; }
+source bench/device_env.sh
 python3 - <<'EOF' 2>&1 | tee "$OUT/probe.txt"
 import torch
 from workers.engine import pool_attention as pa

@@ -9,15 +9,10 @@
 set -uo pipefail
 OUT=${OUT:-bench/out/device_round}
 mkdir -p "$OUT" /tmp/o
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source bench/device_env.sh
 variants=()
 IFS=';' read -ra vs <<< "${VARIANTS:-default=}"
 for v in "${vs[@]}"; do variants+=(--variant "$v"); done
-quiet() { grep --line-buffered -v -E "USDT|UserWarning|warn\(|_warn_once|profiler.py|pkg_resources"; }
 timeout "${1:-330}" bench/spy.sh /tmp/o python3 -m bench.jobs --target random:qwen2.5-7b --split 14 \
   --draft random:qwen2.5-0.5b --synthetic 0.78 --head-device cuda:0 --tail-device cuda:0 --dtype bfloat16 \
   --delay-ms 43 --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,64,256}" --distinct 16 --singles 3 \

@@ -14,7 +14,6 @@ from workers.engine import pool_attention
 from workers.engine.fused import attend as gathered_attend
 from workers.engine.graphs import greedy_steps
 from workers.engine.kvcache import BatchView, KVCache, KVPool
-from workers.engine.runner import set_attention
 from workers.engine.shard import load_shard
 
 
@@ -49,7 +48,7 @@ def _shards(models):
     path = models["qwen2"].target
     in_place = load_shard(path, None, embed=True, head=True)
     gather = load_shard(path, None, embed=True, head=True)
-    set_attention(in_place, "in_place")
+    in_place.set_attention("in_place")
     assert in_place.attends_in_place and not gather.attends_in_place
     return in_place, gather
 
@@ -108,7 +107,7 @@ def test_a_draft_in_place_equals_a_draft_over_a_copy(models):
     real rows' slots holding the same keys and values."""
     path = models["qwen2"].drafter
     a, b = load_shard(path, None, embed=True, head=True), load_shard(path, None, embed=True, head=True)
-    set_attention(a, "in_place")
+    a.set_attention("in_place")
     torch.manual_seed(2)
     pools = [KVPool.for_shard(s, slots=4, max_len=64, scratch=12) for s in (a, b)]
     for s, n in ((0, 5), (2, 11), (3, 20)):

@@ -9,9 +9,10 @@ FlashAttention-2 that torch ships (`torch.ops.aten._flash_attention_forward`, va
 need not be increasing), float32 softmax, causal aligned to the end of each row's keys:
 - one token a row (a draft step): the g query heads of a group are the g query rows of one sequence, not causal
   (each sees every key up to its own), so each group's keys are read once;
-- several tokens a row (rounds, prompts): the tokens are the query rows and the g heads its heads (one key/value
-  head), causal; a row's tokens sit at consecutive positions ending at used[b] - 1 (padding after the real ones,
-  as every batch of workers/engine/runner.py is laid out).
+- several tokens a row (prompts, small batches): the tokens are the query rows and the g heads its heads (one
+  key/value head), causal; a row's tokens sit at consecutive positions ending at used[b] - 1 (padding after the
+  real ones, as every batch of workers/engine/runner.py is laid out);
+- a batch's rounds: in two parts, merged (`attend`'s "split").
 Attention thus follows each row's real length (no attended-length buckets, no graph per length) and builds no
 mask. FlashAttention-2 runs on sm_80+ in float16/bfloat16 (head_dim a multiple of 8, at most 256); elsewhere
 (`supported`) the shards gather as before (workers/engine/kvcache.py `BatchView`). `reference` computes the same
@@ -29,7 +30,8 @@ from functools import cache
 
 import torch
 
-Kernel = Callable[..., torch.Tensor]
+# (q, flat keys, flat values, layout, scale, causal) -> (out [total_q, heads, d], log-sum-exp [heads, total_q])
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 # Rows of several tokens (rounds) from this batch size on attend in two parts (see `attend`); below it, per head.
@@ -46,7 +48,6 @@ class Layout:
     used: torch.Tensor  # int32 [n]: keys each uses
     max_q: int
     max_k: int
-    t: int  # tokens a row
     mode: str  # "fold" (one token), "heads" (causal, a head per query head), "split" (see `attend`)
     bias: torch.Tensor | None = None  # split: [t * g, t - 1] 0 / -inf, which of a round's later tokens a row sees
 
@@ -69,7 +70,7 @@ def layout(rows: torch.Tensor, last: torch.Tensor, t: int, kv_heads: int, g: int
         tok = torch.arange(t, device=dev).repeat_interleave(g)[:, None]
         later = torch.arange(1, t, device=dev)[None] > tok
         bias = torch.zeros(t * g, t - 1, device=dev).masked_fill(later, -torch.inf)
-    return Layout(cu_q, cu_k, used, per, length, t, mode, bias)
+    return Layout(cu_q, cu_k, used, per, length, mode, bias)
 
 
 def attend(

@@ -26,7 +26,6 @@ import torch
 import torch._dynamo
 
 from schemas.settings import Settings
-from workers.engine import pool_attention
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVCache, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
@@ -45,17 +44,6 @@ log = logging.getLogger("shardflow.engine")
 GB = 1e9
 
 Logits = int | Sequence[int]  # rows of logits wanted per sequence (0: hidden states)
-
-
-def set_attention(shard: Shard, mode: str) -> None:
-    """EngineSettings.attention on a loaded shard's fused layers: gather turns attention in place off, in_place
-    turns it on with the reference kernel where FlashAttention does not run, auto keeps what the load probed."""
-    if shard.fused is None or mode == "auto":
-        return
-    if mode == "gather":
-        shard.fused.kernel = None
-    elif shard.fused.kernel is None:
-        shard.fused.kernel = pool_attention.reference
 
 
 def pick_last(m: int, p: int) -> list[int]:
@@ -89,7 +77,7 @@ class Engine:
         self.label = label
         step_tokens = settings.engine.graph_k + 1 if step_tokens is None else step_tokens
         self.shard = shard
-        set_attention(shard, settings.engine.attention)
+        shard.set_attention(settings.engine.attention)
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
-from workers.engine import attention
+from workers.engine import attention, pool_attention
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
@@ -199,6 +199,16 @@ class Shard(nn.Module):
         """Whether batches over a pool attend where their keys and values sit (workers/engine/pool_attention.py):
         no gathered copies, no attended-length buckets, no score buffers (any length runs the fused layers)."""
         return self.fused is not None and self.fused.kernel is not None
+
+    def set_attention(self, mode: str) -> None:
+        """EngineSettings.attention on the fused layers: gather turns attention in place off, in_place turns it on
+        with the reference kernel where FlashAttention does not run, auto keeps what the load probed."""
+        if self.fused is None or mode == "auto":
+            return
+        if mode == "gather":
+            self.fused.kernel = None
+        elif self.fused.kernel is None:
+            self.fused.kernel = pool_attention.reference
 
     def _fused_fits(self, h: torch.Tensor, mask: torch.Tensor | None, cache: object = None) -> bool:
         assert self.fused is not None
