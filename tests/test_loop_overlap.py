@@ -1,6 +1,6 @@
-"""The head's step loop takes replies while the device runs a group's lower shard (`HeadLoop._meanwhile`): with two
-groups in flight, the replies of one are committed while the other computes, and every generation still equals
-HF generate (a real tail process; the head in-process)."""
+"""The head's step loop takes replies while the device runs a group's whole draft and its lower shard
+(`HeadLoop._meanwhile`): with two groups in flight, the replies of one are committed while the other computes,
+and every generation still equals HF generate (a real tail process; the head in-process)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,44 @@ def test_replies_taken_while_a_group_computes_change_nothing(
         got = list(pool.map(one, prompts))
     assert got == [reference(hf_models["qwen2"], tokenizers["qwen2"], p, NEW) for p in prompts]
     assert taken and sum(taken) > 0, taken  # some replies were taken while a group computed
+
+
+def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_models, tokenizers, monkeypatch):
+    """With a draft model on static caches (its whole greedy draft one `Engine.draft_many`), the loop also takes
+    replies while the draft runs, before it is read back: `_meanwhile` runs twice a group (draft, lower shard),
+    and every generation still equals HF generate."""
+    from schemas.requests import DraftSettings
+
+    ms = models["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers)
+    settings = Settings(engine={"static": True, "slots": 8}, relay={"head_groups": 2})
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
+    during_draft: list[int] = []
+    draft_many, meanwhile = Engine.draft_many, HeadLoop._meanwhile
+    drafting = [False]
+
+    def slow_draft(self: Engine, *args, **kwargs):  # the whole draft "runs" a while: replies come meanwhile
+        out = draft_many(self, *args, **kwargs)
+        drafting[0] = out is not None
+        time.sleep(0.03)
+        return out
+
+    def counting(self: HeadLoop) -> None:
+        if drafting[0]:
+            with self._cv:
+                during_draft.append(len(self._replies))
+            drafting[0] = False
+        meanwhile(self)
+
+    monkeypatch.setattr(Engine, "draft_many", slow_draft)
+    monkeypatch.setattr(HeadLoop, "_meanwhile", counting)
+    prompts = PROMPTS[:8]
+
+    def one(p: str) -> list[int]:
+        req = GenerationRequest(prompt=p, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(k=4))
+        return generate(req, runtime, redis_client, names=names).token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == [reference(hf_models["qwen2"], tokenizers["qwen2"], p, NEW) for p in prompts]
+    assert during_draft and sum(during_draft) > 0, during_draft  # replies taken while a draft ran

@@ -219,7 +219,8 @@ class Batcher:
     def compute(self, batch: list[HeadWork], idle: Callable[[], None] | None = None) -> None:
         """Compute a batch the caller assembled (the head's step loop, holding the runtime's lock): every
         item's draft and hidden states, or its error. `idle`, if given, is called while the device runs the
-        lower shard, before the batch's last wait for it (the loop takes the replies that came meanwhile)."""
+        whole greedy draft, before it is read back, and again while it runs the lower shard, before the batch's
+        last wait for it (the loop takes the replies that came meanwhile)."""
         self._idle = idle
         try:
             self._compute(batch)
@@ -241,7 +242,7 @@ class Batcher:
 
     def _compute_batch(self, batch: list[HeadWork]) -> list[None]:
         t0 = time.perf_counter()
-        drafts = self._drafts(batch)
+        drafts = self._drafts(batch, self._idle)
         t1 = time.perf_counter()
         dev = self.engine.shard.device
         with torch.inference_mode():
@@ -265,9 +266,10 @@ class Batcher:
         return [None] * len(batch)
 
     @staticmethod
-    def _drafts(batch: list[HeadWork]) -> list[Draft]:
+    def _drafts(batch: list[HeadWork], meanwhile: Callable[[], None] | None = None) -> list[Draft]:
         """Every round's draft: model sessions batched per draft model (then `finish`ed by their drafter),
-        n-gram sessions in one call, the rest one by one; empty where no draft is wanted."""
+        n-gram sessions in one call, the rest one by one; empty where no draft is wanted. `meanwhile`: host
+        work while a whole greedy draft runs on the device (once per draft model)."""
         out: list[Draft | None] = [None] * len(batch)
         models: dict[int, list[tuple[int, ModelDraftSession]]] = {}  # by draft engine: one batch per draft model
         for i, w in enumerate(batch):
@@ -276,7 +278,8 @@ class Batcher:
         for group in models.values():
             ws = [batch[i] for i, _ in group]
             contexts, ks = [w.context for w in ws], [w.k for w in ws]
-            drafts = propose_many([s for _, s in group], contexts, ks, [w.sampling for w in ws], [w.gen for w in ws])
+            samplings, gens = [w.sampling for w in ws], [w.gen for w in ws]
+            drafts = propose_many([s for _, s in group], contexts, ks, samplings, gens, meanwhile=meanwhile)
             for (i, _), w, d in zip(group, ws, drafts, strict=True):
                 out[i] = w.drafter.finish(d, w.context, w.k, w.gen)  # type: ignore[union-attr]
         rest = [i for i, w in enumerate(batch) if out[i] is None and w.k > 0 and w.gen is not None]

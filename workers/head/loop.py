@@ -7,9 +7,9 @@ Each step it
    through its callback; waits after a full tail's "busy"; replays after a tail's error), fails the sends that
    failed, replays the sessions whose tail went silent, and retires finished generations;
 3. computes one group of the generations that are ready: drafts for all of them at once and the lower shard
-   once over all of them (`Batcher.compute`, workers/head/batching.py; while the device runs the lower shard the
-   loop takes the replies that came meanwhile, as in 2, for generations outside the group), and queues the
-   group to a sender thread, which seals each round and publishes the group as one entry per tail stream
+   once over all of them (`Batcher.compute`, workers/head/batching.py; while the device runs the draft and the
+   lower shard the loop takes the replies that came meanwhile, as in 2, for generations outside the group), and
+   queues the group to a sender thread, which seals each round and publishes the group as one entry per tail stream
    (schemas/groups.py).
 
 The loop itself never waits on Redis: a sender thread publishes what it queues and a receiver thread reads the
@@ -200,8 +200,9 @@ class HeadLoop:
         self._send(ok, build=True)
 
     def _meanwhile(self) -> None:
-        """While the device runs a group's lower shard: the replies and failed sends that came since the step
-        began, taken now rather than after the group (the group's own generations are READY: untouched)."""
+        """While the device runs a group's whole draft or its lower shard: the replies and failed sends that came
+        since the step began, taken now rather than after the group (the group's own generations are READY:
+        untouched)."""
         t0 = time.perf_counter()
         with self._cv:
             replies, self._replies = self._replies, []

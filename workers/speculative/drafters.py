@@ -116,19 +116,22 @@ def propose_many(
     ks: list[int],
     samplings: list[SamplingParams],
     gens: list[torch.Generator | None],
+    *,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[Draft]:
     """Drafts for several sessions of one draft model at once, each greedy or sampled (its own warp, its own
     generator, q returned). All greedy: `propose_greedy_many` (the whole draft as one graph replay where it
-    applies). Otherwise one batched forward per draft position (rows whose k is reached drop out), greedy
-    rows taking the argmax and each sampled row drawing one token per position from its own generator,
-    exactly the draws it makes alone. Rows with k <= 0 get an empty draft and leave their session alone."""
+    applies; `meanwhile`, if given, is called while the device runs it, before its result is read). Otherwise
+    one batched forward per draft position (rows whose k is reached drop out), greedy rows taking the argmax
+    and each sampled row drawing one token per position from its own generator, exactly the draws it makes
+    alone. Rows with k <= 0 get an empty draft and leave their session alone."""
     out = [Draft([]) for _ in sessions]
     rows = [i for i, k in enumerate(ks) if k > 0]
     if not rows:
         return out
     ss, cs, ns = [sessions[i] for i in rows], [contexts[i] for i in rows], [ks[i] for i in rows]
     if all(samplings[i].greedy for i in rows):
-        got = propose_greedy_many(ss, cs, ns)
+        got = propose_greedy_many(ss, cs, ns, meanwhile=meanwhile)
     else:
         got = _propose_mixed(ss, cs, ns, [samplings[i] for i in rows], [gens[i] for i in rows])
     for i, d in zip(rows, got, strict=True):
@@ -187,10 +190,17 @@ class _Sampler:
         return torch.cat(picked)  # type: ignore[arg-type]
 
 
-def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[int]], ks: list[int]) -> list[Draft]:
+def propose_greedy_many(
+    sessions: list[ModelDraftSession],
+    contexts: list[list[int]],
+    ks: list[int],
+    *,
+    meanwhile: Callable[[], None] | None = None,
+) -> list[Draft]:
     """Greedy drafts for several sessions of one draft model at once: with CUDA graphs, the whole draft as
     one graph replay per pool of slots (`Engine.draft_many`); otherwise one batched forward per draft
-    position (rows whose k is reached drop out). One host sync per pool."""
+    position (rows whose k is reached drop out). One host sync per pool; `meanwhile` (host work: the head's
+    loop takes replies) runs once, while the first replay is on the device."""
     engine = sessions[0].engine
     plans = [s.plan(c) for s, c in zip(sessions, contexts, strict=True)]
     rows: list[list[int]] = [[] for _ in sessions]
@@ -211,6 +221,9 @@ def propose_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[i
             if got is None:
                 rest += idx
                 continue
+            if meanwhile is not None:
+                meanwhile()
+                meanwhile = None
             for i, row in zip(idx, got.cpu().tolist(), strict=True):  # read before the next replay reuses it
                 rows[i] = row
         if rest:
