@@ -230,9 +230,29 @@ def encode_round(
     metas, raws = {}, {}
     for name, t in tensors.items():
         metas[name], raws[TENSOR_PREFIX + name.encode()] = encode_tensor(t)
+    packet, header = round_header(packet_fields, metas, key)
+    return packet, seal(key, {HEADER: header, **raws})
+
+
+def round_header(packet_fields: dict, metas: dict[str, TensorMeta], key: bytes) -> tuple[RoundPacket, bytes]:
+    """A round's validated header and its JSON, from header fields and its tensors' metas: what `encode_round`
+    seals, made before the tensors' bytes exist (the head builds it while its device computes them)."""
     opens = packet_fields.get("start_pos") == 0
     packet = RoundPacket(**packet_fields, tensors=metas, key=key.hex() if opens else None)
-    return packet, seal(key, {HEADER: packet.model_dump_json().encode(), **raws})
+    return packet, packet.model_dump_json().encode()
+
+
+def seal_round(packet: RoundPacket, header: bytes, tensors: dict[str, torch.Tensor], key: bytes) -> dict[bytes, bytes]:
+    """The sealed stream fields of a round whose header `round_header` made, with these tensors, which must be
+    what the header says (PacketError otherwise)."""
+    if set(tensors) != set(packet.tensors):
+        raise PacketError(f"tensors {sorted(tensors)} are not the header's {sorted(packet.tensors)}")
+    raws = {}
+    for name, t in tensors.items():
+        meta, raws[TENSOR_PREFIX + name.encode()] = encode_tensor(t)
+        if packet.tensors[name] != meta:
+            raise PacketError(f"tensor {name!r} is {meta.dtype}{meta.shape}, its header says otherwise")
+    return seal(key, {HEADER: header, **raws})
 
 
 def encode_message(msg: BaseModel, key: bytes | None = None) -> dict[bytes, bytes]:

@@ -52,6 +52,14 @@ class TensorMeta(BaseModel):
         return self.numel * DTYPES[self.dtype].itemsize
 
 
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    """What `encode_tensor` says of `t` (nothing copied: its raw bytes may not exist on the host yet)."""
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise PacketError(f"dtype {t.dtype} is not in the tensor allow-list {sorted(DTYPES)}")
+    return TensorMeta(dtype=name, shape=list(t.shape))
+
+
 def encode_tensor(t: torch.Tensor) -> tuple[TensorMeta, bytes]:
     """Return the meta and raw bytes of `t` (copied to host memory, made contiguous)."""
     name = DTYPE_NAMES.get(t.dtype)

@@ -55,7 +55,8 @@ def test_replies_taken_while_a_group_computes_change_nothing(
 def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_models, tokenizers, monkeypatch):
     """With a draft model on static caches (its whole greedy draft one `Engine.draft_many`), the loop also takes
     replies while the draft runs, before it is read back: `_meanwhile` runs twice a group (draft, lower shard),
-    and every generation still equals HF generate."""
+    the rounds' headers are made while the lower shard runs (`RoundLoop.prepare`), and every generation still
+    equals HF generate."""
     from schemas.requests import DraftSettings
 
     ms = models["qwen2"]
@@ -79,8 +80,17 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
             drafting[0] = False
         meanwhile(self)
 
+    from workers.head import rounds
+
+    ahead, seal_round = [0], rounds.seal_round
+
+    def sealing(*args, **kwargs):  # a round sealed under the header the loop made while its forward ran
+        ahead[0] += 1
+        return seal_round(*args, **kwargs)
+
     monkeypatch.setattr(Engine, "draft_many", slow_draft)
     monkeypatch.setattr(HeadLoop, "_meanwhile", counting)
+    monkeypatch.setattr(rounds, "seal_round", sealing)
     prompts = PROMPTS[:8]
 
     def one(p: str) -> list[int]:
@@ -91,3 +101,4 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
         got = list(pool.map(one, prompts))
     assert got == [reference(hf_models["qwen2"], tokenizers["qwen2"], p, NEW) for p in prompts]
     assert during_draft and sum(during_draft) > 0, during_draft  # replies taken while a draft ran
+    assert ahead[0] > len(prompts)  # headers made while the lower shard ran, then sealed as they were

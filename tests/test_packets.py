@@ -10,16 +10,21 @@ import pytest
 import torch
 
 from relay_broker.streams import ReplyReader, publish
+from schemas.errors import PacketError
 from schemas.packets import (
     HEADER,
     DeadLetterRecord,
     decode_head_message,
     decode_tail_message,
+    encode_round,
+    seal_round,
 )
+from schemas.packets import round_header as make_header
 from schemas.peek import head_batch_incomplete, peek_head_batch
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
+from schemas.tensors import TensorMeta
 from tests.conftest import PROMPTS
-from tests.relay_util import reseal, sealed_round
+from tests.relay_util import TEST_HEAD, TEST_KEY, reseal, sealed_round
 from workers.head.runtime import HeadRuntime, generate
 
 CAP = 200_000
@@ -144,3 +149,20 @@ def test_head_batch_hint_is_read_defensively():
         assert peek_head_batch(fields) is None and not head_batch_incomplete([fields])
         with pytest.raises(Exception, match="head_batch"):
             decode_head_message(fields)
+
+
+def test_a_header_made_ahead_seals_the_same_round():
+    """`round_header` before the tensors exist, then `seal_round`: the same stream fields as `encode_round`; a
+    tensor that is not what the header says is refused rather than sealed under it."""
+    fields = {"head": TEST_HEAD, **round_header("s" * 32, start_pos=5, draft_ids=[4, 5])}
+    hidden = torch.randn(5, 8, dtype=torch.float16)
+    packet, header = make_header(fields, {"hidden": TensorMeta(dtype="float16", shape=[5, 8])}, TEST_KEY)
+    assert (
+        seal_round(packet, header, {"hidden": hidden}, TEST_KEY)
+        == encode_round(fields, {"hidden": hidden}, TEST_KEY)[1]
+    )
+    for other in (hidden.float(), torch.randn(4, 8, dtype=torch.float16)):
+        with pytest.raises(PacketError, match="its header says otherwise"):
+            seal_round(packet, header, {"hidden": other}, TEST_KEY)
+    with pytest.raises(PacketError, match="not the header's"):
+        seal_round(packet, header, {"hidden": hidden, "q": hidden}, TEST_KEY)

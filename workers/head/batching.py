@@ -250,15 +250,16 @@ class Batcher:
             flat = torch.tensor([t for row in ids for t in row], dtype=torch.long).to(dev, non_blocking=True)  # 1 copy
             xs = list(flat.split([len(row) for row in ids]))
             hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
+            batch_id, routes = secrets.token_hex(8), Counter(w.route for w in batch)
+            for w, d in zip(batch, drafts, strict=True):  # all a round's header needs, before its hidden states
+                w.draft, w.tag, w.batch, w.hidden = d, (batch_id, routes[w.route]), len(batch), None
             if self._idle is not None:  # the forward is queued on the device: host work overlaps it
                 self._idle()
             hidden, finite = to_host_checked(hidden)
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
-        batch_id, routes = secrets.token_hex(8), Counter(w.route for w in batch)
-        for w, d, h in zip(batch, drafts, hidden, strict=True):
-            w.draft, w.hidden, w.draft_s, w.head_s, w.batch = d, h, t1 - t0, t2 - t1, len(batch)
-            w.tag = (batch_id, routes[w.route])
+        for w, h in zip(batch, hidden, strict=True):
+            w.hidden, w.draft_s, w.head_s = h, t1 - t0, t2 - t1
             w.k_free = _k_free(w, self.engine)
         for w, ok in zip(batch, finite, strict=True):
             if not ok:  # fails this generation (Batcher.submit raises it), never sent as a packet

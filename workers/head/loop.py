@@ -76,6 +76,7 @@ class HeadLoop:
         self._cv = threading.Condition()
         self.steps = 0
         self._idle_s = 0.0  # of the group being computed: the time `_meanwhile` took
+        self._group: list[Slot] = []  # the group being computed (its headers are made while its forward runs)
         self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
         self.seal_clock = PhaseClock("head senders", log)  # sealing a group's rounds, on the sender threads
         self.sender = Sender(r, self.settings)
@@ -184,7 +185,7 @@ class HeadLoop:
     def _compute(self, group: list[Slot]) -> None:
         with self.clock("work"):
             works = [s.gen.next_work() for s in group]
-        self._idle_s = 0.0
+        self._idle_s, self._group = 0.0, group
         with self.rt.lock:
             t0 = time.perf_counter()
             self.rt.batcher.compute(works, idle=self._meanwhile)
@@ -211,9 +212,28 @@ class HeadLoop:
             for slot in slots:
                 self._fail(slot, e)
         self._route(replies)
-        spent = time.perf_counter() - t0
-        self._idle_s += spent  # called again if the group is retried item by item
-        self.clock.add("replies", spent)
+        t1 = time.perf_counter()
+        self._headers()
+        t2 = time.perf_counter()
+        self._idle_s += t2 - t0  # called again if the group is retried item by item
+        self.clock.add("replies", t1 - t0)
+        self.clock.add("headers", t2 - t1)
+
+    def _headers(self) -> None:
+        """While the device computes the group's hidden states (its drafts known): each greedy round's header,
+        made now rather than on the sender's thread after the forward (`RoundLoop.prepare`). One that cannot be
+        made is made again, or fails, when the round is sealed."""
+        for slot in self._group:
+            rnd = slot.gen.round
+            work = rnd.work if rnd is not None else None
+            if work is None or work.draft is None or work.hidden is not None or not work.sampling.greedy:
+                continue
+            if rnd.header is not None and rnd.header[0][2] == work.tag:  # made for this batch already
+                continue
+            try:
+                slot.gen.prepare()
+            except Exception:
+                log.debug("head: a round's header could not be made ahead; it is made when sealed", exc_info=True)
 
     def _send(self, slots: list[Slot], build: bool = False) -> None:
         """Put these rounds on the wire: sealed on a sender's thread (`build`: just computed), or as sealed

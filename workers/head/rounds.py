@@ -20,16 +20,20 @@ from schemas.packets import (
     ClosePacket,
     DeadLetterRecord,
     ErrorReply,
+    RoundPacket,
     Verdict,
     authentic,
     decode_tail_message,
     encode_message,
     encode_round,
     mac_hex,
+    round_header,
+    seal_round,
     session_key,
 )
 from schemas.peek import raw_header
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
+from schemas.tensors import DTYPE_NAMES, TensorMeta, tensor_meta
 from workers.head.batching import HeadWork
 from workers.head.round_times import add_round
 from workers.speculative.adaptive import DraftLength
@@ -59,6 +63,7 @@ class OpenRound:
     remaining: int
     work: HeadWork
     fields: dict[bytes, bytes] = field(default_factory=dict)
+    header: tuple[tuple, RoundPacket, bytes] | None = None  # (what it was made from, packet, JSON): `prepare`
     mac: str = ""
     sent_at: float = 0.0
     sent_wall: float = 0.0  # time.time() when sent (beside the tail's wall-clock timings)
@@ -135,10 +140,38 @@ class RoundLoop:
         self.round = OpenRound(rid, start, remaining, work)
         return work
 
+    def prepare(self) -> None:
+        """Once the round's draft is known, while the device computes its hidden states: its header, validated
+        and serialized ahead of `packet` (which then only encodes the tensors and MACs them)."""
+        rnd = self.round
+        assert rnd is not None and rnd.work.draft is not None
+        basis, fields, q_tensors = self._header_fields()
+        rows = len(fields["input_ids"]) + len(fields["draft_ids"])
+        hidden = TensorMeta(dtype=DTYPE_NAMES[self.rt.shard.dtype], shape=[rows, self.rt.shard.config.hidden_size])
+        metas = {"hidden": hidden, **{name: tensor_meta(t) for name, t in q_tensors.items()}}
+        rnd.header = (basis, *round_header(fields, metas, self.key))
+
     def packet(self) -> dict[bytes, bytes]:
         """The computed round as sealed stream fields (kept for a resend to a full tail)."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None and rnd.work.hidden is not None
+        basis, fields, q_tensors = self._header_fields()
+        tensors = {"hidden": rnd.work.hidden, **q_tensors}
+        made = rnd.header
+        if made is not None and made[0] == basis:
+            try:
+                rnd.fields = seal_round(made[1], made[2], tensors, self.key)
+            except PacketError:  # not what `prepare` foresaw (another dtype, say): built whole below
+                made = None
+        if made is None or made[0] != basis:
+            _, rnd.fields = encode_round(fields, tensors, self.key)
+        rnd.mac = mac_hex(rnd.fields)
+        return rnd.fields
+
+    def _header_fields(self) -> tuple[tuple, dict, dict[str, torch.Tensor]]:
+        """The round's header fields and q tensors, and what they depend on that a retried batch may change."""
+        rnd = self.round
+        assert rnd is not None and rnd.work.draft is not None
         draft, work = rnd.work.draft, rnd.work
         q_kind, q_tensors = self._q(draft)
         header = dict(
@@ -146,8 +179,8 @@ class RoundLoop:
             head=self.head,
             round_id=rnd.rid,
             start_pos=rnd.start,
-            input_ids=self.pending,
-            draft_ids=draft.tokens,
+            input_ids=list(self.pending),
+            draft_ids=list(draft.tokens),
             sampling=self.req.sampling,
             eos_token_ids=self.rt.eos_token_ids,
             max_new=rnd.remaining,
@@ -156,9 +189,8 @@ class RoundLoop:
             reply_to=self.reply_to,
             head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
         )
-        _, rnd.fields = encode_round(header, {"hidden": work.hidden, **q_tensors}, self.key)
-        rnd.mac = mac_hex(rnd.fields)
-        return rnd.fields
+        basis = (tuple(draft.tokens), tuple(self.pending), work.tag, self.replay_next, self.reply_to)
+        return basis, header, q_tensors
 
     def sent(self) -> float:
         """The round went out: the time by which its verdict must come (the reply timeout)."""

@@ -201,9 +201,10 @@ class TailWorker:
         out: list[Reply | None] = [None] * len(entries)
         batch: list[tuple[int, Prepared]] = []
         later: list[int] = []  # a second packet of a session already in this batch waits for the first
+        in_batch: set[str] = set()
         for i, fields in enumerate(entries):
             sid, rid = peek_session(fields)
-            if sid is not None and any(p.packet.session_id == sid for _, p in batch):
+            if sid is not None and sid in in_batch:
                 later.append(i)
                 continue
             try:
@@ -220,6 +221,7 @@ class TailWorker:
                 continue
             if isinstance(prep, Prepared):
                 batch.append((i, prep))
+                in_batch.add(prep.packet.session_id)
             else:
                 out[i] = prep
         self._prepare_ms = (time.perf_counter() - t0) * 1000
