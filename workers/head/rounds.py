@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hmac
 import logging
@@ -157,13 +158,11 @@ class RoundLoop:
         assert rnd is not None and rnd.work.draft is not None and rnd.work.hidden is not None
         basis, fields, q_tensors = self._header_fields()
         tensors = {"hidden": rnd.work.hidden, **q_tensors}
-        made = rnd.header
+        made, rnd.fields = rnd.header, {}
         if made is not None and made[0] == basis:
-            try:
+            with contextlib.suppress(PacketError):  # not what `prepare` foresaw (another dtype, say): made whole
                 rnd.fields = seal_round(made[1], made[2], tensors, self.key)
-            except PacketError:  # not what `prepare` foresaw (another dtype, say): built whole below
-                made = None
-        if made is None or made[0] != basis:
+        if not rnd.fields:
             _, rnd.fields = encode_round(fields, tensors, self.key)
         rnd.mac = mac_hex(rnd.fields)
         return rnd.fields
