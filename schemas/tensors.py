@@ -62,12 +62,10 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 
 def encode_tensor(t: torch.Tensor) -> tuple[TensorMeta, bytes]:
     """Return the meta and raw bytes of `t` (copied to host memory, made contiguous)."""
-    name = DTYPE_NAMES.get(t.dtype)
-    if name is None:
-        raise PacketError(f"dtype {t.dtype} is not in the tensor allow-list {sorted(DTYPES)}")
+    meta = tensor_meta(t)
     host = t.detach().to("cpu").contiguous()
     raw = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
-    return TensorMeta(dtype=name, shape=list(host.shape)), raw
+    return meta, raw
 
 
 def decode_tensor(

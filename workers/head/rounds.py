@@ -37,6 +37,7 @@ from schemas.requests import FinishReason, GenerationRequest, GenerationResult, 
 from schemas.tensors import DTYPE_NAMES, TensorMeta, tensor_meta
 from workers.head.batching import HeadWork
 from workers.head.round_times import add_round
+from workers.head.verdicts import verdict_problem
 from workers.speculative.adaptive import DraftLength
 from workers.speculative.drafters import Draft
 from workers.speculative.sampling import encode_q, round_generator
@@ -399,18 +400,3 @@ class RoundLoop:
             )
         except ShardFlowError as e:
             log.warning("session %s: could not close cleanly: %s", self.sid, e)
-
-
-def verdict_problem(v: Verdict, drafts: list[int], remaining: int, vocab_size: int) -> str | None:
-    """Why a verdict cannot be this round's answer (None if it can): the tail accepts a prefix of the drafts
-    and commits it plus one token of its own, cut at a stop, never past `remaining` tokens."""
-    if max(v.tokens + [v.next_token or 0]) >= vocab_size:
-        return f"verdict for round {v.round_id} holds token ids beyond the vocabulary"
-    kept = min(v.accepted, len(v.tokens))
-    if v.accepted > len(drafts) or v.tokens[:kept] != drafts[:kept] or len(v.tokens) > min(v.accepted + 1, remaining):
-        return f"verdict for round {v.round_id} does not match the drafts sent"
-    if v.finish_reason is None and v.next_token is None:
-        return f"verdict for round {v.round_id} has neither a next token nor a finish"
-    if v.finish_reason is None and v.tokens != drafts[: v.accepted] + [v.next_token]:
-        return f"verdict for round {v.round_id} does not commit its accepted drafts and next token"
-    return None
