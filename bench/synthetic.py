@@ -112,6 +112,7 @@ class SyntheticDrafter:
 
     name = "synthetic"
     device = torch.device("cpu")
+    proposes_alone = True  # `finish` ignores the inner draft: the head queues its lower shard without reading it
 
     def __init__(
         self, reference: list[int], alpha: float, prompt_len: int, vocab: int, inner: DraftSession | None = None

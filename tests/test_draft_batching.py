@@ -248,3 +248,24 @@ def test_a_prompt_batched_with_warm_rows_drafts_as_one_whole_draft(tiny: Tiny) -
     assert [len(c.caches) for c in forwards] == [1]  # its prefill, one forward; no draft steps
     want = [propose_greedy_many([a], [c], [3])[0] for a, c in zip(alone, [*warm, fresh], strict=True)]
     assert [d.tokens for d in got] == [d.tokens for d in want]
+
+
+def test_drafts_left_on_the_device_join_the_lower_shards_ids():
+    """`Drafted.ids` (workers/head/batching.py): a draft read already, one still on the device (its row of a whole
+    draft's output, its first k tokens) and no draft at all give each round's [pending, drafts], back to back."""
+    from schemas.requests import SamplingParams
+    from workers.head.batching import Drafted, HeadWork
+    from workers.speculative.drafters import GreedyLaunch
+
+    def work(pending: list[int], k: int) -> HeadWork:
+        return HeadWork(None, [1, *pending], k, SamplingParams(), None, None, pending, 1)  # type: ignore[arg-type]
+
+    batch = [work([5], 2), work([6, 9], 2), work([3], 0), work([4], 3)]
+    launch = GreedyLaunch([None, None], [[1], [1]], [2, 3])  # type: ignore[list-item]
+    launch.add([0, 1], torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24]]))
+    drafted = Drafted(len(batch))
+    drafted.host[0] = Draft([7, 8])
+    drafted.device[1], drafted.device[3] = (launch, 0), (launch, 1)
+    ids, sizes = drafted.ids(batch, torch.device("cpu"))
+    assert sizes == [3, 4, 1, 4]
+    assert ids.tolist() == [5, 7, 8, 6, 9, 11, 12, 3, 4, 21, 22, 23]

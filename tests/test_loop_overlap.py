@@ -4,6 +4,7 @@ and every generation still equals HF generate (a real tail process; the head in-
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,9 +55,10 @@ def test_replies_taken_while_a_group_computes_change_nothing(
 
 def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_models, tokenizers, monkeypatch):
     """With a draft model on static caches (its whole greedy draft one `Engine.draft_many`), the loop also takes
-    replies while the draft runs, before it is read back: `_meanwhile` runs twice a group (draft, lower shard),
-    the rounds' headers are made while the lower shard runs (`RoundLoop.prepare`), and every generation still
-    equals HF generate."""
+    replies while the draft runs, before it is read back: the lower shard is queued behind the draft before the
+    drafts are read (`Drafted`, workers/head/batching.py), `_meanwhile` runs twice a group (both queued; drafts
+    read), the rounds' headers are made while the lower shard runs (`RoundLoop.prepare`), and every generation
+    still equals HF generate."""
     from schemas.requests import DraftSettings
 
     ms = models["qwen2"]
@@ -64,8 +66,23 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
     settings = Settings(engine={"static": True, "slots": 8}, relay={"head_groups": 2})
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
     during_draft: list[int] = []
-    draft_many, meanwhile = Engine.draft_many, HeadLoop._meanwhile
+    draft_many, meanwhile, forward = Engine.draft_many, HeadLoop._meanwhile, Engine.forward_many
     drafting = [False]
+    order: list[str] = []  # per group: the lower shard queued, then the drafts read
+
+    def lower(self: Engine, *args, **kwargs):
+        if self is runtime.engine:
+            order.append("lower")
+        return forward(self, *args, **kwargs)
+
+    from workers.speculative.drafters import GreedyLaunch
+
+    read = GreedyLaunch.drafts
+
+    def reading(self: GreedyLaunch):
+        if self.queued:
+            order.append("read")
+        return read(self)
 
     def slow_draft(self: Engine, *args, **kwargs):  # the whole draft "runs" a while: replies come meanwhile
         out = draft_many(self, *args, **kwargs)
@@ -89,6 +106,8 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
         return seal_round(*args, **kwargs)
 
     monkeypatch.setattr(Engine, "draft_many", slow_draft)
+    monkeypatch.setattr(Engine, "forward_many", lower)
+    monkeypatch.setattr(GreedyLaunch, "drafts", reading)
     monkeypatch.setattr(HeadLoop, "_meanwhile", counting)
     monkeypatch.setattr(rounds, "seal_round", sealing)
     prompts = PROMPTS[:8]
@@ -102,3 +121,5 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
     assert got == [reference(hf_models["qwen2"], tokenizers["qwen2"], p, NEW) for p in prompts]
     assert during_draft and sum(during_draft) > 0, during_draft  # replies taken while a draft ran
     assert ahead[0] > len(prompts)  # headers made while the lower shard ran, then sealed as they were
+    pairs = [(a, b) for a, b in itertools.pairwise(order) if b == "read"]
+    assert pairs and all(a == "lower" for a, _ in pairs), order  # drafts read only once the lower shard was queued

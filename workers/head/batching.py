@@ -7,7 +7,10 @@ lock; whichever thread gets the lock runs everything queued by then as one batch
 drafts of a batch, greedy or sampled, advance together per draft model (`propose_many`: one batched
 draft-model forward per draft position, or for an all-greedy batch the whole draft as one graph replay;
 plugin sessions around a model session get their inner model's draft, then `finish` it), n-gram proposals
-run in one call (`propose_ngram_many`), and the lower shard runs once over every sequence's round. Other
+run in one call (`propose_ngram_many`), and the lower shard runs once over every sequence's round. A whole
+greedy draft is not read back before the lower shard is queued behind it: the drafts a session proposes as
+they are join the lower shard's ids on the device (`Drafted`), so the device runs draft and lower shard with no
+host round trip between them. Other
 drafters propose one by one. If a batch fails, each of its generations is retried alone (its caches rolled
 back to where the round started, a sampled draft's generator to its state as submitted), so one bad
 sequence fails only itself.
@@ -34,8 +37,10 @@ from workers.head.groups import GroupPlan
 from workers.speculative.drafters import (
     Draft,
     DraftSession,
+    GreedyLaunch,
     ModelDraftSession,
     NgramDrafter,
+    launch_greedy_many,
     propose_many,
     propose_ngram_many,
 )
@@ -218,9 +223,10 @@ class Batcher:
 
     def compute(self, batch: list[HeadWork], idle: Callable[[], None] | None = None) -> None:
         """Compute a batch the caller assembled (the head's step loop, holding the runtime's lock): every
-        item's draft and hidden states, or its error. `idle`, if given, is called while the device runs the
-        whole greedy draft, before it is read back, and again while it runs the lower shard, before the batch's
-        last wait for it (the loop takes the replies that came meanwhile)."""
+        item's draft and hidden states, or its error. `idle`, if given, is called twice while the device runs the
+        batch: once the draft and the lower shard are both queued (a whole greedy draft is not read back before
+        the lower shard is queued behind it), and again once the drafts are read, before the batch's last wait
+        (the loop takes the replies that came meanwhile, and makes the rounds' headers)."""
         self._idle = idle
         try:
             self._compute(batch)
@@ -242,18 +248,21 @@ class Batcher:
 
     def _compute_batch(self, batch: list[HeadWork]) -> list[None]:
         t0 = time.perf_counter()
-        drafts = self._drafts(batch, self._idle)
-        t1 = time.perf_counter()
+        drafted = _drafts(batch)
         dev = self.engine.shard.device
         with torch.inference_mode():
-            ids = [w.pending + d.tokens for w, d in zip(batch, drafts, strict=True)]
-            flat = torch.tensor([t for row in ids for t in row], dtype=torch.long).to(dev, non_blocking=True)  # 1 copy
-            xs = list(flat.split([len(row) for row in ids]))
-            hidden = self.engine.forward_many([w.cache for w in batch], xs, [w.start for w in batch])
+            flat, sizes = drafted.ids(batch, dev)  # one copy; a draft still on the device joins there
+            hidden = self.engine.forward_many(
+                [w.cache for w in batch], list(flat.split(sizes)), [w.start for w in batch]
+            )
+            if self._idle is not None:  # the draft and the lower shard are queued on the device: host work overlaps
+                self._idle()
+            drafts = drafted.read()  # waits for the draft alone (the lower shard runs behind it)
+            t1 = time.perf_counter()
             batch_id, routes = secrets.token_hex(8), Counter(w.route for w in batch)
             for w, d in zip(batch, drafts, strict=True):  # all a round's header needs, before its hidden states
                 w.draft, w.tag, w.batch, w.hidden = d, (batch_id, routes[w.route]), len(batch), None
-            if self._idle is not None:  # the forward is queued on the device: host work overlaps it
+            if self._idle is not None:
                 self._idle()
             hidden, finite = to_host_checked(hidden)
         t2 = time.perf_counter()
@@ -266,32 +275,96 @@ class Batcher:
                 w.error = non_finite_error("hidden states", self.engine.shard.layer_range, self.engine.shard.dtype)
         return [None] * len(batch)
 
-    @staticmethod
-    def _drafts(batch: list[HeadWork], meanwhile: Callable[[], None] | None = None) -> list[Draft]:
-        """Every round's draft: model sessions batched per draft model (then `finish`ed by their drafter),
-        n-gram sessions in one call, the rest one by one; empty where no draft is wanted. `meanwhile`: host
-        work while a whole greedy draft runs on the device (once per draft model)."""
-        out: list[Draft | None] = [None] * len(batch)
-        models: dict[int, list[tuple[int, ModelDraftSession]]] = {}  # by draft engine: one batch per draft model
+
+class Drafted:
+    """A batch's drafts as its lower shard needs them: each item's `Draft` read already, or where its model draft
+    sits on the device (`GreedyLaunch`), read only once the lower shard is queued behind it (`read`)."""
+
+    def __init__(self, n: int) -> None:
+        self.host: list[Draft | None] = [None] * n
+        self.device: dict[int, tuple[GreedyLaunch, int]] = {}  # item -> (its launch, its session there)
+        self.launches: list[GreedyLaunch] = []
+
+    def ids(self, batch: list[HeadWork], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """Every item's [pending tokens, drafts] back to back on `device` (one copy from the host; drafts still on
+        the device copied in there) and each item's length."""
+        flat: list[int] = []
+        sizes: list[int] = []
+        parts: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by draft tensor: (it, flat at, its at)
         for i, w in enumerate(batch):
-            if (s := _model_session(w)) is not None:
-                models.setdefault(id(s.engine), []).append((i, s))
-        for group in models.values():
-            ws = [batch[i] for i, _ in group]
-            contexts, ks = [w.context for w in ws], [w.k for w in ws]
-            samplings, gens = [w.sampling for w in ws], [w.gen for w in ws]
-            drafts = propose_many([s for _, s in group], contexts, ks, samplings, gens, meanwhile=meanwhile)
-            for (i, _), w, d in zip(group, ws, drafts, strict=True):
-                out[i] = w.drafter.finish(d, w.context, w.k, w.gen)  # type: ignore[union-attr]
-        rest = [i for i, w in enumerate(batch) if out[i] is None and w.k > 0 and w.gen is not None]
-        ngrams = [(i, d) for i in rest if isinstance(d := batch[i].drafter, NgramDrafter)]
-        if ngrams:
-            ws = [batch[i] for i, _ in ngrams]
-            drafts = propose_ngram_many([d for _, d in ngrams], [w.context for w in ws], [w.k for w in ws])
-            for (i, _), d in zip(ngrams, drafts, strict=True):
-                out[i] = d
-        for i in rest:
-            w = batch[i]
-            if out[i] is None and w.drafter is not None:
-                out[i] = w.drafter.propose(w.context, w.k, w.sampling, w.gen)  # type: ignore[arg-type]
-        return [d if d is not None else Draft([]) for d in out]
+            row = list(w.pending)
+            d, where = self.host[i], None
+            if d is None and i in self.device:
+                launch, j = self.device[i]
+                where = launch.on_device(j)
+                d = launch.known(j) if where is None else None
+            if where is not None:
+                k, (tensor, r) = launch.ks[j], where
+                part = parts.setdefault(id(tensor), (tensor, [], []))
+                part[1].extend(range(len(flat) + len(row), len(flat) + len(row) + k))
+                part[2].extend(r * tensor.shape[1] + c for c in range(k))
+                row += [0] * k
+            elif d is not None:
+                row += d.tokens
+            flat += row
+            sizes.append(len(row))
+        n = len(flat)
+        host = torch.tensor(flat + [x for _, at, src in parts.values() for x in (*at, *src)], dtype=torch.long)
+        out = host.to(device, non_blocking=True)
+        ids, at = out[:n], n
+        for tensor, dst, _ in parts.values():
+            m = len(dst)
+            ids[out[at : at + m]] = tensor.view(-1)[out[at + m : at + 2 * m]]
+            at += 2 * m
+        return ids, sizes
+
+    def read(self) -> list[Draft]:
+        """Every item's draft (empty where none was wanted), reading those still on the device."""
+        for i, (launch, j) in self.device.items():
+            if self.host[i] is None:
+                self.host[i] = launch.drafts()[j]
+        return [d if d is not None else Draft([]) for d in self.host]
+
+
+def _drafts(batch: list[HeadWork]) -> Drafted:
+    """Every round's draft: model sessions batched per draft model, n-gram sessions in one call, the rest one by
+    one. An all-greedy model batch is only queued on the device (`launch_greedy_many`): a session that is its own
+    drafter leaves its draft there, one whose `finish` ignores the model draft (`proposes_alone`: it only pays its
+    cost) finishes now, and any other reads the batch's drafts first."""
+    out = Drafted(len(batch))
+    models: dict[int, list[tuple[int, ModelDraftSession]]] = {}  # by draft engine: one batch per draft model
+    for i, w in enumerate(batch):
+        if (s := _model_session(w)) is not None:
+            models.setdefault(id(s.engine), []).append((i, s))
+    for group in models.values():
+        ws = [batch[i] for i, _ in group]
+        sessions, contexts, ks = [s for _, s in group], [w.context for w in ws], [w.k for w in ws]
+        if all(w.sampling.greedy for w in ws):
+            launch = launch_greedy_many(sessions, contexts, ks)
+            out.launches.append(launch)
+            for j, ((i, s), w) in enumerate(zip(group, ws, strict=True)):
+                if w.drafter is s:
+                    out.device[i] = (launch, j)
+                elif getattr(w.drafter, "proposes_alone", False):
+                    out.host[i] = w.drafter.finish(Draft([]), w.context, w.k, w.gen)  # type: ignore[union-attr]
+                else:
+                    out.host[i] = w.drafter.finish(launch.drafts()[j], w.context, w.k, w.gen)  # type: ignore[union-attr]
+            continue
+        drafts = propose_many(sessions, contexts, ks, [w.sampling for w in ws], [w.gen for w in ws])
+        for (i, _), w, d in zip(group, ws, drafts, strict=True):
+            out.host[i] = w.drafter.finish(d, w.context, w.k, w.gen)  # type: ignore[union-attr]
+    rest = [
+        i for i, w in enumerate(batch) if i not in out.device and out.host[i] is None and w.k > 0 and w.gen is not None
+    ]
+    ngrams = [(i, d) for i in rest if isinstance(d := batch[i].drafter, NgramDrafter)]
+    if ngrams:
+        ws = [batch[i] for i, _ in ngrams]
+        for (i, _), d in zip(
+            ngrams, propose_ngram_many([d for _, d in ngrams], [w.context for w in ws], [w.k for w in ws]), strict=True
+        ):
+            out.host[i] = d
+    for i in rest:
+        w = batch[i]
+        if out.host[i] is None and w.drafter is not None:
+            out.host[i] = w.drafter.propose(w.context, w.k, w.sampling, w.gen)  # type: ignore[arg-type]
+    return out

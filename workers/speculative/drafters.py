@@ -22,6 +22,7 @@ import torch
 from schemas.requests import SamplingParams
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
+from workers.speculative.model_steps import argmax_pick, draft_steps, prefilled
 from workers.speculative.sampling import warp
 
 
@@ -36,7 +37,9 @@ class DraftSession(Protocol):
     """One generation's drafter. The head's batcher drafts for every session whose `model_session` is a
     ModelDraftSession (greedy or sampled) in one batched call (`propose_many`), then hands each its model
     draft through `finish`; n-gram sessions propose together (`propose_ngram_many`); other sessions
-    `propose` on their own. `close` gives back what the session holds (a cache slot)."""
+    `propose` on their own. `close` gives back what the session holds (a cache slot). A session may say
+    `proposes_alone = True`: its `finish` never reads the model draft it is handed (that draft only pays its
+    cost), so a greedy batch's lower shard is queued behind the draft before the host reads it."""
 
     @property
     def device(self) -> torch.device: ...
@@ -149,7 +152,7 @@ def _propose_mixed(
     engine, pick = sessions[0].engine, _Sampler(samplings, gens)
     with torch.inference_mode():
         plans = [s.plan(c) for s, c in zip(sessions, contexts, strict=True)]
-        rows = _draft_steps(engine, [s.cache for s in sessions], plans, contexts, ks, pick)
+        rows = draft_steps(engine, [s.cache for s in sessions], plans, contexts, ks, pick)
         qs = [torch.stack(q) if q else None for q in pick.qs]
     out = []
     for s, c, k, row, q in zip(sessions, contexts, ks, rows, qs, strict=True):
@@ -197,16 +200,24 @@ def propose_greedy_many(
     *,
     meanwhile: Callable[[], None] | None = None,
 ) -> list[Draft]:
-    """Greedy drafts for several sessions of one draft model at once: with CUDA graphs, the whole draft as
-    one graph replay per pool of slots (`Engine.draft_many`); otherwise one batched forward per draft
-    position (rows whose k is reached drop out). One host sync per pool; `meanwhile` (host work: the head's
-    loop takes replies) runs once, while the first replay is on the device."""
+    """Greedy drafts for several sessions of one draft model at once (`launch_greedy_many`, then read);
+    `meanwhile` (host work: the head's loop takes replies) runs while a whole-draft replay is on the device."""
+    launch = launch_greedy_many(sessions, contexts, ks)
+    if meanwhile is not None and launch.queued:
+        meanwhile()
+    return launch.drafts()
+
+
+def launch_greedy_many(sessions: list[ModelDraftSession], contexts: list[list[int]], ks: list[int]) -> GreedyLaunch:
+    """Queue greedy drafts for several sessions of one draft model: with CUDA graphs the whole draft as one graph
+    replay per pool of slots (`Engine.draft_many`), not read back yet (`GreedyLaunch`); otherwise (and for feeds
+    too long for the graph) one batched forward per draft position, read at once."""
     engine = sessions[0].engine
+    launch = GreedyLaunch(sessions, contexts, ks)
     plans = [s.plan(c) for s, c in zip(sessions, contexts, strict=True)]
-    rows: list[list[int]] = [[] for _ in sessions]
     with torch.inference_mode():
         caches = [s.cache for s in sessions]
-        plans = _prefilled(engine, caches, plans)
+        plans = prefilled(engine, caches, plans)
         by_pool: dict[int, list[int]] = {}  # one whole-draft graph per pool (short and full-length slots)
         rest = []
         for i, c in enumerate(caches):
@@ -220,82 +231,79 @@ def propose_greedy_many(
             )
             if got is None:
                 rest += idx
-                continue
-            if meanwhile is not None:
-                meanwhile()
-                meanwhile = None
-            for i, row in zip(idx, got.cpu().tolist(), strict=True):  # read before the next replay reuses it
-                rows[i] = row
+            else:
+                launch.add(idx, got)
         if rest:
-            stepped = _draft_steps(
+            stepped = draft_steps(
                 engine,
                 [caches[i] for i in rest],
                 [plans[i] for i in rest],
                 [contexts[i] for i in rest],
                 [ks[i] for i in rest],
-                _argmax,
+                argmax_pick,
             )
             for i, row in zip(rest, stepped, strict=True):
-                rows[i] = row
-    out = []
-    for s, c, k, row in zip(sessions, contexts, ks, rows, strict=True):
-        s.tokens = list(c) + row[: max(k - 1, 0)]
-        out.append(Draft(row[:k]))
-    return out
+                launch.rows[i] = row
+    return launch
 
 
-def _prefilled(engine: Engine, caches: list, plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
-    """Plans whose feeds are longer than a graph step (a new session's prompt, a replay) prefilled up to their
-    last token, in one batched forward: the whole draft then runs through the graph with the other rows, rather
-    than every row of the batch drafting step by step (and capturing step graphs at first use)."""
-    if not engine.static:  # no whole-draft graph to join: the step path takes the feed whole
-        return plans
-    long = [i for i, (feed, _) in enumerate(plans) if len(feed) - 1 > engine.step_tokens]
-    if not long:
-        return plans
-    feeds = [torch.tensor(plans[i][0][:-1], device=engine.shard.device) for i in long]
-    engine.forward_many([caches[i] for i in long], feeds, [plans[i][1] for i in long], logits_last=0)
-    out = list(plans)
-    for i in long:
-        feed, start = plans[i]
-        out[i] = (feed[-1:], start + len(feed) - 1)
-    return out
+class GreedyLaunch:
+    """Greedy drafts of several sessions, some still on the device (`launch_greedy_many`). `on_device(i)` is where
+    session i's draft sits while it is not read: (a [rows, >= k] device tensor, its row), so the lower shard can
+    be queued behind the draft without the host waiting for it; `drafts()` reads them (one wait, for the draft
+    alone) and brings each session's record of its cache up to date."""
 
+    def __init__(self, sessions: list[ModelDraftSession], contexts: list[list[int]], ks: list[int]) -> None:
+        self.sessions, self.contexts, self.ks = sessions, contexts, ks
+        self.rows: list[list[int] | None] = [None] * len(sessions)  # read already (drafted by steps)
+        self.where: dict[int, tuple[torch.Tensor, int]] = {}
+        self._reads: list[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = []
+        self._drafts: list[Draft] | None = None
 
-def _argmax(logits: torch.Tensor, live: list[int]) -> torch.Tensor:
-    return logits.argmax(-1)
+    @property
+    def queued(self) -> bool:
+        """Whether some draft is still on the device, unread."""
+        return bool(self._reads) and self._drafts is None
 
+    def add(self, idx: list[int], got: torch.Tensor) -> None:
+        """Drafts of sessions `idx` in `got` (a graph's output: copied, as the next replay reuses it)."""
+        mine = got.clone()
+        done = None
+        if mine.is_cuda:  # into pinned host memory, queued now: read once the draft alone is done
+            host = torch.empty(mine.shape, dtype=mine.dtype, pin_memory=True)
+            host.copy_(mine, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = mine
+        self._reads.append((idx, host, done))
+        for j, i in enumerate(idx):
+            self.where[i] = (mine, j)
 
-def _draft_steps(
-    engine: Engine,
-    caches: list,
-    plans: list[tuple[list[int], int]],
-    contexts: list[list[int]],
-    ks: list[int],
-    pick: Callable[[torch.Tensor, list[int]], torch.Tensor],
-) -> list[list[int]]:
-    """Drafts of max(ks) tokens per row: one batched forward per draft position, `pick(logits [live, V], live
-    rows)` choosing each live row's token, fed back on the device; rows whose k is reached drop out. One host
-    sync at the end."""
-    feeds = [torch.tensor(f, device=engine.shard.device) for f, _ in plans]
-    logits = engine.forward_many(caches, feeds, [k for _, k in plans], logits_last=1)
-    live = list(range(len(caches)))
-    cur = pick(torch.stack([lg[-1] for lg in logits]), live)
-    steps = [(live, cur)]
-    for i in range(1, max(ks)):
-        keep = [j for j, b in enumerate(live) if ks[b] > i]
-        if len(keep) < len(live):
-            cur, live = cur[keep], [live[j] for j in keep]
-        starts = [len(contexts[b]) + i - 1 for b in live]
-        logits = engine.forward_many([caches[b] for b in live], list(cur[:, None]), starts, logits_last=1)
-        cur = pick(torch.stack([lg[-1] for lg in logits]), live)
-        steps.append((live, cur))
-    flat = iter(torch.cat([c for _, c in steps]).tolist())
-    rows: list[list[int]] = [[] for _ in caches]
-    for rows_live, _ in steps:
-        for b in rows_live:
-            rows[b].append(next(flat))
-    return rows
+    def on_device(self, i: int) -> tuple[torch.Tensor, int] | None:
+        return self.where.get(i) if self._drafts is None else None
+
+    def known(self, i: int) -> Draft | None:
+        """Session i's draft if it is on the host already (drafted by steps, or read), without waiting."""
+        if self._drafts is not None:
+            return self._drafts[i]
+        row = self.rows[i]
+        return Draft(row[: self.ks[i]]) if row is not None else None
+
+    def drafts(self) -> list[Draft]:
+        if self._drafts is None:
+            for idx, host, done in self._reads:
+                if done is not None:
+                    done.synchronize()
+                for i, row in zip(idx, host.tolist(), strict=True):
+                    self.rows[i] = row
+            out = []
+            for s, c, k, row in zip(self.sessions, self.contexts, self.ks, self.rows, strict=True):
+                row = row or []
+                s.tokens = list(c) + row[: max(k - 1, 0)]
+                out.append(Draft(row[:k]))
+            self._drafts = out
+        return self._drafts
 
 
 class NgramDrafter:
