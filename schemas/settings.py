@@ -268,6 +268,12 @@ class RelaySettings(_Group):
         description="Threads a head reads its reply streams on (one consumer group): while one's answer travels "
         "back another's read waits at Redis, so a verdict is taken as it comes.",
     )
+    mac_threads: int = Field(
+        4,
+        ge=1,
+        description="Threads a tail checks a batch's MACs on (hashlib lets go of the interpreter lock over large "
+        "buffers, so a group's HMACs run side by side rather than one after another on the loop).",
+    )
     reply_timeout_s: float = Field(
         15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."
     )

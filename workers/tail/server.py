@@ -21,7 +21,6 @@ import torch
 from relay_broker.retry import ride_out
 from relay_broker.streams import GroupReader, Reply, merge_replies
 from schemas.errors import (
-    ForgedPacket,
     NonFiniteError,
     PacketError,
     SessionError,
@@ -33,11 +32,8 @@ from schemas.packets import (
     PROTOCOL_VERSION,
     ClosePacket,
     ErrorReply,
-    Oversized,
     RoundPacket,
     Verdict,
-    authentic,
-    decode_head_header,
     encode_message,
     mac_hex,
     round_tensors,
@@ -52,6 +48,7 @@ from workers.engine.sizing import linger_s
 from workers.phases import PhaseClock
 from workers.speculative.stopping import cut_at_stops
 from workers.speculative.verify import Outcome
+from workers.tail.auth import Authenticator
 from workers.tail.liveness import HeadWatch, keep_alive, session_for
 from workers.tail.rounds import (
     BatchClock,
@@ -112,6 +109,7 @@ class TailWorker:
         self._regroup = False  # recreate the consumer groups before the next read
         self.clock = PhaseClock("tail loop", log)  # where the loop's time goes, logged every 10 s
         self.upload = HostToDevice(shard.device)
+        self.auth = Authenticator(self.sessions, cfg.relay)
         self._queue_ms = 0.0  # how long the entries of the batch being handled waited in Redis (mean)
         self._taken_at_ms = self._prepare_ms = 0.0  # when they were read (wall clock), their decoding and checks
         shared = self.names.shared_requests
@@ -201,17 +199,23 @@ class TailWorker:
         out: list[Reply | None] = [None] * len(entries)
         batch: list[tuple[int, Prepared]] = []
         later: list[int] = []  # a second packet of a session already in this batch waits for the first
-        in_batch: set[str] = set()
+        seen: set[str] = set()
+        now: list[int] = []
         for i, fields in enumerate(entries):
-            sid, rid = peek_session(fields)
-            if sid is not None and sid in in_batch:
+            sid, _ = peek_session(fields)
+            if sid is not None and sid in seen:
                 later.append(i)
+            else:
+                now.append(i)
+                if sid is not None:
+                    seen.add(sid)
+        for i, checked in zip(now, self.auth.check([entries[i] for i in now]), strict=True):
+            fields = entries[i]
+            if isinstance(checked, Exception):
+                sid, rid = peek_session(fields)
+                out[i] = self._refuse(sid, rid, checked, fields)
                 continue
-            try:
-                msg, key, oversized = self._authenticate(fields)
-            except Exception as e:
-                out[i] = self._refuse(sid, rid, e, fields)
-                continue
+            msg, key, oversized = checked
             try:
                 if oversized is not None:  # its own head's: it hears why
                     raise oversized
@@ -221,7 +225,6 @@ class TailWorker:
                 continue
             if isinstance(prep, Prepared):
                 batch.append((i, prep))
-                in_batch.add(prep.packet.session_id)
             else:
                 out[i] = prep
         self._prepare_ms = (time.perf_counter() - t0) * 1000
@@ -231,28 +234,6 @@ class TailWorker:
         for i in later:
             out[i] = self.handle(entries[i])
         return out
-
-    def _authenticate(self, fields: dict) -> tuple[RoundPacket | ClosePacket, bytes | None, Oversized | None]:
-        """The packet's header and its session's key, once its MAC verifies under the key of the session this
-        tail holds (or, for a round that opens a session here, the key it carries); and, for a packet over the
-        cap whose MAC verifies, why it is refused. A close for a session not held comes back with no key."""
-        oversized = None
-        try:
-            msg = decode_head_header(fields, caps=self.settings.relay)
-        except Oversized as e:
-            msg, oversized = decode_head_header(fields, caps=self.settings.relay, capped=False), e
-        held = self.sessions.peek(msg.session_id)
-        if held is not None:
-            key = held.key
-        elif isinstance(msg, RoundPacket) and msg.key is not None:
-            key = bytes.fromhex(msg.key)
-        elif isinstance(msg, ClosePacket):
-            return msg, None, None
-        else:
-            raise SessionError(f"unknown session {msg.session_id} (expired, or this tail restarted)")
-        if not authentic(key, fields):
-            raise ForgedPacket(f"the MAC of a packet for session {msg.session_id} does not verify")
-        return msg, key, oversized
 
     def _refuse(self, sid: str | None, rid: int | None, e: Exception, fields: dict) -> Reply | None:
         """Dead-letter a packet that did not authenticate, with the reason; touch no session. Two are answered,
