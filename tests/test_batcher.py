@@ -72,7 +72,8 @@ class Spec:
     """One generation's round: its committed context, drafter and draft length.
 
     drafter: "none", "ngram", "model" (greedy draft model), "sampled" (the draft model sampling), "planted"
-    (a plugin-style drafter around an inner model session), or "broken" (a drafter that raises).
+    (a plugin-style drafter around an inner model session), "alone" (the same, saying `proposes_alone`), or
+    "broken" (a drafter that raises).
     first: the generation's first round (the shard has seen nothing); otherwise all but the last token are cached.
     bad: the uncached token is outside the vocabulary (a bad input that fails the lower shard's forward)."""
 
@@ -121,6 +122,13 @@ class PlantedDrafter:
 
     def close(self) -> None:
         self.inner.close()
+
+
+class AlonePlantedDrafter(PlantedDrafter):
+    """A planted drafter that says so (`proposes_alone`, as bench/synthetic.py's): the batcher need not read the
+    inner draft before the lower shard is queued."""
+
+    proposes_alone = True
 
 
 @dataclass
@@ -189,8 +197,9 @@ class Head:
             return NgramDrafter()
         if kind == "broken":
             return BrokenDrafter()
-        if kind == "planted":
-            return PlantedDrafter([1, 2, 3, 4, 5, 6, 7, 8], self.drafter.new_session())
+        if kind in ("planted", "alone"):
+            cls = AlonePlantedDrafter if kind == "alone" else PlantedDrafter
+            return cls([1, 2, 3, 4, 5, 6, 7, 8], self.drafter.new_session())
         return self.drafter.new_session()
 
     def alone(self, spec: Spec) -> HeadWork:
@@ -306,6 +315,22 @@ def test_rounds_from_threads_run_as_one_batch(tiny: Tiny, static: bool) -> None:
     assert works[2].draft == Draft([])
     assert works[3].draft is not None and works[3].draft.q is not None and works[3].draft.q.shape[0] == 2
     assert (ref.batcher.batches, ref.batcher.rounds) == (len(MIXED), len(MIXED))
+
+
+@STATIC
+def test_a_session_proposing_alone_still_records_its_inner_draft(tiny: Tiny, static: bool) -> None:
+    """A drafter whose `finish` ignores its inner model draft (`proposes_alone`) gets its planted tokens, and its
+    inner session's record of its cache still takes the draft the model wrote there, as a plain model session's
+    does: unrecorded, every next round would feed the draft positions to the draft model again."""
+    head, ref = Head(tiny, static), Head(tiny, static)
+    works = [head.work(Spec(c, "alone", 4)) for c in CTX[:2]]  # a batch whose every model session proposes alone
+    run_together(head.batcher, works, spy(head.engine, "forward_many"))
+    for c, w in zip(CTX[:2], works, strict=True):
+        want = ref.alone(Spec(c, "model", 4))
+        assert w.draft == Draft([1, 2, 3, 4], point=True)
+        assert want.draft is not None and len(want.draft.tokens) == 4
+        inner = w.drafter.inner  # type: ignore[union-attr]
+        assert inner.tokens == want.drafter.tokens == [*c, *want.draft.tokens[:3]]  # type: ignore[union-attr]
 
 
 @STATIC

@@ -319,7 +319,11 @@ class Drafted:
         return ids, sizes
 
     def read(self) -> list[Draft]:
-        """Every item's draft (empty where none was wanted), reading those still on the device."""
+        """Every item's draft (empty where none was wanted), reading those still on the device. Every launch is
+        read, also one whose sessions all proposed alone: reading brings its sessions' record of their caches up to
+        date (unread, the next round would feed their draft positions again)."""
+        for launch in self.launches:
+            launch.drafts()
         for i, (launch, j) in self.device.items():
             if self.host[i] is None:
                 self.host[i] = launch.drafts()[j]
