@@ -256,6 +256,13 @@ class RelaySettings(_Group):
         description="Longest a head's step loop blocks reading verdicts while nothing is ready to compute (a new "
         "job waits at most this long to start).",
     )
+    head_wait_poll_ms: float = Field(
+        1.0,
+        ge=0,
+        description="While the device runs a group, the longest a head's step loop waits for a reply before it asks "
+        "the device again: replies are taken as they come, not after the group's waits (workers/head/batching.py); "
+        "0: each wait blocks in one sync.",
+    )
     head_senders: int = Field(
         3,
         ge=1,

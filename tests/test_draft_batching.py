@@ -269,3 +269,55 @@ def test_drafts_left_on_the_device_join_the_lower_shards_ids():
     ids, sizes = drafted.ids(batch, torch.device("cpu"))
     assert sizes == [3, 4, 1, 4]
     assert ids.tolist() == [5, 7, 8, 6, 9, 11, 12, 3, 4, 21, 22, 23]
+
+
+def test_a_wait_for_the_device_takes_what_comes_meanwhile():
+    """`await_device` (workers/head/batching.py): while the device has not passed the event the caller's `poll` runs
+    (the head's loop takes each reply as it comes), then one sync; without a poll, only the sync."""
+    from workers.head.batching import await_device
+
+    class Event:
+        def __init__(self, busy: int) -> None:
+            self.busy, self.queries, self.syncs = busy, 0, 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > self.busy
+
+        def synchronize(self) -> None:
+            self.syncs += 1
+
+    polls: list[int] = []
+    ev = Event(busy=3)
+    await_device(ev, lambda: polls.append(ev.queries))  # type: ignore[arg-type]
+    assert polls == [1, 2, 3] and ev.syncs == 1
+    ev = Event(busy=3)
+    await_device(ev)  # type: ignore[arg-type]
+    assert ev.queries == 0 and ev.syncs == 1
+
+
+def test_the_loops_poll_takes_a_reply_that_comes_while_it_waits():
+    """`HeadLoop._poll` waits at most `relay.head_wait_poll_ms` for a reply and routes what came; with nothing
+    coming it returns within about that time, having routed nothing."""
+    import logging
+    import threading
+    import time
+
+    from schemas.settings import Settings
+    from workers.head.loop import HeadLoop
+    from workers.phases import PhaseClock
+
+    loop = HeadLoop.__new__(HeadLoop)
+    loop.settings = Settings(relay={"head_wait_poll_ms": 200.0})
+    loop._cv, loop._replies, loop._failed, loop._idle_s = threading.Condition(), [], [], 0.0
+    loop.clock = PhaseClock("test", logging.getLogger("test"))
+    routed: list[list] = []
+    loop._route = routed.append  # type: ignore[method-assign]
+    threading.Timer(0.02, loop._deliver, args=([("sid", b"1-1", {})],)).start()
+    t0 = time.monotonic()
+    loop._poll()
+    assert routed == [[("sid", b"1-1", {})]] and time.monotonic() - t0 < 0.19
+    loop.settings = Settings(relay={"head_wait_poll_ms": 5.0})
+    t0 = time.monotonic()
+    loop._poll()
+    assert len(routed) == 1 and time.monotonic() - t0 < 0.1

@@ -79,10 +79,10 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
 
     read = GreedyLaunch.drafts
 
-    def reading(self: GreedyLaunch):
+    def reading(self: GreedyLaunch, wait=None):
         if self.queued:
             order.append("read")
-        return read(self)
+        return read(self, wait)
 
     def slow_draft(self: Engine, *args, **kwargs):  # the whole draft "runs" a while: replies come meanwhile
         out = draft_many(self, *args, **kwargs)

@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -92,10 +93,23 @@ def _model_session(w: HeadWork) -> ModelDraftSession | None:
     return session if isinstance(session, ModelDraftSession) else None
 
 
-def to_host_checked(hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
+Wait = Callable[[torch.cuda.Event], None]  # waits until the device has passed an event
+
+
+def await_device(done: torch.cuda.Event, poll: Callable[[], None] | None = None) -> None:
+    """Until the device has passed `done`. With `poll` the thread does not block in one sync: it asks the device
+    and, while it is not there, calls `poll()`, which takes what came meanwhile (the head's loop: replies),
+    waiting a short while for it."""
+    if poll is not None:
+        while not done.query():
+            poll()
+    done.synchronize()
+
+
+def to_host_checked(hidden: list[torch.Tensor], wait: Wait | None = None) -> tuple[list[torch.Tensor], list[bool]]:
     """The batch's hidden states on the host (copied out before the lock goes: the next batch replays the same
     graphs) and, per sequence, whether all are finite: one reduction over every row on the device, read back
-    with the copy (one sync for both), never a check per sequence on the host copy."""
+    with the copy (one wait for both: `wait`, or a blocking sync), never a check per sequence on the host copy."""
     sizes = [h.shape[0] for h in hidden]
     rows = torch.cat(hidden)
     ok_rows = torch.isfinite(rows).all(dim=-1)
@@ -104,7 +118,9 @@ def to_host_checked(hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], lis
         ok_host = torch.empty(ok_rows.shape, dtype=ok_rows.dtype, pin_memory=True)
         host.copy_(rows, non_blocking=True)
         ok_host.copy_(ok_rows, non_blocking=True)
-        torch.cuda.current_stream(rows.device).synchronize()
+        done = torch.cuda.Event()
+        done.record()
+        (wait or torch.cuda.Event.synchronize)(done)
         rows, ok_rows = host, ok_host
     bounds = torch.tensor([0, *sizes]).cumsum(0)
     bad = torch.cumsum(~ok_rows, 0)  # non-finite rows up to each row: a sequence's count is a difference
@@ -146,6 +162,7 @@ class Batcher:
         self._entered = -math.inf  # when a generation last entered
         self.batches = self.rounds = 0  # counters: how well rounds batch
         self._idle: Callable[[], None] | None = None  # `compute`'s caller's work while the device runs
+        self._wait: Wait | None = None  # how `compute`'s waits for the device take the caller's work meanwhile
 
     def enter(self) -> None:
         with self._cv:
@@ -221,17 +238,22 @@ class Batcher:
                     return
                 self._cv.wait(min(deadline - now, self.linger_s) if starting else deadline - now)
 
-    def compute(self, batch: list[HeadWork], idle: Callable[[], None] | None = None) -> None:
+    def compute(
+        self, batch: list[HeadWork], idle: Callable[[], None] | None = None, poll: Callable[[], None] | None = None
+    ) -> None:
         """Compute a batch the caller assembled (the head's step loop, holding the runtime's lock): every
         item's draft and hidden states, or its error. `idle`, if given, is called twice while the device runs the
         batch: once the draft and the lower shard are both queued (a whole greedy draft is not read back before
         the lower shard is queued behind it), and again once the drafts are read, before the batch's last wait
-        (the loop takes the replies that came meanwhile, and makes the rounds' headers)."""
+        (the loop takes the replies that came meanwhile, and makes the rounds' headers). `poll`, if given, is
+        called over and over while the batch waits for the device (`await_device`): the loop takes each reply as
+        it comes, rather than after the wait."""
         self._idle = idle
+        self._wait = partial(await_device, poll=poll) if poll is not None else None
         try:
             self._compute(batch)
         finally:
-            self._idle = None
+            self._idle = self._wait = None
 
     def _compute(self, batch: list[HeadWork]) -> None:
         """The batch as one forward; if that fails, each item alone (`run_isolated`): only an item that
@@ -257,14 +279,14 @@ class Batcher:
             )
             if self._idle is not None:  # the draft and the lower shard are queued on the device: host work overlaps
                 self._idle()
-            drafts = drafted.read()  # waits for the draft alone (the lower shard runs behind it)
+            drafts = drafted.read(self._wait)  # waits for the draft alone (the lower shard runs behind it)
             t1 = time.perf_counter()
             batch_id, routes = secrets.token_hex(8), Counter(w.route for w in batch)
             for w, d in zip(batch, drafts, strict=True):  # all a round's header needs, before its hidden states
                 w.draft, w.tag, w.batch, w.hidden = d, (batch_id, routes[w.route]), len(batch), None
             if self._idle is not None:
                 self._idle()
-            hidden, finite = to_host_checked(hidden)
+            hidden, finite = to_host_checked(hidden, self._wait)
         t2 = time.perf_counter()
         self.batches, self.rounds = self.batches + 1, self.rounds + len(batch)
         for w, h in zip(batch, hidden, strict=True):
@@ -318,15 +340,15 @@ class Drafted:
             at += 2 * m
         return ids, sizes
 
-    def read(self) -> list[Draft]:
+    def read(self, wait: Wait | None = None) -> list[Draft]:
         """Every item's draft (empty where none was wanted), reading those still on the device. Every launch is
         read, also one whose sessions all proposed alone: reading brings its sessions' record of their caches up to
         date (unread, the next round would feed their draft positions again)."""
         for launch in self.launches:
-            launch.drafts()
+            launch.drafts(wait)
         for i, (launch, j) in self.device.items():
             if self.host[i] is None:
-                self.host[i] = launch.drafts()[j]
+                self.host[i] = launch.drafts(wait)[j]
         return [d if d is not None else Draft([]) for d in self.host]
 
 

@@ -8,9 +8,9 @@ Each step it
    failed, replays the sessions whose tail went silent, and retires finished generations;
 3. computes one group of the generations that are ready: drafts for all of them at once and the lower shard
    once over all of them (`Batcher.compute`, workers/head/batching.py; while the device runs the draft and the
-   lower shard the loop takes the replies that came meanwhile, as in 2, for generations outside the group), and
-   queues the group to a sender thread, which seals each round and publishes the group as one entry per tail stream
-   (schemas/groups.py).
+   lower shard the loop takes each reply as it comes, as in 2, for generations outside the group: its waits for
+   the device poll for replies), and queues the group to a sender thread, which seals each round and publishes
+   the group as one entry per tail stream (schemas/groups.py).
 
 The loop itself never waits on Redis: a sender thread publishes what it queues and a receiver thread reads the
 head's own reply stream, where tails put every reply to its sessions (workers/head/relay_io.py). With nothing
@@ -188,7 +188,8 @@ class HeadLoop:
         self._idle_s, self._group = 0.0, group
         with self.rt.lock:
             t0 = time.perf_counter()
-            self.rt.batcher.compute(works, idle=self._meanwhile)
+            poll = self._poll if self.settings.relay.head_wait_poll_ms > 0 else None
+            self.rt.batcher.compute(works, idle=self._meanwhile, poll=poll)
             spent = time.perf_counter() - t0 - self._idle_s
             self.rt.batcher.plan.note_batch(len(works), spent)
             self.clock.add("compute", spent)
@@ -203,21 +204,34 @@ class HeadLoop:
     def _meanwhile(self) -> None:
         """While the device runs a group's whole draft or its lower shard: the replies and failed sends that came
         since the step began, taken now rather than after the group (the group's own generations are READY:
-        untouched)."""
+        untouched), then the rounds' headers."""
+        self._take_meanwhile(0.0)
         t0 = time.perf_counter()
+        self._headers()
+        dt = time.perf_counter() - t0
+        self._idle_s += dt  # called again if the group is retried item by item
+        self.clock.add("headers", dt)
+
+    def _poll(self) -> None:
+        """While the group waits for the device: a reply coming within `relay.head_wait_poll_ms` is taken now."""
+        self._take_meanwhile(self.settings.relay.head_wait_poll_ms / 1000)
+
+    def _take_meanwhile(self, wait_s: float) -> None:
         with self._cv:
+            if wait_s > 0 and not (self._replies or self._failed):
+                self._cv.wait(wait_s)
             replies, self._replies = self._replies, []
             failed, self._failed = self._failed, []
+        if not (replies or failed):
+            return
+        t0 = time.perf_counter()
         for slots, e in failed:
             for slot in slots:
                 self._fail(slot, e)
         self._route(replies)
-        t1 = time.perf_counter()
-        self._headers()
-        t2 = time.perf_counter()
-        self._idle_s += t2 - t0  # called again if the group is retried item by item
-        self.clock.add("replies", t1 - t0)
-        self.clock.add("headers", t2 - t1)
+        dt = time.perf_counter() - t0
+        self._idle_s += dt
+        self.clock.add("replies", dt)
 
     def _headers(self) -> None:
         """While the device computes the group's hidden states (its drafts known): each greedy round's header,
