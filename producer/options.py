@@ -268,10 +268,11 @@ def engine_options(fn: Callable) -> Callable:
 
 def torch_setup(settings: Settings) -> None:
     """Apply settings.engine.threads (on a CUDA device, default engine.cuda_torch_threads: a GPU worker's host
-    work is small, and torch's pool would otherwise hold a thread per core); before CUDA starts, let its
-    allocator grow segments in place (less fragmentation under a worker's --gpu-memory cap) unless
-    PYTORCH_CUDA_ALLOC_CONF says otherwise."""
+    work is small, and torch's pool would otherwise hold a thread per core) and engine.switch_interval_ms; before
+    CUDA starts, let its allocator grow segments in place (less fragmentation under a worker's --gpu-memory cap)
+    unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
     import os
+    import sys
 
     import torch
 
@@ -282,6 +283,8 @@ def torch_setup(settings: Settings) -> None:
         threads = min(engine.cuda_torch_threads, os.cpu_count() or 1)
     if threads:
         torch.set_num_threads(threads)
+    if engine.switch_interval_ms is not None:
+        sys.setswitchinterval(engine.switch_interval_ms / 1000)
 
 
 def generation_options(fn: Callable) -> Callable:

@@ -171,6 +171,13 @@ class EngineSettings(_Group):
         0.25, gt=0, le=1, description="Share of the KV memory for full-length slots when there are short ones."
     )
     cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
+    switch_interval_ms: float | None = Field(
+        1.0,
+        gt=0,
+        description="A worker process's interpreter switch interval (sys.setswitchinterval): how soon a thread that "
+        "waits for the interpreter lock gets it from a busy one (the head's senders and readers beside its loop). "
+        "None keeps Python's 5 ms.",
+    )
     cuda_torch_threads: int = Field(
         4, ge=1, description="torch's CPU threads on a CUDA device unless threads says (its host work is small)."
     )

@@ -178,3 +178,18 @@ def test_a_request_k_above_the_graph_size_runs_and_equals_generate(models, hf_mo
     finally:
         tail.stop_event.set()
         thread.join(30)
+
+
+def test_a_workers_setup_applies_its_switch_interval(monkeypatch):
+    """`torch_setup` (what `shardflow head` / `tail` run before loading) sets the interpreter's switch interval from
+    engine.switch_interval_ms; None leaves Python's own."""
+    import sys
+
+    from producer.options import torch_setup
+
+    calls: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", calls.append)  # this test process's own is left as it is
+    torch_setup(Settings(engine={"switch_interval_ms": 2.0}))
+    torch_setup(Settings(engine={"switch_interval_ms": None}))
+    torch_setup(Settings())
+    assert calls == [0.002, 0.001]

@@ -105,16 +105,25 @@ def forward_inputs(
     return [b.sess.cache for b in batch], upload([b.hidden for b in batch]), [p.start_pos for p in rounds], wants
 
 
+def _entry_ms(entry_id: bytes | str) -> int | None:
+    """The millisecond time in a stream entry's id (None for an id that carries none)."""
+    ms = (entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)).partition("-")[0]
+    return int(ms) if ms.isdigit() else None
+
+
 def entries_age_ms(entries: list[Entry]) -> float:
     """How long these stream entries have waited since Redis added them (the mean over their ids' millisecond
     times, against this host's clock: a tail runs beside its Redis), 0 for ids that carry no time."""
-    now_ms, ages = time.time() * 1000, []
-    for _, entry_id, _ in entries:
-        raw = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-        ms = raw.partition("-")[0]
-        if ms.isdigit():
-            ages.append(max(now_ms - int(ms), 0.0))
+    now_ms = time.time() * 1000
+    ages = [max(now_ms - ms, 0.0) for _, entry_id, _ in entries if (ms := _entry_ms(entry_id)) is not None]
     return sum(ages) / len(ages) if ages else 0.0
+
+
+def read_ms(entries: list[Entry], called_ms: float, returned_ms: float) -> float:
+    """How long a read's entries took from Redis to this process, parsed: from the later of the read's call and
+    its newest entry's id time to the read's return (wall-clock ms, this host's clock beside its Redis)."""
+    times = [ms for _, entry_id, _ in entries if (ms := _entry_ms(entry_id)) is not None]
+    return max(returned_ms - max([called_ms, *times]), 0.0) if entries else 0.0
 
 
 class HostToDevice:

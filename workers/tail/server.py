@@ -60,6 +60,7 @@ from workers.tail.rounds import (
     forward_inputs,
     log_bad,
     plan_rounds,
+    read_ms,
     reason_of,
     rewind,
 )
@@ -159,16 +160,20 @@ class TailWorker:
             self._regroup = False
         clock = self.clock
         clock.maybe_log()
-        with clock("wait"):
-            entries = self.reader.gather(
-                self.reader.read(count=self.engine.slots),
-                slots=self.engine.slots,
-                open_sessions=len(self.sessions),
-                linger_ms=self.linger_ms,
-            )
+        called_ms, t0 = time.time() * 1000, time.perf_counter()
+        entries = self.reader.gather(
+            self.reader.read(count=self.engine.slots),
+            slots=self.engine.slots,
+            open_sessions=len(self.sessions),
+            linger_ms=self.linger_ms,
+        )
+        self._queue_ms, self._taken_at_ms = entries_age_ms(entries), time.time() * 1000
+        spent = time.perf_counter() - t0
+        moved = min(read_ms(entries, called_ms, self._taken_at_ms) / 1000, spent)
+        clock.add("wait", spent - moved)  # blocked at Redis; "read": the entries' way from Redis, parsed
         if not entries:
             return
-        self._queue_ms, self._taken_at_ms = entries_age_ms(entries), time.time() * 1000
+        clock.add("read", moved)
         with clock("unpack"):
             flat, bad = expand_groups(entries, self.max_packet_bytes)  # a group entry: its sessions' rounds
         done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
