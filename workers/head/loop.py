@@ -220,18 +220,14 @@ class HeadLoop:
         with self._cv:
             if wait_s > 0 and not (self._replies or self._failed):
                 self._cv.wait(wait_s)
-            replies, self._replies = self._replies, []
-            failed, self._failed = self._failed, []
-        if not (replies or failed):
-            return
-        t0 = time.perf_counter()
-        for slots, e in failed:
-            for slot in slots:
+            replies, self._replies, failed, self._failed = self._replies, [], self._failed, []
+        if replies or failed:
+            t0 = time.perf_counter()
+            for slot, e in ((slot, e) for slots, e in failed for slot in slots):
                 self._fail(slot, e)
-        self._route(replies)
-        dt = time.perf_counter() - t0
-        self._idle_s += dt
-        self.clock.add("replies", dt)
+            self._route(replies)
+            self._idle_s += (dt := time.perf_counter() - t0)
+            self.clock.add("replies", dt)
 
     def _headers(self) -> None:
         """While the device computes the group's hidden states (its drafts known): each greedy round's header,
