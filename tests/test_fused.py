@@ -4,23 +4,19 @@ the Hugging Face layers and token-by-token drafting compute."""
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import MistralConfig, Qwen2Config
 
-from schemas.errors import ModelLoadError
 from schemas.settings import Settings
 from workers.engine import shard as shard_mod
 from workers.engine.fused import FusedLayers, fuse_layer, fused_stack, rotate_elementwise, rotate_half_signs, rotation
 from workers.engine.kvcache import BatchView, KVCache, KVPool
 from workers.engine.runner import BatchGraph, Engine, greedy_steps
-from workers.engine.shard import load_shard, sliding_window
+from workers.engine.shard import load_shard
 from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 
 
@@ -122,21 +118,6 @@ def test_whole_drafts_equal_token_by_token(models, tokenizers):
         assert whole.engine.draft_many([a[0].cache], [[1]], [held], [k]) is None
         assert a[0].cache.length == held
     assert used[0] >= 3  # every round after the prompts' prefill ran as whole drafts
-
-
-def test_sliding_window_models_are_refused(models, tmp_path):
-    """Neither cache implements attention windows: a model whose window is shorter than its context
-    would silently attend too far, so it is refused at load."""
-    assert sliding_window(MistralConfig(sliding_window=8)) == 8
-    qwen = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=2)
-    assert sliding_window(qwen) == 16
-    assert sliding_window(Qwen2Config()) is None and sliding_window(MistralConfig(sliding_window=None)) is None
-    shutil.copytree(models["qwen2"].target, tmp_path / "m")
-    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg.update(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None)
-    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="sliding-window"):
-        load_shard(tmp_path / "m", None, embed=True, head=True)
 
 
 class _HostCopies(TorchDispatchMode):

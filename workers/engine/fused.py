@@ -119,9 +119,14 @@ class FusedLayers:
         return self.kernel is not None and hasattr(cache, "in_place")
 
     def __call__(
-        self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, cache: object
+        self,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        masks: list[torch.Tensor | None],
+        cache: object,
     ) -> torch.Tensor:
-        """h [B, T, hidden], cos/sin [B, T, d] (the HF rotary module's), mask bool [B|1, 1, T, L] or None."""
+        """h [B, T, hidden], cos/sin [B, T, d] (the HF rotary module's), each layer's mask bool [B|1, 1, T, L] or
+        None (layers with one window share one mask object, so one bias)."""
         b, t, _ = h.shape
         if torch.compiler.is_compiling():  # inductor fuses the elementwise form into neighbouring kernels
             cos, sin = (c.reshape(-1, 1, c.shape[-1]) for c in cos_sin)
@@ -136,24 +141,29 @@ class FusedLayers:
             for layer in self.layers:
                 h = self._layer(layer, h, rope, partial(_in_place, cache, in_place))
             return h
-        bias: torch.Tensor | None = None
         attention = partial(attend, scale=self.scale, wide_gemm=self.wide_gemm)
-        if (
-            self.sdpa
-            and t <= SDPA_MAX_TOKENS
-            and b * t * self.heads >= SDPA_MIN_ROWS
-            and not torch.compiler.is_compiling()
-        ):
+        sdpa = self.sdpa and t <= SDPA_MAX_TOKENS and b * t * self.heads >= SDPA_MIN_ROWS
+        sdpa = sdpa and not torch.compiler.is_compiling()
+        if sdpa:
             attention = partial(attend_sdpa, scale=self.scale)
-            if mask is not None:  # [B, 1, g * T, L] in the compute dtype, broadcast over key/value heads
-                full = torch.where(mask, *self.mask_half)
-                bias = full[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, mask.shape[-1])
-        elif mask is not None:
-            full = torch.where(mask, *self.mask_values)  # [B|1, 1, T, L] additive bias
-            bias = full[:, :, None].expand(b, self.kv_heads, g, t, mask.shape[-1]).reshape(-1, g * t, mask.shape[-1])
-        for layer in self.layers:
-            h = self._layer(layer, h, rope, partial(_gathered, cache, attention, bias))
+        biases: dict[int, torch.Tensor | None] = {}
+        for layer, mask in zip(self.layers, masks, strict=True):
+            if id(mask) not in biases:
+                biases[id(mask)] = self._bias(mask, b, t, g, sdpa)
+            h = self._layer(layer, h, rope, partial(_gathered, cache, attention, biases[id(mask)]))
         return h
+
+    def _bias(self, mask: torch.Tensor | None, b: int, t: int, g: int, sdpa: bool) -> torch.Tensor | None:
+        """A mask as the additive bias its attention takes: [B, 1, g * T, L] in the compute dtype for SDPA (broadcast
+        over key/value heads), else [B * kv_heads, g * T, L] in the score dtype."""
+        if mask is None:
+            return None
+        n = mask.shape[-1]
+        if sdpa:
+            full = torch.where(mask, *self.mask_half)
+            return full[:, :, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+        full = torch.where(mask, *self.mask_values)  # [B|1, 1, T, L] additive bias
+        return full[:, :, None].expand(b, self.kv_heads, g, t, n).reshape(-1, g * t, n)
 
     def _layer(
         self, p: FusedLayer, h: torch.Tensor, rope: Callable[[torch.Tensor], torch.Tensor], attn: Attention

@@ -16,7 +16,8 @@ overflow, would fail every later sequence of its slot. Zeroed, what a slot holds
 current sequence's own (finite while its outputs are: its rows attend to them, masked). One memset per
 layer per release costs far less than masking keys/values in every round (bench/slot_hygiene.py).
 
-Both answer `positions(start, n)` and `mask(pos)` so a shard builds its attention mask the same way.
+Both answer `positions(start, n)` and `mask(pos, window)` so a shard builds its attention mask the same way (a
+window: each query sees only the last `window` positions up to its own, as HF's sliding-window layers do).
 
 A whole draft's K steps (workers/engine/graphs.py `greedy_steps`) run over a `DraftBuffer`: the batch's keys and
 values gathered out of the pool once, each step writing its own in place there, and the positions the draft
@@ -29,6 +30,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+
+def causal(index: torch.Tensor, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[..., T, L]: whether query t (at position pos[..., t]) sees key column l (at position index[l]): at or
+    before its own position and, with a window, after pos - window (HF's `sliding_window_overlay`)."""
+    q = pos[..., None]
+    ok = index <= q
+    return ok & (index > q - window) if window is not None else ok
 
 
 class KVCache:
@@ -61,11 +70,11 @@ class KVCache:
     def positions(self, start: int, n: int, device: torch.device) -> torch.Tensor:
         return torch.arange(start, start + n, device=device)
 
-    def mask(self, pos: torch.Tensor) -> torch.Tensor | None:
+    def mask(self, pos: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
         n, total = pos.shape[0], self.length + pos.shape[0]
-        if n == 1:
+        if n == 1 and (window is None or total <= window):
             return None
-        return torch.ones(n, total, dtype=torch.bool, device=pos.device).tril(diagonal=total - n)[None, None]
+        return causal(torch.arange(total, device=pos.device), pos, window)[None, None]
 
     def crop(self, length: int) -> None:
         """Keep only the first `length` positions (rollback to a committed prefix)."""
@@ -202,10 +211,10 @@ class StaticKVCache:
             raise ValueError(f"sequence of {start + n} positions exceeds the static cache of {self.max_len}")
         return self.pool.index[start : start + n]
 
-    def mask(self, pos: torch.Tensor) -> torch.Tensor:
+    def mask(self, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """Query i attends to every cached slot at or before its position (valid prefix + itself)."""
         self.pos = pos
-        return (self.pool.index[None, :] <= pos[:, None])[None, None]
+        return causal(self.pool.index, pos, window)[None, None]
 
     def advance(self, length: int) -> None:
         self._length = length
@@ -252,9 +261,9 @@ class BatchView:
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return 0
 
-    def mask(self, pos: torch.Tensor) -> torch.Tensor:
+    def mask(self, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """[B, 1, T, length]: each row's token attends to its slot's positions at or before its own."""
-        return (self.pool.index[None, None, : self.length] <= pos[:, :, None])[:, None]
+        return causal(self.pool.index[: self.length], pos, window)[:, None]
 
 
 class DraftBuffer:
@@ -302,6 +311,6 @@ class DraftStep:
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return 0
 
-    def mask(self, pos: torch.Tensor) -> torch.Tensor:
+    def mask(self, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """As `BatchView.mask`: each row's token attends to its positions at or before its own."""
-        return (self.buf.pool.index[None, None, : self.buf.length] <= pos[:, :, None])[:, None]
+        return causal(self.buf.pool.index[: self.buf.length], pos, window)[:, None]

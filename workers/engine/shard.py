@@ -30,6 +30,8 @@ Cache = KVCache | StaticKVCache
 # of a 7B shard (28 heads) over 8,192 positions take 132 MB; one 7B prefill may be 1,170 tokens over
 # 2,048 positions, 292 over 8,192.
 FUSED_MAX_SCORE_BYTES = 256 << 20
+# families whose windowed layers run here: their layers attend through the masks a shard builds (`Shard._masks`)
+WINDOWED = {"qwen2", "qwen3", "mistral"}
 Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
 
 
@@ -138,6 +140,8 @@ class Shard(nn.Module):
         super().__init__()
         self.config, self.layer_range = config, layer_range
         self.layers, self.rotary, self.embed, self.norm, self.lm_head = layers, rotary, embed, norm, lm_head
+        # each layer's attention window (None: it sees every earlier position), as the config's layer types say
+        self.windows: list[int | None] = layer_windows(config)[layer_range[0] : layer_range[1]]
         self.fused: FusedLayers | None = None  # the lean forward of workers/engine/fused.py, when set (load_shard)
         self.quant = "none"  # how its layers' linears are stored (workers/engine/quant.py), set by load_shard
         self._dtype: torch.dtype | None = None  # the compute dtype (quantized weights are stored otherwise)
@@ -175,7 +179,7 @@ class Shard(nn.Module):
     def run(self, x: torch.Tensor, pos: torch.Tensor, cache: Cache, logits_last: int = 0) -> torch.Tensor:
         """The forward itself, over device positions `pos`; no host syncs, so it can be graph-captured."""
         h = self.embed(x)[None] if self.embed is not None else x[None]
-        h = self._layers(h, pos[None], cache.mask(pos), cache)[0]
+        h = self._layers(h, pos[None], self._masks(cache, pos), cache)[0]
         if self.lm_head is None or logits_last <= 0:
             return h
         return self.lm_head(self.norm(h[-logits_last:]))
@@ -188,7 +192,7 @@ class Shard(nn.Module):
         Returns hidden states [B, T, h], or with `pick` ([B, P] row indices) and an LM head the
         logits [B, P, vocab] of those rows. No host syncs: graph-capturable."""
         h = self.embed(x) if self.embed is not None else x
-        h = self._layers(h, pos, view.mask(pos), view)
+        h = self._layers(h, pos, self._masks(view, pos), view)
         if pick is None or self.lm_head is None:
             return h
         rows = torch.arange(h.shape[0], device=h.device)[:, None]
@@ -203,12 +207,17 @@ class Shard(nn.Module):
     def set_attention(self, mode: str) -> None:
         """EngineSettings.attention on the fused layers: gather turns attention in place off, in_place turns it on
         with the reference kernel where FlashAttention does not run, auto keeps what the load probed."""
-        if self.fused is None or mode == "auto":
-            return
+        if self.fused is None or mode == "auto" or any(w is not None for w in self.windows):
+            return  # a windowed shard attends through masks over gathered keys and values (`_masks`)
         if mode == "gather":
             self.fused.kernel = None
         elif self.fused.kernel is None:
             self.fused.kernel = pool_attention.reference
+
+    def _masks(self, cache: object, pos: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each layer's attention mask over `cache` (one per distinct window, shared by its layers)."""
+        made = {w: cache.mask(pos, w) for w in dict.fromkeys(self.windows)}  # type: ignore[attr-defined]
+        return [made[w] for w in self.windows]
 
     def _fused_fits(self, h: torch.Tensor, mask: torch.Tensor | None, cache: object = None) -> bool:
         assert self.fused is not None
@@ -217,11 +226,13 @@ class Shard(nn.Module):
         positions = mask.shape[-1] if mask is not None else h.shape[1]
         return h.shape[0] * self.fused.heads * h.shape[1] * positions * 4 <= FUSED_MAX_SCORE_BYTES
 
-    def _layers(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: object) -> torch.Tensor:
+    def _layers(
+        self, h: torch.Tensor, pos: torch.Tensor, masks: list[torch.Tensor | None], cache: object
+    ) -> torch.Tensor:
         cos_sin = self.rotary(h, pos)
-        if self.fused is not None and self._fused_fits(h, mask, cache):
-            return self.fused(h, cos_sin, mask, cache)
-        for layer in self.layers:
+        if self.fused is not None and self._fused_fits(h, masks[0], cache):
+            return self.fused(h, cos_sin, masks, cache)
+        for layer, mask in zip(self.layers, masks, strict=True):
             h = layer(
                 h,
                 attention_mask=mask,
@@ -241,10 +252,23 @@ def blank_input(shard: Shard, b: int, t: int) -> torch.Tensor:
     return torch.zeros(b, t, shard.config.hidden_size, dtype=shard.dtype, device=shard.device)
 
 
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's attention window as the config turns it on (its `layer_types`' sliding layers, every layer of a
+    Mistral with a `sliding_window`), None for a layer that sees every earlier position, and for a window no
+    shorter than the model's context (it never cuts anything)."""
+    n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    if window is None or window >= (getattr(config, "max_position_embeddings", None) or window + 1):
+        return [None] * n
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * n if config.model_type == "mistral" else [None] * n
+
+
 def sliding_window(config: PretrainedConfig) -> int | None:
-    """The attention window a config turns on (Mistral's `sliding_window`, Qwen2's sliding layers), or None."""
-    windowed = "sliding_attention" in (getattr(config, "layer_types", None) or [])
-    return getattr(config, "sliding_window", None) if windowed or config.model_type == "mistral" else None
+    """The attention window a config turns on for some layer (Mistral's `sliding_window`, Qwen2's sliding layers),
+    or None."""
+    return next((w for w in layer_windows(config) if w is not None), None)
 
 
 def load_shard(
@@ -278,8 +302,8 @@ def load_shard(
     if stored != "none" and check_scheme(quant) not in ("none", stored):
         raise ModelLoadError(f"the checkpoint is stored as {stored}: it cannot be loaded as {quant}")
     window = sliding_window(config)
-    if window is not None and window < (getattr(config, "max_position_embeddings", None) or window + 1):
-        raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported")
+    if window is not None and config.model_type not in WINDOWED:
+        raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported for {config.model_type}")
     n_layers = config.num_hidden_layers
     a, b = layers if layers is not None else (0, n_layers)
     if not 0 <= a < b <= n_layers:
@@ -331,4 +355,6 @@ def load_shard(
         raise ModelLoadError(f"tensors left unloaded: {left[:4]}")
     if fuse:
         shard.fused = fused_stack(kept[0], parts, config)
+        if any(w is not None for w in shard.windows):  # the in-place kernel takes no windows: masks over gathers
+            shard.fused.kernel = None
     return shard

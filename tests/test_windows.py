@@ -1,0 +1,125 @@
+"""Sliding-window attention (Mistral's `sliding_window`, Qwen2's and Qwen3's sliding layers): a window shorter than
+the context is applied through the masks a shard builds over every cache (dynamic, static, batched), and a split
+generation equals HF `generate` on the same checkpoint. Windows of 8 positions, prompts and generations longer than
+that, so the window cuts; head and tail in separate processes over real Redis."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+from schemas.errors import ModelLoadError
+from schemas.requests import DraftSettings, GenerationRequest
+from schemas.settings import Settings
+from tests.conftest import PROMPTS
+from workers.engine.kvcache import KVCache, causal
+from workers.engine.shard import layer_windows, load_shard
+from workers.head.runtime import HeadRuntime, generate
+from workers.tiny_models import save_tiny_model
+
+NEW = 24
+WINDOW = 8
+# (family, config fields): every layer windowed; the upper half only (the tail's, split at 2); the lower half only
+WINDOWED = {
+    "mistral": ("mistral", {"sliding_window": WINDOW}),
+    "qwen2-upper": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
+    "qwen2-lower": (
+        "qwen2",
+        {
+            "use_sliding_window": True,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention"] * 2 + ["full_attention"] * 2,
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory, tokenizers):
+    root = tmp_path_factory.mktemp("windowed")
+    tok = tokenizers["qwen2"]
+    return {name: save_tiny_model(root / name, fam, tokenizer=tok, **kw) for name, (fam, kw) in WINDOWED.items()}
+
+
+def _reference(target, prompts: list[str], tok) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p)])
+        assert ids.shape[1] + NEW > 2 * WINDOW  # the window cuts
+        got = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW)
+        out.append(got[0, ids.shape[1] :].tolist())
+    return out
+
+
+def test_layer_windows_follow_the_configs_layer_types():
+    assert layer_windows(MistralConfig(sliding_window=8, num_hidden_layers=3)) == [8, 8, 8]
+    assert layer_windows(MistralConfig(sliding_window=None, num_hidden_layers=2)) == [None, None]
+    qwen = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=3)
+    assert layer_windows(qwen) == [None, 16, 16]
+    assert layer_windows(Qwen2Config(num_hidden_layers=2)) == [None, None]
+    long = MistralConfig(sliding_window=4096, max_position_embeddings=4096, num_hidden_layers=1)
+    assert layer_windows(long) == [None]  # a window no shorter than the context cuts nothing
+
+
+def test_a_windowed_mask_sees_the_last_window_positions():
+    """`causal` as HF's sliding-window overlay: key j is seen by the query at position p when p - w < j <= p; the
+    dynamic cache builds a mask for one token only once the window cuts."""
+    got = causal(torch.arange(6), torch.tensor([3, 5]), 3)
+    assert got.int().tolist() == [[0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]]
+    cache = KVCache()
+    cache.keys[0] = cache.values[0] = torch.zeros(1, 1, 4, 2)
+    assert cache.mask(torch.tensor([4]), None) is None and cache.mask(torch.tensor([4]), 5) is None
+    assert cache.mask(torch.tensor([4]), 2)[0, 0].int().tolist() == [[0, 0, 0, 1, 1]]
+
+
+def test_other_families_with_a_window_are_refused(models, tmp_path):
+    """A family whose windowed layers this engine does not know is refused at load, naming it."""
+    import json
+    import shutil
+
+    shutil.copytree(models["llama"].target, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg.update(sliding_window=8, layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"sliding-window attention .* not supported for llama"):
+        load_shard(tmp_path / "m", None, embed=True, head=True)
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+@pytest.mark.parametrize("static", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dynamic", "static"])
+def test_windowed_models_split_equal_generate(name, static, windowed, tokenizers, tails, redis_client):
+    """Greedy, n-gram and model drafts (the model itself drafting: its own windows), one at a time."""
+    target, tok = windowed[name], tokenizers["qwen2"]
+    prompts = PROMPTS[:4]
+    expected = _reference(target, prompts, tok)
+    extra = ("--static-cache",) if static else ()
+    names = tails.get(target, 2, 4, extra)
+    settings = Settings(engine={"static": static})
+    runtime = HeadRuntime.load(target, (0, 2), draft=str(target), settings=settings)
+    for prompt, want in zip(prompts, expected, strict=True):
+        for kind, k in (("model", 4), ("ngram", 3)):
+            req = GenerationRequest(
+                prompt=prompt, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(kind=kind, k=k)
+            )
+            assert generate(req, runtime, redis_client, names=names).token_ids == want, (name, prompt, kind)
+
+
+@pytest.mark.slow
+def test_windowed_generations_in_flight_equal_generate(windowed, tokenizers, tails, redis_client):
+    """Several generations at once on static caches: batched forwards over their slots, each its own window."""
+    target, tok = windowed["mistral"], tokenizers["qwen2"]
+    prompts = PROMPTS[:6]
+    expected = _reference(target, prompts, tok)
+    names = tails.get(target, 2, 4, ("--static-cache",))
+    runtime = HeadRuntime.load(target, (0, 2), draft=str(target), settings=Settings(engine={"static": True}))
+
+    def one(p: str) -> list[int]:
+        req = GenerationRequest(prompt=p, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(k=4))
+        return generate(req, runtime, redis_client, names=names).token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(one, prompts)) == expected
