@@ -26,6 +26,7 @@ WINDOW = 8
 WINDOWED = {
     "mistral": ("mistral", {"sliding_window": WINDOW}),
     "qwen2-upper": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
+    "qwen3-upper": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
     "qwen2-lower": (
         "qwen2",
         {

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -74,7 +81,7 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 def tiny_config(
     family: str, vocab_size: int, *, layers: int = 4, hidden: int = 64, init: float = 0.25, **extra: object
 ):
-    """A Qwen2-shaped (untied head), Llama-shaped (tied embeddings) or Mistral-shaped (untied) tiny config;
+    """A Qwen2-, Qwen3- or Mistral-shaped (untied head) or Llama-shaped (tied embeddings) tiny config;
     `extra` sets more of the config's own fields (a sliding window, say)."""
     common = dict(
         vocab_size=vocab_size,
@@ -93,6 +100,8 @@ def tiny_config(
         return Qwen2Config(**common, **{"tie_word_embeddings": False, "use_sliding_window": False} | extra)
     if family == "llama":
         return LlamaConfig(**common, **{"tie_word_embeddings": True} | extra)
+    if family == "qwen3":  # per-head q/k norms
+        return Qwen3Config(**common, **{"tie_word_embeddings": False, "use_sliding_window": False} | extra)
     if family == "mistral":
         return MistralConfig(**common, **{"tie_word_embeddings": False, "sliding_window": None} | extra)
     raise ValueError(f"unknown family {family!r}")
