@@ -310,6 +310,7 @@ def test_the_loops_poll_takes_a_reply_that_comes_while_it_waits():
     loop = HeadLoop.__new__(HeadLoop)
     loop.settings = Settings(relay={"head_wait_poll_ms": 200.0})
     loop._cv, loop._replies, loop._failed, loop._idle_s = threading.Condition(), [], [], 0.0
+    loop._group, loop._held = [], []
     loop.clock = PhaseClock("test", logging.getLogger("test"))
     routed: list[list] = []
     loop._route = routed.append  # type: ignore[method-assign]
@@ -321,3 +322,30 @@ def test_the_loops_poll_takes_a_reply_that_comes_while_it_waits():
     t0 = time.monotonic()
     loop._poll()
     assert len(routed) == 1 and time.monotonic() - t0 < 0.1
+
+
+def test_a_failed_send_of_the_computing_group_waits_until_it_is_computed():
+    """A failed send reported while a group computes fails the generations outside the group at once; those inside
+    it are held (failing one mid-compute would free caches its queued forward still writes) and come back to the
+    loop with the next step."""
+    import logging
+    import threading
+
+    from schemas.settings import Settings
+    from workers.head.loop import HeadLoop
+    from workers.phases import PhaseClock
+
+    loop = HeadLoop.__new__(HeadLoop)
+    loop.settings = Settings(relay={"head_wait_poll_ms": 1.0})
+    loop._cv, loop._replies, loop._idle_s, loop._held = threading.Condition(), [], 0.0, []
+    loop.clock = PhaseClock("test", logging.getLogger("test"))
+    inside, outside, err = object(), object(), RuntimeError("send failed")
+    loop._group = [inside]  # type: ignore[list-item]
+    loop._failed = [([inside, outside], err)]  # type: ignore[list-item]
+    failed: list[object] = []
+    loop._fail = lambda slot, e: failed.append(slot)  # type: ignore[method-assign]
+    loop._route = lambda replies: None  # type: ignore[method-assign]
+    loop._poll()
+    assert failed == [outside] and loop._held == [([inside], err)] and loop._failed == []
+    loop._poll()  # held: nothing to take, so the poll waits rather than spins
+    assert failed == [outside]

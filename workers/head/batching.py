@@ -119,7 +119,7 @@ def to_host_checked(hidden: list[torch.Tensor], wait: Wait | None = None) -> tup
         host.copy_(rows, non_blocking=True)
         ok_host.copy_(ok_rows, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(rows.device))  # the rows' GPU, not the thread's current one
         (wait or torch.cuda.Event.synchronize)(done)
         rows, ok_rows = host, ok_host
     bounds = torch.tensor([0, *sizes]).cumsum(0)
@@ -336,7 +336,8 @@ class Drafted:
         ids, at = out[:n], n
         for tensor, dst, _ in parts.values():
             m = len(dst)
-            ids[out[at : at + m]] = tensor.view(-1)[out[at + m : at + 2 * m]]
+            src = out[at + m : at + 2 * m].to(tensor.device)  # a draft model may sit on another GPU
+            ids[out[at : at + m]] = tensor.view(-1)[src].to(device)
             at += 2 * m
         return ids, sizes
 

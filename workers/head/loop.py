@@ -77,6 +77,7 @@ class HeadLoop:
         self.steps = 0
         self._idle_s = 0.0  # of the group being computed: the time `_meanwhile` took
         self._group: list[Slot] = []  # the group being computed (its headers are made while its forward runs)
+        self._held: list[tuple[list[Slot], BaseException]] = []  # its failed sends, taken once it is computed
         self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
         self.seal_clock = PhaseClock("head senders", log)  # sealing a group's rounds, on the sender threads
         self.sender = Sender(r, self.settings)
@@ -193,6 +194,8 @@ class HeadLoop:
             spent = time.perf_counter() - t0 - self._idle_s
             self.rt.batcher.plan.note_batch(len(works), spent)
             self.clock.add("compute", spent)
+        with self._cv:  # the group's failed sends held while it computed: the next step takes them
+            self._failed, self._held = self._held + self._failed, []
         ok: list[Slot] = []
         for slot, work in zip(group, works, strict=True):
             if work.error is not None:
@@ -221,6 +224,7 @@ class HeadLoop:
             if wait_s > 0 and not (self._replies or self._failed):
                 self._cv.wait(wait_s)
             replies, self._replies, failed, self._failed = self._replies, [], self._failed, []
+            failed = self._after_group(failed)
         if replies or failed:
             t0 = time.perf_counter()
             for slot, e in ((slot, e) for slots, e in failed for slot in slots):
@@ -228,6 +232,13 @@ class HeadLoop:
             self._route(replies)
             self._idle_s += (dt := time.perf_counter() - t0)
             self.clock.add("replies", dt)
+
+    def _after_group(self, failed: list[tuple[list[Slot], BaseException]]) -> list[tuple[list[Slot], BaseException]]:
+        """The failed sends to take while a group computes: those of the group's own generations are held until it
+        is done (failing one now would free caches its queued forward, or its retry alone, still writes)."""
+        group = {id(s) for s in self._group}
+        self._held += [(mine, e) for slots, e in failed if (mine := [s for s in slots if id(s) in group])]
+        return [(rest, e) for slots, e in failed if (rest := [s for s in slots if id(s) not in group])]
 
     def _headers(self) -> None:
         """While the device computes the group's hidden states (its drafts known): each greedy round's header,

@@ -273,7 +273,7 @@ class GreedyLaunch:
             host = torch.empty(mine.shape, dtype=mine.dtype, pin_memory=True)
             host.copy_(mine, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(mine.device))  # the draft's GPU, not the thread's current one
         else:
             host = mine
         self._reads.append((idx, host, done))
