@@ -1,7 +1,7 @@
-"""Sliding-window attention (Mistral's `sliding_window`, Qwen2's and Qwen3's sliding layers): a window shorter than
-the context is applied through the masks a shard builds over every cache (dynamic, static, batched), and a split
-generation equals HF `generate` on the same checkpoint. Windows of 8 positions, prompts and generations longer than
-that, so the window cuts; head and tail in separate processes over real Redis."""
+"""Sliding-window attention (Mistral's `sliding_window`, the sliding layers of Qwen2, Qwen3, Gemma 2 / 3, OLMo 3 and
+Cohere 2): a window shorter than the context is applied through the masks a shard builds over every cache (dynamic,
+static, batched), and a split generation equals HF `generate` on the same checkpoint. Windows of 8 positions, prompts
+and generations longer than that, so the window cuts; head and tail in separate processes over real Redis."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ WINDOWED = {
     "mistral": ("mistral", {"sliding_window": WINDOW}),
     "qwen2-upper": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
     "qwen3-upper": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
+    # families run by their HF layers: Gemma 2 (soft caps, 1 + w norms, a scaled embedding), Gemma 3 (a rotary per
+    # layer type, 5 local : 1 global), OLMo 3, Cohere 2
+    "gemma2": ("gemma2", {"sliding_window": WINDOW}),
+    "gemma3": ("gemma3_text", {"sliding_window": WINDOW}),
+    "olmo3": ("olmo3", {"sliding_window": WINDOW}),
+    "cohere2": ("cohere2", {"sliding_window": WINDOW}),
     "qwen2-lower": (
         "qwen2",
         {
@@ -124,3 +130,17 @@ def test_windowed_generations_in_flight_equal_generate(windowed, tokenizers, tai
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(one, prompts)) == expected
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "olmo3"])
+def test_a_whole_shards_logits_equal_the_models(name, windowed, tokenizers):
+    """Every logit, not only the greedy choice (sampling reads them all): Gemma 2's final soft cap, Gemma's scaled
+    embedding and a rotary per layer type as the HF model applies them."""
+    target, tok = windowed[name], tokenizers["qwen2"]
+    ids = torch.tensor(tok.encode(PROMPTS[0]))
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    shard = load_shard(target, None, embed=True, head=True)
+    with torch.inference_mode():
+        want = hf(ids[None]).logits[0]
+        got = shard.forward(ids, 0, KVCache(), logits_last=ids.shape[0])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
@@ -78,10 +79,13 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return fast
 
 
+OTHER_FAMILIES = ("gemma2", "gemma3_text", "olmo3", "cohere2")  # tests build these with a sliding window
+
+
 def tiny_config(
     family: str, vocab_size: int, *, layers: int = 4, hidden: int = 64, init: float = 0.25, **extra: object
 ):
-    """A Qwen2-, Qwen3- or Mistral-shaped (untied head) or Llama-shaped (tied embeddings) tiny config;
+    """A Qwen2-, Qwen3- or Mistral-shaped (untied head), Llama-shaped (tied embeddings) or OTHER_FAMILIES tiny config;
     `extra` sets more of the config's own fields (a sliding window, say)."""
     common = dict(
         vocab_size=vocab_size,
@@ -104,6 +108,8 @@ def tiny_config(
         return Qwen3Config(**common, **{"tie_word_embeddings": False, "use_sliding_window": False} | extra)
     if family == "mistral":
         return MistralConfig(**common, **{"tie_word_embeddings": False, "sliding_window": None} | extra)
+    if family in OTHER_FAMILIES:  # their own config class, at these sizes (head_dim: their defaults are wide)
+        return AutoConfig.for_model(family, **common, **{"head_dim": hidden // 4} | extra)
     raise ValueError(f"unknown family {family!r}")
 
 

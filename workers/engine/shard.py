@@ -3,13 +3,16 @@
 `load_shard(model, (a, b), embed=..., head=...)` builds the model skeleton on the meta device and
 materialises only layers [a, b) (plus the embedding and/or final norm + LM head when asked), reading
 just those tensors from the safetensors files. Tied embeddings are handled: a tail's LM head is read
-from the embedding tensor. Qwen2 and Llama families (and others laid out like them) are supported.
+from the embedding tensor. Families laid out like Qwen2 / Llama load (their parameters built on the meta device,
+their computed buffers real); sliding windows run for the families in WINDOWED.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,7 +34,7 @@ Cache = KVCache | StaticKVCache
 # 2,048 positions, 292 over 8,192.
 FUSED_MAX_SCORE_BYTES = 256 << 20
 # families whose windowed layers run here: their layers attend through the masks a shard builds (`Shard._masks`)
-WINDOWED = {"qwen2", "qwen3", "mistral"}
+WINDOWED = {"qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "olmo3", "cohere2"}
 Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
 
 
@@ -113,6 +116,24 @@ def _materialise_rest(module: nn.Module, prefix: str, source: Source, dtype: tor
         setattr(mod, p_name, nn.Parameter(tensors[k], requires_grad=False))
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on the meta device (loaded later, layer by layer) but their buffers
+    real: what a module computes in its constructor and no checkpoint holds (Gemma's embedding scale) stays."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def checkpoint_source(files: dict[str, Path]) -> Source:
     return lambda names, shapes, dtype, device: _read_tensors(files, names, dtype, device)
 
@@ -142,6 +163,11 @@ class Shard(nn.Module):
         self.layers, self.rotary, self.embed, self.norm, self.lm_head = layers, rotary, embed, norm, lm_head
         # each layer's attention window (None: it sees every earlier position), as the config's layer types say
         self.windows: list[int | None] = layer_windows(config)[layer_range[0] : layer_range[1]]
+        # each layer's type, where the rotary module takes one (a rotary per layer type), else None
+        takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self.layer_types: list[str] | None = (
+            list(config.layer_types[layer_range[0] : layer_range[1]]) if takes_type else None
+        )
         self.fused: FusedLayers | None = None  # the lean forward of workers/engine/fused.py, when set (load_shard)
         self.quant = "none"  # how its layers' linears are stored (workers/engine/quant.py), set by load_shard
         self._dtype: torch.dtype | None = None  # the compute dtype (quantized weights are stored otherwise)
@@ -182,7 +208,7 @@ class Shard(nn.Module):
         h = self._layers(h, pos[None], self._masks(cache, pos), cache)[0]
         if self.lm_head is None or logits_last <= 0:
             return h
-        return self.lm_head(self.norm(h[-logits_last:]))
+        return self._logits(h[-logits_last:])
 
     def run_batch(
         self, x: torch.Tensor, pos: torch.Tensor, view: BatchView, pick: torch.Tensor | None = None
@@ -196,7 +222,14 @@ class Shard(nn.Module):
         if pick is None or self.lm_head is None:
             return h
         rows = torch.arange(h.shape[0], device=h.device)[:, None]
-        return self.lm_head(self.norm(h[rows, pick]))
+        return self._logits(h[rows, pick])
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over the final norm; a config's final logit softcap (Gemma 2) as its model applies it."""
+        assert self.lm_head is not None and self.norm is not None
+        logits = self.lm_head(self.norm(h))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     @property
     def attends_in_place(self) -> bool:
@@ -229,10 +262,15 @@ class Shard(nn.Module):
     def _layers(
         self, h: torch.Tensor, pos: torch.Tensor, masks: list[torch.Tensor | None], cache: object
     ) -> torch.Tensor:
-        cos_sin = self.rotary(h, pos)
-        if self.fused is not None and self._fused_fits(h, masks[0], cache):
-            return self.fused(h, cos_sin, masks, cache)
-        for layer, mask in zip(self.layers, masks, strict=True):
+        if self.layer_types is None:
+            cos_sin = self.rotary(h, pos)
+            if self.fused is not None and self._fused_fits(h, masks[0], cache):
+                return self.fused(h, cos_sin, masks, cache)
+            by_layer = [cos_sin] * len(self.layers)
+        else:  # a rotary per layer type (Gemma 3's local and global bases, OLMo 3's)
+            made = {t: self.rotary(h, pos, t) for t in dict.fromkeys(self.layer_types)}
+            by_layer = [made[t] for t in self.layer_types]
+        for layer, mask, cos_sin in zip(self.layers, masks, by_layer, strict=True):
             h = layer(
                 h,
                 attention_mask=mask,
@@ -313,7 +351,7 @@ def load_shard(
         dtype = getattr(torch, dtype)
     if stored != "none":  # the skeleton is a plain model; its linears get the stored codes below
         config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
-    with torch.device("meta"):
+    with _parameters_on_meta():
         skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=attention.NAME)
     base = skeleton.get_decoder()
     if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
@@ -349,6 +387,10 @@ def load_shard(
             _materialise(head_mod, "", weights, dtype, device, {"weight": src})
     rotary = type(base.rotary_emb)(config=config).to(device)
     shard = Shard(config, (a, b), kept, rotary, embed_mod, norm_mod, head_mod).eval()
+    for mod in shard.modules():  # the buffers the skeleton computed, on the shard's device
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None and not buf.is_meta and buf.device != torch.device(device):
+                mod._buffers[name] = buf.to(device)
     shard.quant, shard._dtype = scheme, dtype
     left = [n for n, p in shard.named_parameters() if p.is_meta] + [n for n, t in shard.named_buffers() if t.is_meta]
     if left:
