@@ -67,6 +67,21 @@ def pack_group(rounds: list[dict[bytes, bytes]]) -> dict[bytes, bytes]:
     return out
 
 
+def chunk_rounds(rounds: list[dict], cap: int) -> list[list[dict]]:
+    """Consecutive runs of rounds whose fields add up to at most `cap` bytes, each packed as one group (a round
+    larger alone goes alone: its tail answers it with why)."""
+    out: list[list[dict]] = []
+    size = cap + 1
+    for fields in rounds:
+        n = sum(len(k) + len(v) for k, v in fields.items())
+        if size + n > cap:
+            out.append([])
+            size = 0
+        out[-1].append(fields)
+        size += n
+    return out
+
+
 def unpack_group(fields: dict, *, max_bytes: int) -> list[dict[bytes, bytes]]:
     """Each part's own stream fields; PacketError if the container is malformed (then no part is trusted: the
     lengths must add up exactly, field by field)."""

@@ -88,15 +88,15 @@ def test_a_group_larger_than_the_packet_cap_goes_in_several_entries(models, tail
     still equals HF generate."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from schemas.groups import chunk_rounds
     from schemas.requests import GenerationRequest
     from schemas.settings import Settings
     from tests.conftest import PROMPTS
     from tests.job_env import reference
-    from workers.head.loop import _chunks
     from workers.head.runtime import HeadRuntime, generate
 
-    assert [len(c) for c in _chunks([{b"h": b"x" * 10}] * 7, 35)] == [3, 3, 1]
-    assert [len(c) for c in _chunks([{b"h": b"x" * 100}], 35)] == [1]  # too large alone: it goes alone
+    assert [len(c) for c in chunk_rounds([{b"h": b"x" * 10}] * 7, 35)] == [3, 3, 1]
+    assert [len(c) for c in chunk_rounds([{b"h": b"x" * 100}], 35)] == [1]  # too large alone: it goes alone
     ms, cap = models["qwen2"], 24_000
     names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
     runtime = HeadRuntime.load(ms.target, (0, 2), settings=Settings(relay={"max_packet_bytes": cap}))

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import redis
 from rq.timeouts import JobTimeoutException
 
-from schemas.groups import pack_group
+from schemas.groups import chunk_rounds, pack_group
 from schemas.keys import Keys
 from schemas.requests import GenerationResult
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
@@ -311,7 +311,7 @@ class HeadLoop:
         return [
             (stream, pack_group(chunk) if len(chunk) > 1 else chunk[0])
             for stream, rounds in by_stream.items()
-            for chunk in _chunks(rounds, cap)
+            for chunk in chunk_rounds(rounds, cap)
         ]
 
     def _resend(self, now: float) -> None:
@@ -395,18 +395,3 @@ class HeadLoop:
         dead = [(gen.names.dead_letters, record) for record in gen.reader.take_dead()]
         if bye is not None or dead:
             self.sender.put(Outgoing([bye] if bye is not None else [], dead=dead))
-
-
-def _chunks(rounds: list[dict], cap: int) -> list[list[dict]]:
-    """Consecutive runs of rounds whose fields add up to at most `cap` bytes (a round larger alone goes alone:
-    its tail answers it with why)."""
-    out: list[list[dict]] = []
-    size = cap + 1
-    for fields in rounds:
-        n = sum(len(k) + len(v) for k, v in fields.items())
-        if size + n > cap:
-            out.append([])
-            size = 0
-        out[-1].append(fields)
-        size += n
-    return out
