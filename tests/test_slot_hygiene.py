@@ -230,3 +230,27 @@ def test_nan_session_in_a_batch_fails_alone(models, redis_client):
     assert a.error is None and b.error is None, (a.error, b.error)
     assert a.tokens == clean_run(target, redis_client, first, 6)
     assert b.tokens == clean_run(target, redis_client, second, 6)
+
+
+def test_a_forged_packet_naming_a_session_does_not_push_its_round_out_of_the_batch(models, redis_client):
+    """In one read: a packet naming session v under the wrong key, then v's own round, then w's. The forgery is
+    refused, and v's round still runs in the batch with w's; a session's second authentic packet in one read
+    waits for the batch (two of its rounds never share a forward)."""
+    target = models["qwen2"].target
+    tail, head = Tail(target, redis_client), head_shard(target)
+    v, w = Session(head, "v", prompt_ids(12, 2), 4), Session(head, "w", prompt_ids(9, 3), 4)
+    step(tail.worker, [v, w])  # both sessions open, with their keys
+    fake = Session(head, "v", [1], 4)
+    fake.round, fake.start = v.round, v.start
+    forged_fields = fake.packet(torch.randn(1, head.config.hidden_size))  # v's round, under another key
+    v_fields, w_fields = v.fields(), w.fields()
+    replies = tail.worker.handle_many([forged_fields, v_fields, w_fields])
+    assert replies[0] is None  # refused, dead-lettered: no reply under a key it does not hold
+    v.take(replies[1])
+    w.take(replies[2])
+    assert v.error is None and w.error is None
+    assert v.batches[-1] == w.batches[-1] == 2.0  # v's round ran with w's
+    again = tail.worker.handle_many([v.fields(), v_fields])  # v's next round, then its last one again
+    v.take(again[0])
+    assert v.error is None and v.batches[-1] == 1.0
+    assert again[1] is None or isinstance(reply_of(again[1]), Verdict | ErrorReply)  # after the batch, alone

@@ -203,24 +203,18 @@ class TailWorker:
         t0 = time.perf_counter()
         out: list[Reply | None] = [None] * len(entries)
         batch: list[tuple[int, Prepared]] = []
-        later: list[int] = []  # a second packet of a session already in this batch waits for the first
-        seen: set[str] = set()
-        now: list[int] = []
-        for i, fields in enumerate(entries):
-            sid, _ = peek_session(fields)
-            if sid is not None and sid in seen:
-                later.append(i)
-            else:
-                now.append(i)
-                if sid is not None:
-                    seen.add(sid)
-        for i, checked in zip(now, self.auth.check([entries[i] for i in now]), strict=True):
+        later: list[int] = []  # an authentic packet of a session already in this batch waits for the batch
+        joined: set[str] = set()  # sessions with a round in the batch (a forged packet naming one joins nothing)
+        for i, checked in enumerate(self.auth.check(entries)):
             fields = entries[i]
             if isinstance(checked, Exception):
                 sid, rid = peek_session(fields)
                 out[i] = self._refuse(sid, rid, checked, fields)
                 continue
             msg, key, oversized = checked
+            if msg.session_id in joined:
+                later.append(i)
+                continue
             try:
                 if oversized is not None:  # its own head's: it hears why
                     raise oversized
@@ -230,6 +224,7 @@ class TailWorker:
                 continue
             if isinstance(prep, Prepared):
                 batch.append((i, prep))
+                joined.add(msg.session_id)
             else:
                 out[i] = prep
         self._prepare_ms = (time.perf_counter() - t0) * 1000
