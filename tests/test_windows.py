@@ -96,7 +96,11 @@ def test_other_families_with_a_window_are_refused(models, tmp_path):
         load_shard(tmp_path / "m", None, embed=True, head=True)
 
 
-@pytest.mark.parametrize("name", list(WINDOWED))
+# plain `pytest` runs three families (every layer windowed, the tail's only, a family on HF layers); CI all of them
+QUICK = ("mistral", "qwen2-upper", "gemma2")
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in WINDOWED])
 @pytest.mark.parametrize("static", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dynamic", "static"])
 def test_windowed_models_split_equal_generate(name, static, windowed, tokenizers, tails, redis_client):
     """Greedy, n-gram and model drafts (the model itself drafting: its own windows), one at a time."""
