@@ -173,7 +173,7 @@ class EngineSettings(_Group):
     cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
     switch_interval_ms: float | None = Field(
         1.0,
-        gt=0,
+        ge=0.05,  # shorter ones round to nothing in the interpreter
         description="A worker process's interpreter switch interval (sys.setswitchinterval): how soon a thread that "
         "waits for the interpreter lock gets it from a busy one (the head's senders and readers beside its loop). "
         "None keeps Python's 5 ms.",

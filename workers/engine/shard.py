@@ -4,7 +4,7 @@
 materialises only layers [a, b) (plus the embedding and/or final norm + LM head when asked), reading
 just those tensors from the safetensors files. Tied embeddings are handled: a tail's LM head is read
 from the embedding tensor. Families laid out like Qwen2 / Llama load (their parameters built on the meta device,
-their computed buffers real); sliding windows run for the families in WINDOWED.
+their computed buffers real); sliding windows run for the families in workers/engine/windows.py.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from workers.engine import attention, pool_attention
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
+from workers.engine.windows import WINDOWED, layer_windows, sliding_window
 
 Cache = KVCache | StaticKVCache
 # Steps whose float32 attention scores (batch x heads x tokens x cached positions) would take more than
@@ -33,8 +34,6 @@ Cache = KVCache | StaticKVCache
 # of a 7B shard (28 heads) over 8,192 positions take 132 MB; one 7B prefill may be 1,170 tokens over
 # 2,048 positions, 292 over 8,192.
 FUSED_MAX_SCORE_BYTES = 256 << 20
-# families whose windowed layers run here: their layers attend through the masks a shard builds (`Shard._masks`)
-WINDOWED = {"qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "olmo3", "cohere2"}
 Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
 
 
@@ -232,6 +231,11 @@ class Shard(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     @property
+    def windowed(self) -> bool:
+        """Whether some layer of the shard attends within a sliding window."""
+        return any(w is not None for w in self.windows)
+
+    @property
     def attends_in_place(self) -> bool:
         """Whether batches over a pool attend where their keys and values sit (workers/engine/pool_attention.py):
         no gathered copies, no attended-length buckets, no score buffers (any length runs the fused layers)."""
@@ -240,7 +244,7 @@ class Shard(nn.Module):
     def set_attention(self, mode: str) -> None:
         """EngineSettings.attention on the fused layers: gather turns attention in place off, in_place turns it on
         with the reference kernel where FlashAttention does not run, auto keeps what the load probed."""
-        if self.fused is None or mode == "auto" or any(w is not None for w in self.windows):
+        if self.fused is None or mode == "auto" or self.windowed:
             return  # a windowed shard attends through masks over gathered keys and values (`_masks`)
         if mode == "gather":
             self.fused.kernel = None
@@ -288,25 +292,6 @@ def blank_input(shard: Shard, b: int, t: int) -> torch.Tensor:
     if shard.embed is not None:
         return torch.zeros(b, t, dtype=torch.long, device=shard.device)
     return torch.zeros(b, t, shard.config.hidden_size, dtype=shard.dtype, device=shard.device)
-
-
-def layer_windows(config: PretrainedConfig) -> list[int | None]:
-    """Each layer's attention window as the config turns it on (its `layer_types`' sliding layers, every layer of a
-    Mistral with a `sliding_window`), None for a layer that sees every earlier position, and for a window no
-    shorter than the model's context (it never cuts anything)."""
-    n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
-    if window is None or window >= (getattr(config, "max_position_embeddings", None) or window + 1):
-        return [None] * n
-    types = getattr(config, "layer_types", None)
-    if types:
-        return [window if t == "sliding_attention" else None for t in types]
-    return [window] * n if config.model_type == "mistral" else [None] * n
-
-
-def sliding_window(config: PretrainedConfig) -> int | None:
-    """The attention window a config turns on for some layer (Mistral's `sliding_window`, Qwen2's sliding layers),
-    or None."""
-    return next((w for w in layer_windows(config) if w is not None), None)
 
 
 def load_shard(
@@ -397,6 +382,6 @@ def load_shard(
         raise ModelLoadError(f"tensors left unloaded: {left[:4]}")
     if fuse:
         shard.fused = fused_stack(kept[0], parts, config)
-        if any(w is not None for w in shard.windows):  # the in-place kernel takes no windows: masks over gathers
+        if shard.windowed:  # the in-place kernel takes no windows: masks over gathered keys and values
             shard.fused.kernel = None
     return shard
