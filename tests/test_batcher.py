@@ -318,22 +318,6 @@ def test_rounds_from_threads_run_as_one_batch(tiny: Tiny, static: bool) -> None:
 
 
 @STATIC
-def test_a_session_proposing_alone_still_records_its_inner_draft(tiny: Tiny, static: bool) -> None:
-    """A drafter whose `finish` ignores its inner model draft (`proposes_alone`) gets its planted tokens, and its
-    inner session's record of its cache still takes the draft the model wrote there, as a plain model session's
-    does: unrecorded, every next round would feed the draft positions to the draft model again."""
-    head, ref = Head(tiny, static), Head(tiny, static)
-    works = [head.work(Spec(c, "alone", 4)) for c in CTX[:2]]  # a batch whose every model session proposes alone
-    run_together(head.batcher, works, spy(head.engine, "forward_many"))
-    for c, w in zip(CTX[:2], works, strict=True):
-        want = ref.alone(Spec(c, "model", 4))
-        assert w.draft == Draft([1, 2, 3, 4], point=True)
-        assert want.draft is not None and len(want.draft.tokens) == 4
-        inner = w.drafter.inner  # type: ignore[union-attr]
-        assert inner.tokens == want.drafter.tokens == [*c, *want.draft.tokens[:3]]  # type: ignore[union-attr]
-
-
-@STATIC
 def test_static_batch_runs_one_shard_pass(tiny: Tiny, static: bool) -> None:
     """With static caches the lower shard runs every step-sized round of a batch as one batched pass (`_batch`
     once over all of them); dynamic caches run each sequence's forward inside the same `forward_many` call."""

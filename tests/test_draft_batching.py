@@ -349,3 +349,19 @@ def test_a_failed_send_of_the_computing_group_waits_until_it_is_computed():
     assert failed == [outside] and loop._held == [([inside], err)] and loop._failed == []
     loop._poll()  # held: nothing to take, so the poll waits rather than spins
     assert failed == [outside]
+
+
+@STATIC
+def test_a_session_proposing_alone_still_records_its_inner_draft(tiny: Tiny, static: bool) -> None:
+    """A drafter whose `finish` ignores its inner model draft (`proposes_alone`) gets its planted tokens, and its
+    inner session's record of its cache still takes the draft the model wrote there, as a plain model session's
+    does: unrecorded, every next round would feed the draft positions to the draft model again."""
+    head, ref = Head(tiny, static), Head(tiny, static)
+    works = [head.work(Spec(c, "alone", 4)) for c in CTX[:2]]  # a batch whose every model session proposes alone
+    run_together(head.batcher, works, spy(head.engine, "forward_many"))
+    for c, w in zip(CTX[:2], works, strict=True):
+        want = ref.alone(Spec(c, "model", 4))
+        assert w.draft == Draft([1, 2, 3, 4], point=True)
+        assert want.draft is not None and len(want.draft.tokens) == 4
+        inner = w.drafter.inner  # type: ignore[union-attr]
+        assert inner.tokens == want.drafter.tokens == [*c, *want.draft.tokens[:3]]  # type: ignore[union-attr]
