@@ -50,6 +50,7 @@ class RedisSettings(_Group):
     reconnect_min_s: float = Field(0.5, description="First wait of a worker loop that lost Redis (then doubling).")
     reconnect_max_s: float = Field(10.0, description="Longest wait between a worker loop's reconnect attempts.")
     block_ms: int = Field(1000, description="Redis BLOCK time of stream reads.")
+    hiredis: bool = Field(True, description="Parse replies with hiredis (C) where it is installed; false: in Python.")
 
 
 class JobSettings(_Group):
