@@ -80,12 +80,29 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 
 
 OTHER_FAMILIES = ("gemma2", "gemma3_text", "olmo3", "cohere2")  # tests build these with a sliding window
+_ROUTED = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+_GROUPED = _ROUTED | {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1}
+_GROUPED |= {"n_group": 2, "topk_group": 1}  # grouped top-k routing
+# mixtures of experts, each its own config class: 8 small experts, 2 a token; shared experts and a first dense layer
+# where the family has them; DeepSeek-V3's latent attention at small ranks (its rotary spans qk_rope_head_dim)
+MOE_FAMILIES: dict[str, dict[str, object]] = {
+    "qwen2_moe": _ROUTED | {"num_experts": 8, "shared_expert_intermediate_size": 64},
+    "qwen3_moe": _ROUTED | {"num_experts": 12},  # past 10: experts stack in numeric order, not by name
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
+    "glm4_moe": _GROUPED,
+    "deepseek_v3": _GROUPED
+    | {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+    | {"num_key_value_heads": 4},  # latent attention: a key per query head
+    "gpt_oss": {"num_local_experts": 8, "num_experts_per_tok": 2},  # attention sinks, windows on every other layer
+}
 
 
 def tiny_config(
     family: str, vocab_size: int, *, layers: int = 4, hidden: int = 64, init: float = 0.25, **extra: object
 ):
-    """A Qwen2-, Qwen3- or Mistral-shaped (untied head), Llama-shaped (tied embeddings) or OTHER_FAMILIES tiny config;
+    """A Qwen2-, Qwen3- or Mistral-shaped (untied head), Llama-shaped (tied embeddings), OTHER_FAMILIES or
+    MOE_FAMILIES tiny config;
     `extra` sets more of the config's own fields (a sliding window, say)."""
     common = dict(
         vocab_size=vocab_size,
@@ -110,6 +127,9 @@ def tiny_config(
         return MistralConfig(**common, **{"tie_word_embeddings": False, "sliding_window": None} | extra)
     if family in OTHER_FAMILIES:  # their own config class, at these sizes (head_dim: their defaults are wide)
         return AutoConfig.for_model(family, **common, **{"head_dim": hidden // 4} | extra)
+    if family in MOE_FAMILIES:
+        head_dim = MOE_FAMILIES[family].get("qk_rope_head_dim", hidden // 4)
+        return AutoConfig.for_model(family, **common | {"head_dim": head_dim} | MOE_FAMILIES[family] | extra)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -128,7 +148,7 @@ def save_tiny_model(
     tok = tokenizer or build_tokenizer()
     config = tiny_config(family, vocab_size or len(tok), **config_kw)  # type: ignore[arg-type]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}

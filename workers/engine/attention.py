@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-NAME = "shardflow_sdpa"
+NAME = "shardflow_attention"  # no "sdpa" in it: transformers would check it as its own SDPA (gpt-oss refuses that)
 # Below this many query rows (batch x query heads x tokens) SDPA's own GQA is used (math kernel, K/V
 # repeated per query head: small here). On H200s, folding every call slowed a lone 0.5B drafter step
 # (1 x 14 heads x 1 token; the memory-efficient kernel then runs 2 thread blocks): draft time per round
@@ -31,8 +31,11 @@ def gqa_sdpa(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, None]:
+    if s_aux is not None:
+        return _with_sinks(query, key, value, attention_mask, scaling, s_aux)
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -46,6 +49,27 @@ def gqa_sdpa(
         mask = mask[:, :, None].expand(mb, 1, g, t, length).reshape(mb, 1, g * t, length)
     out = sdpa(query.reshape(b, hkv, g * t, d), key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
+
+
+def _with_sinks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    sinks: torch.Tensor,
+) -> tuple[torch.Tensor, None]:
+    """gpt-oss's attention sinks: each head's learned logit joins the softmax as a key no value follows, so a head
+    may attend to nothing (float32 softmax; a row its mask hides entirely stays finite)."""
+    b, hq, t, d = query.shape
+    g = hq // key.shape[1]
+    key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    scores = (query @ key.transpose(-1, -2)).float() * (scaling if scaling is not None else d**-0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    sink = sinks.float().reshape(1, hq, 1, 1).expand(b, hq, t, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs.to(value.dtype) @ value).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, gqa_sdpa)

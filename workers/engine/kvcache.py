@@ -32,6 +32,19 @@ from typing import Any
 import torch
 
 
+def kv_dims(cfg: Any, attention: Any = None) -> tuple[int, int, int]:
+    """(key/value heads, key width, value width) a layer caches per position. A head's width for both; with latent
+    attention (DeepSeek-V3, GLM-4 MoE Lite: an `attention` module that expands its cache), one compressed latent
+    (kv_lora_rank wide) and one rotary key (qk_rope_head_dim); with latent attention whose cache is expanded
+    (DeepSeek-V2), qk_nope + qk_rope wide keys and v_head_dim wide values, one of each per query head."""
+    if hasattr(type(attention), "expand_kv"):
+        return 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    if getattr(cfg, "qk_nope_head_dim", None) and getattr(cfg, "v_head_dim", None):
+        return cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim, head_dim
+
+
 def causal(index: torch.Tensor, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """[..., T, L]: whether query t (at position pos[..., t]) sees key column l (at position index[l]): at or
     before its own position and, with a window, after pos - window (HF's `sliding_window_overlay`)."""
@@ -86,7 +99,7 @@ class KVCache:
 
 
 class KVPool:
-    """Static keys/values for `slots` sequences, [slots + 1, kv_heads, max_len + scratch, head_dim] per
+    """Static keys/values for `slots` sequences, [slots + 1, kv_heads, max_len + scratch, key / value width] per
     layer. Each sequence owns one slot (a `StaticKVCache` view); the extra slot and the `scratch`
     positions past max_len take the writes of padding rows, so batches of any size up to `slots` run
     as one fixed-shape (graph-capturable) forward. A one-slot pool has no extra slot."""
@@ -97,6 +110,7 @@ class KVPool:
         kv_heads: int,
         head_dim: int,
         *,
+        value_dim: int | None = None,
         slots: int,
         max_len: int,
         scratch: int,
@@ -106,9 +120,9 @@ class KVPool:
         scratch = -(-(max_len + scratch) // 16) * 16 - max_len  # total length a multiple of 16 (kernel alignment)
         # a one-slot pool never has padding rows: warm-up and capture write its own slot's scratch positions
         self.pad_slot = slots if slots > 1 else 0
-        shape = (slots + (slots > 1), kv_heads, max_len + scratch, head_dim)
-        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        shape = (slots + (slots > 1), kv_heads, max_len + scratch)
+        self.keys = {i: torch.zeros(*shape, head_dim, dtype=dtype, device=device) for i in layer_ids}
+        self.values = {i: torch.zeros(*shape, value_dim or head_dim, dtype=dtype, device=device) for i in layer_ids}
         self.slots, self.max_len, self.scratch = slots, max_len, scratch
         self.index = torch.arange(max_len + scratch, device=device)
         self._free = list(range(slots - 1, -1, -1))
@@ -116,21 +130,20 @@ class KVPool:
     @staticmethod
     def slot_bytes(shard: Any, max_len: int, scratch: int) -> int:
         """Bytes one slot of a pool for `shard` takes (keys and values of every layer)."""
-        cfg = shard.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        heads, key_dim, value_dim = kv_dims(shard.config, shard.layers[0].self_attn)
         length = -(-(max_len + scratch) // 16) * 16
         size = torch.empty((), dtype=shard.dtype).element_size()
-        return 2 * len(shard.layers) * cfg.num_key_value_heads * head_dim * length * size
+        return len(shard.layers) * heads * (key_dim + value_dim) * length * size
 
     @classmethod
     def for_shard(cls, shard: Any, *, slots: int, max_len: int, scratch: int) -> KVPool:
-        cfg = shard.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        heads, key_dim, value_dim = kv_dims(shard.config, shard.layers[0].self_attn)
         ids = [layer.self_attn.layer_idx for layer in shard.layers]
         return cls(
             ids,
-            cfg.num_key_value_heads,
-            head_dim,
+            heads,
+            key_dim,
+            value_dim=value_dim,
             slots=slots,
             max_len=max_len,
             scratch=scratch,

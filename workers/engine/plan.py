@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
 from schemas.settings import Settings
+from workers.engine.kvcache import kv_dims
 from workers.engine.quant import quantized_bytes
 from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
 
@@ -35,7 +36,7 @@ class ModelShape:
     """Bytes of a model's parts at one dtype and quantization (a layer: all of its tensors)."""
 
     layers: int
-    layer: int
+    layer: tuple[int, ...]  # each layer's bytes (a first dense layer of a mixture of experts weighs less)
     embed: int
     norm: int
     lm_head: int
@@ -64,20 +65,19 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
             total += quantized_bytes(*p.shape, quant, size) if quantized else p.numel() * size
         return total
 
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads, key_dim, value_dim = kv_dims(config, base.layers[0].self_attn)
     return ModelShape(
         layers=config.num_hidden_layers,
-        layer=layer_bytes(base.layers[0]),
+        layer=tuple(layer_bytes(layer) for layer in base.layers),
         embed=base.embed_tokens.weight.numel() * size,
         norm=base.norm.weight.numel() * size,
         lm_head=model.get_output_embeddings().weight.numel() * size,
-        kv_per_position=2 * kv_heads * head_dim * size,
+        kv_per_position=kv_heads * (key_dim + value_dim) * size,
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
         heads=config.num_attention_heads,
         vocab=config.vocab_size,
-        head_dim=head_dim,
+        head_dim=key_dim,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
     )
 
@@ -85,7 +85,7 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
 def shard_weights(shape: ModelShape, layers: tuple[int, int], *, embed: bool, head: bool) -> int:
     a, b = layers
     lm_head = 0 if shape.tied and embed else shape.lm_head
-    return (b - a) * shape.layer + (shape.embed if embed else 0) + (shape.norm + lm_head if head else 0)
+    return sum(shape.layer[a:b]) + (shape.embed if embed else 0) + (shape.norm + lm_head if head else 0)
 
 
 def row_bytes(shape: ModelShape, tokens: int, length: int, logits: bool, dtype_bytes: int) -> int:

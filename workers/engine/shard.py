@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
 from workers.engine import attention, pool_attention
+from workers.engine.convert import converted_names, converting_source
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
@@ -338,6 +339,8 @@ def load_shard(
         config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
     with _parameters_on_meta():
         skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=attention.NAME)
+    if files and (plan := converted_names(skeleton, list(files))):  # experts stored one by one, say
+        weights = converting_source(set(files), plan, lambda n, dt, dev: _read_tensors(files, n, dt, dev))
     base = skeleton.get_decoder()
     if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
         raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
