@@ -80,6 +80,12 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 
 
 OTHER_FAMILIES = ("gemma2", "gemma3_text", "olmo3", "cohere2")  # tests build these with a sliding window
+# dense families run by their HF layers (tests/test_families.py), each its own config class
+DENSE_FAMILIES = (
+    "ministral3", "ministral", "phi3", "olmo2", "granite", "smollm3", "gemma", "exaone4", "glm4", "glm",
+    "hunyuan_v1_dense", "seed_oss", "apertus", "arcee", "ernie4_5", "starcoder2", "stablelm", "nemotron", "cohere",
+    "helium",
+)  # fmt: skip
 _ROUTED = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 _GROUPED = _ROUTED | {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1}
 _GROUPED |= {"n_group": 2, "topk_group": 1}  # grouped top-k routing
@@ -125,7 +131,9 @@ def tiny_config(
         return Qwen3Config(**common, **{"tie_word_embeddings": False, "use_sliding_window": False} | extra)
     if family == "mistral":
         return MistralConfig(**common, **{"tie_word_embeddings": False, "sliding_window": None} | extra)
-    if family in OTHER_FAMILIES:  # their own config class, at these sizes (head_dim: their defaults are wide)
+    if (
+        family in OTHER_FAMILIES or family in DENSE_FAMILIES
+    ):  # their own config class, at these sizes (head_dim: their defaults are wide)
         return AutoConfig.for_model(family, **common, **{"head_dim": hidden // 4} | extra)
     if family in MOE_FAMILIES:
         head_dim = MOE_FAMILIES[family].get("qk_rope_head_dim", hidden // 4)

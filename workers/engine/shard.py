@@ -204,7 +204,7 @@ class Shard(nn.Module):
 
     def run(self, x: torch.Tensor, pos: torch.Tensor, cache: Cache, logits_last: int = 0) -> torch.Tensor:
         """The forward itself, over device positions `pos`; no host syncs, so it can be graph-captured."""
-        h = self.embed(x)[None] if self.embed is not None else x[None]
+        h = self._embed(x)[None] if self.embed is not None else x[None]
         h = self._layers(h, pos[None], self._masks(cache, pos), cache)[0]
         if self.lm_head is None or logits_last <= 0:
             return h
@@ -217,18 +217,29 @@ class Shard(nn.Module):
 
         Returns hidden states [B, T, h], or with `pick` ([B, P] row indices) and an LM head the
         logits [B, P, vocab] of those rows. No host syncs: graph-capturable."""
-        h = self.embed(x) if self.embed is not None else x
+        h = self._embed(x) if self.embed is not None else x
         h = self._layers(h, pos, self._masks(view, pos), view)
         if pick is None or self.lm_head is None:
             return h
         rows = torch.arange(h.shape[0], device=h.device)[:, None]
         return self._logits(h[rows, pick])
 
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, scaled as the model's own forward scales them (Granite's `embedding_multiplier`)."""
+        assert self.embed is not None
+        scale = getattr(self.config, "embedding_multiplier", None)
+        return self.embed(x) * scale if scale not in (None, 1, 1.0) else self.embed(x)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The LM head over the final norm; a config's final logit softcap (Gemma 2) as its model applies it."""
+        """The LM head over the final norm, scaled and capped as the model's own forward does: Cohere's
+        `logit_scale`, Granite's `logits_scaling` (a divisor), Gemma 2's final soft cap."""
         assert self.lm_head is not None and self.norm is not None
-        logits = self.lm_head(self.norm(h))
-        cap = getattr(self.config, "final_logit_softcapping", None)
+        logits, cfg = self.lm_head(self.norm(h)), self.config
+        if (scale := getattr(cfg, "logit_scale", None)) not in (None, 1, 1.0):
+            logits = logits * scale
+        if (divisor := getattr(cfg, "logits_scaling", None)) not in (None, 1, 1.0):
+            logits = logits / divisor
+        cap = getattr(cfg, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
     @property
@@ -345,6 +356,12 @@ def load_shard(
     if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
         raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
     kept = nn.ModuleList(base.layers[a:b])
+    for i, layer in enumerate(kept, start=a):
+        if not hasattr(layer, "self_attn"):  # Qwen3-Next / Qwen3.5's Gated DeltaNet, Mamba-style mixers, ...
+            raise ModelLoadError(
+                f"{config.model_type}: layer {i} ({type(layer).__name__}) keeps a recurrent state rather than a KV "
+                "cache (linear attention); such layers are not supported yet"
+            )
     fuse = fused and can_fuse(kept, config)
     parts, scheme = [], stored if stored != "none" else check_scheme(quant)
     keys = set(files)
