@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from transformers import Qwen2Config
+from transformers import AutoConfig
 
 from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import SamplingParams, TokenId
@@ -41,7 +41,7 @@ def random_source(seed: int, std: float = 0.02) -> Source:
         for local, ckpt in names.items():
             key = "model.embed_tokens.weight" if ckpt == "lm_head.weight" else ckpt
             gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(key.encode()))
-            scale = 0.01 if ckpt.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            scale = 0.01 if ckpt.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else 1.0
             scale = 50.0 if key == "model.embed_tokens.weight" else scale  # token identity dominates the residual
             if "norm" in ckpt:
                 out[local] = torch.ones(shapes[local], dtype=dtype, device=device)
@@ -92,6 +92,121 @@ RANDOM_PRESETS: dict[str, dict] = {
         tie_word_embeddings=True,
         rope_theta=1e6,
         eos_token_id=151645,
+    ),
+    # issue 28's families (config class by "family"; public configs' shapes)
+    "qwen3-8b": dict(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        eos_token_id=151645,
+    ),
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        eos_token_id=151645,
+    ),
+    "gpt-oss-20b": dict(
+        family="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        tie_word_embeddings=False,
+        eos_token_id=200002,
+    ),
+    "gemma-3-12b": dict(
+        family="gemma3_text",
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        eos_token_id=106,
+    ),
+    # drafters for them: Qwen3-0.6B; Gemma 3 1B and a 0.5B-shaped one with the target's vocabulary (a drafter's
+    # vocabulary may not be smaller than its target's; Gemma 3 1B's is 64 tokens short of 12B's padded one)
+    "qwen3-0.6b": dict(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        eos_token_id=151645,
+    ),
+    "gemma-3-1b": dict(
+        family="gemma3_text",
+        vocab_size=262208,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        eos_token_id=106,
+    ),
+    "o200k-0.5b": dict(
+        vocab_size=201088,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        eos_token_id=200002,
     ),
     "tiny": dict(
         vocab_size=512,
@@ -169,8 +284,9 @@ def random_model(preset: str) -> ModelSource:
     shape = RANDOM_PRESETS.get(preset)
     if shape is None:
         raise ModelLoadError(f"unknown random preset {preset!r}; known: {sorted(RANDOM_PRESETS)}")
-    eos = shape.get("eos_token_id")
-    return ModelSource(Qwen2Config(**shape), random_source(seed=0), IdTokenizer(), () if eos is None else (eos,))
+    eos, fields = shape.get("eos_token_id"), {k: v for k, v in shape.items() if k != "family"}
+    config = AutoConfig.for_model(shape.get("family", "qwen2"), **fields)
+    return ModelSource(config, random_source(seed=0), IdTokenizer(), () if eos is None else (eos,))
 
 
 def synthetic_session(options: dict[str, Any], ctx: DrafterContext) -> DraftSession:
