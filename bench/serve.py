@@ -129,8 +129,10 @@ def main(tiny: bool, smollm: bool, target: str | None, ns: str, new_tokens: int,
                     time.sleep(0.2)
             rows = []
             for n in [int(x) for x in ns.split(",")]:
-                for path, fn in (("client", lambda p: via_client(client, p, new_tokens)),
-                                 ("serve", lambda p: via_serve(base, p, new_tokens))):
+                for path, fn in (
+                    ("client", lambda p: via_client(client, p, new_tokens)),
+                    ("serve", lambda p: via_serve(base, p, new_tokens)),
+                ):
                     row = run_n(fn, n, LONG, rounds)
                     say(f"{path} N={n}: {row}")
                     rows.append({"path": path, **row})
@@ -140,10 +142,14 @@ def main(tiny: bool, smollm: bool, target: str | None, ns: str, new_tokens: int,
             threading.Event().wait(0.1)
     (outdir / "serve.json").write_text(json.dumps({"model": model.name, "new_tokens": new_tokens, "rows": rows}))
     head_line = "| path | N | requests/s | tokens/s | tokens | TTFT p50 / max s | latency p50 s |\n"
-    table = head_line + "|---|---|---|---|---|---|---|\n" + "".join(
-        f"| {x['path']} | {x['n']} | {x['requests_per_s']} | {x['tokens_per_s']} | {x['completion_tokens']} | "
-        f"{x['ttft_p50_s']} / {x['ttft_max_s']} | {x['latency_p50_s']} |\n"
-        for x in rows
+    table = (
+        head_line
+        + "|---|---|---|---|---|---|---|\n"
+        + "".join(
+            f"| {x['path']} | {x['n']} | {x['requests_per_s']} | {x['tokens_per_s']} | {x['completion_tokens']} | "
+            f"{x['ttft_p50_s']} / {x['ttft_max_s']} | {x['latency_p50_s']} |\n"
+            for x in rows
+        )
     )
     (outdir / "serve.md").write_text(table)
     click.echo(table)

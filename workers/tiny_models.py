@@ -104,6 +104,16 @@ MOE_FAMILIES: dict[str, dict[str, object]] = {
 }
 
 
+_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
+_LINEAR |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16}
+# linear attention (Gated DeltaNet) beside full attention, 3 : 1 (their default layer types); MoE in two of them
+HYBRID_FAMILIES: dict[str, dict[str, object]] = {
+    "qwen3_next": _LINEAR | _ROUTED | {"num_experts": 8, "shared_expert_intermediate_size": 64},
+    "qwen3_5_text": _LINEAR,
+    "qwen3_5_moe_text": _LINEAR | _ROUTED | {"num_experts": 8, "shared_expert_intermediate_size": 64},
+}
+
+
 def tiny_config(
     family: str, vocab_size: int, *, layers: int = 4, hidden: int = 64, init: float = 0.25, **extra: object
 ):
@@ -135,6 +145,8 @@ def tiny_config(
         family in OTHER_FAMILIES or family in DENSE_FAMILIES
     ):  # their own config class, at these sizes (head_dim: their defaults are wide)
         return AutoConfig.for_model(family, **common, **{"head_dim": hidden // 4} | extra)
+    if family in HYBRID_FAMILIES:
+        return AutoConfig.for_model(family, **common | {"head_dim": hidden // 4} | HYBRID_FAMILIES[family] | extra)
     if family in MOE_FAMILIES:
         head_dim = MOE_FAMILIES[family].get("qk_rope_head_dim", hidden // 4)
         return AutoConfig.for_model(family, **common | {"head_dim": head_dim} | MOE_FAMILIES[family] | extra)

@@ -27,7 +27,7 @@ import torch._dynamo
 
 from schemas.settings import Settings
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
-from workers.engine.kvcache import BatchView, KVCache, KVPool, StaticKVCache
+from workers.engine.kvcache import BatchView, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
 from workers.engine.sizing import (
     SlotPlan,
@@ -128,7 +128,7 @@ class Engine:
         it fits one, else a full-length slot; with `overflow`, a one-slot spare pool when those are taken; or a
         dynamic cache; None when the pools are full and `overflow` is off."""
         if self.pool is None:
-            return KVCache()
+            return self.shard.new_cache()
         pools = [p for p in self.pools if need is not None and need <= p.max_len] or [self.pool]
         cache = next((c for p in pools if (c := p.acquire()) is not None), None)
         if cache is None and not overflow:

@@ -26,6 +26,7 @@ from workers.engine.convert import converted_names, converting_source
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
+from workers.engine.recurrent import RECURRENT, RecurrentCache, linear_layers
 from workers.engine.windows import WINDOWED, layer_windows, sliding_window
 
 Cache = KVCache | StaticKVCache
@@ -197,10 +198,24 @@ class Shard(nn.Module):
         if cache.length != start_pos:
             raise ValueError(f"cache holds {cache.length} positions, round starts at {start_pos}")
         n = x.shape[0]
+        if isinstance(cache, RecurrentCache):
+            cache.begin(x, start_pos)
         out = self.run(x, cache.positions(start_pos, n, x.device), cache, logits_last)
         if isinstance(cache, StaticKVCache):
             cache.advance(start_pos + n)
+        elif isinstance(cache, RecurrentCache):
+            cache.end(n)
         return out
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (linear attention): its caches are `RecurrentCache`s."""
+        return bool(linear_layers(self.layers))
+
+    def new_cache(self) -> KVCache:
+        """A dynamic cache for one sequence: a `RecurrentCache` (rolled back by replay) where layers keep a state."""
+        linear = linear_layers(self.layers)
+        return RecurrentCache(linear, lambda x, start, cache: self.forward(x, start, cache)) if linear else KVCache()
 
     def run(self, x: torch.Tensor, pos: torch.Tensor, cache: Cache, logits_last: int = 0) -> torch.Tensor:
         """The forward itself, over device positions `pos`; no host syncs, so it can be graph-captured."""
@@ -278,8 +293,9 @@ class Shard(nn.Module):
     def _layers(
         self, h: torch.Tensor, pos: torch.Tensor, masks: list[torch.Tensor | None], cache: object
     ) -> torch.Tensor:
+        rotary_pos = pos[None].expand(3, *pos.shape) if hasattr(self.rotary, "mrope_section") else pos  # Qwen3.5
         if self.layer_types is None:
-            cos_sin = self.rotary(h, pos)
+            cos_sin = self.rotary(h, rotary_pos)
             if self.fused is not None and self._fused_fits(h, masks[0], cache):
                 return self.fused(h, cos_sin, masks, cache)
             by_layer = [cos_sin] * len(self.layers)
@@ -289,7 +305,7 @@ class Shard(nn.Module):
         for layer, mask, cos_sin in zip(self.layers, masks, by_layer, strict=True):
             h = layer(
                 h,
-                attention_mask=mask,
+                attention_mask=mask if hasattr(layer, "self_attn") else None,  # a linear layer: no padding here
                 position_embeddings=cos_sin,
                 position_ids=pos,
                 past_key_values=cache,
@@ -357,7 +373,7 @@ def load_shard(
         raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
     kept = nn.ModuleList(base.layers[a:b])
     for i, layer in enumerate(kept, start=a):
-        if not hasattr(layer, "self_attn"):  # Qwen3-Next / Qwen3.5's Gated DeltaNet, Mamba-style mixers, ...
+        if not hasattr(layer, "self_attn") and config.model_type not in RECURRENT:  # Mamba-style mixers, ...
             raise ModelLoadError(
                 f"{config.model_type}: layer {i} ({type(layer).__name__}) keeps a recurrent state rather than a KV "
                 "cache (linear attention); such layers are not supported yet"

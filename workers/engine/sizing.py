@@ -21,6 +21,10 @@ def cache_modes(shard: Shard, engine: EngineSettings) -> tuple[bool, bool]:
     rounds of the sequences in flight run as one batched forward: on a CPU too, where 8 sequences' rounds cost
     about 3x one's, where growing caches cost 8x) and CUDA graphs on a CUDA device."""
     static, graphs, cuda = engine.static, engine.graphs, shard.device.type == "cuda"
+    if shard.recurrent:  # states roll back by replay, one sequence at a time (workers/engine/recurrent.py)
+        if static or graphs:
+            raise ValueError("layers with a recurrent state (linear attention) run dynamic caches, without graphs")
+        return False, False
     graphs = cuda if graphs is None else graphs
     if graphs and not cuda:
         raise ValueError("CUDA graphs need a CUDA device")
