@@ -20,5 +20,6 @@ for spec in ${FAMILIES:-qwen3-8b:18:qwen3-0.6b gemma-3-12b:24:gemma-3-1b gpt-oss
   cp "/tmp/f/$preset/jobs.md" "$OUT/$preset.md" 2>/dev/null
   grep -h -E "head loop:|tail loop:|captured|memory:|Traceback|Error|rror:" /tmp/f/$preset/logs/*.log 2>/dev/null \
     | tail -40 > "$OUT/phases-$preset.txt"
+  for f in /tmp/f/$preset/logs/*.log; do grep -q Traceback "$f" && grep -v "^\[" "$f" | tail -60 > "$OUT/error-$preset-$(basename "$f")"; done
 done
 ls "$OUT"
