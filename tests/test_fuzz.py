@@ -21,7 +21,7 @@ from schemas.packets import HEADER, MAC, DeadLetterRecord, Verdict, encode_messa
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
-from tests.relay_util import reseal, sealed_round
+from tests.relay_util import TEST_HEAD, announce, reseal, sealed_round
 from tests.test_parity import NEW, head_for, reference
 from workers.head.runtime import generate
 
@@ -43,15 +43,21 @@ def valid_round(sid: str, hidden_size: int, n: int = 3) -> dict:
     return sealed_round(header, {"hidden": torch.randn(n, hidden_size)})
 
 
-def bad_packets(rnd: random.Random, hidden_size: int, vocab: int) -> tuple[list[dict], list[dict], Counter]:
-    """(packets to send, good packets among them, expected dead letters by kind)."""
+def bad_packets(
+    rnd: random.Random, hidden_size: int, vocab: int, kind_of: dict[str, str] | None = None
+) -> tuple[list[dict], list[dict], Counter]:
+    """(packets to send, good packets among them, expected dead letters by kind); kind_of gets each fake
+    session's kind (a failure then says which kinds went missing)."""
     out: list[dict] = []
     good: list[dict] = []
     kinds: Counter = Counter()
+    sid = ""
 
     def add(kind: str, fields: dict) -> None:
         out.append(fields)
         kinds[kind] += 1
+        if kind_of is not None:
+            kind_of[sid] = kind
 
     for i in range(1100):
         sid = f"fuzz{i:05d}"
@@ -115,7 +121,9 @@ def test_fuzzed_streams_dead_letter_everything_and_real_generations_finish(
     names = tails.get(ms.target, SPLIT, ms.n_layers, ("--name", "fuzzed", "--slots", "64"))
     runtime = head_for(ms, SPLIT, ms.drafter)
     cfg = runtime.shard.config
-    packets, good, kinds = bad_packets(random.Random(7), cfg.hidden_size, cfg.vocab_size)
+    announce(redis_client, names, TEST_HEAD)  # the fake sessions' head is alive: the tail keeps its sessions
+    kind_of: dict[str, str] = {}
+    packets, good, kinds = bad_packets(random.Random(7), cfg.hidden_size, cfg.vocab_size, kind_of)
     assert sum(kinds.values()) >= 1000 and good  # good: fake sessions' first rounds, answered normally
     own = names.tail_requests("fuzzed")
     expected = reference(FAMILY, hf_models[FAMILY], tokenizers[FAMILY])[:6]
@@ -143,7 +151,8 @@ def test_fuzzed_streams_dead_letter_everything_and_real_generations_finish(
         time.sleep(0.2)
     time.sleep(0.5)
     records = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in redis_client.xrange(names.dead_letters)]
-    assert len(records) == want, Counter(r.reason.split(":")[0] for r in records)
+    seen = Counter(kind_of.get(r.session_id or "", "no session") for r in records)
+    assert len(records) == want, {k: (seen[k], n) for k, n in kinds.items() if seen[k] != n}
     assert all(r.reason and r.tail_id == "fuzzed" for r in records)
     assert sum("duplicate or late round" in r.reason for r in records) == kinds["duplicate"]
     assert sum("version" in r.reason for r in records) >= kinds["wrong version"]
