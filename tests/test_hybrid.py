@@ -10,13 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from tests.test_sampling import DRAWS, PROMPT, VOCAB, chi2_pvalue, exact_distribution
 from tests.test_sampling import NEW as SAMPLED
+from workers.engine.plan import GiB, kv_bytes, model_shape, plan_split
 from workers.engine.recurrent import RecurrentCache
 from workers.engine.runner import Engine
 from workers.engine.shard import load_shard
@@ -104,6 +105,26 @@ def test_recurrent_shards_refuse_static_caches(hybrid):
     with pytest.raises(ValueError, match=r"recurrent state .* dynamic caches"):
         Engine(shard, Settings(engine={"static": True}))
     assert isinstance(Engine(shard).acquire(), RecurrentCache)  # the default: dynamic, for this shard
+
+
+def test_the_plan_counts_states_beside_the_attention_layers_keys(hybrid, tokenizers):
+    """`shardflow plan` and the workers' preflight: keys/values only where a layer attends, each linear layer's
+    states as big as a bfloat16 shard's cache holds them after a prompt (the recurrent state in float32)."""
+    target = hybrid["qwen3_5_text"]
+    config = AutoConfig.from_pretrained(target)
+    shape = model_shape(config, torch.bfloat16)
+    shard = load_shard(target, (0, 4), embed=True, head=True, dtype=torch.bfloat16)
+    cache = shard.new_cache()
+    with torch.inference_mode():
+        shard.forward(torch.tensor(tokenizers["qwen2"].encode(PROMPTS[0])), 0, cache, logits_last=1)
+    held = {
+        i: sum(t.numel() * t.element_size() for t in [*layer.conv_states.values(), *layer.recurrent_states.values()])
+        for i, layer in cache.layers.items()
+    }
+    assert shape.state_layer == tuple(held.get(i, 0) for i in range(4)) and shape.kv_layer[:3] == (0, 0, 0)
+    assert kv_bytes(shape, (0, 3), 1000, 0) == sum(held.values())  # linear layers: no keys however long
+    cfg = Settings(engine={"cuda_context_gib": 0})
+    assert plan_split(config, [GiB, GiB], dtype=torch.bfloat16, settings=cfg).in_flight > 0
 
 
 @pytest.mark.parametrize("family", _families(QUICK))

@@ -43,6 +43,8 @@ def test_split_follows_memory(models):
     with_draft = plan_split(config, [GiB, GiB, GiB], dtype=torch.float32, draft=draft, settings=cfg)
     assert [w.role for w in with_draft.workers] == ["head", "draft", "tail"]
     assert with_draft.in_flight == min(w.slots for w in with_draft.workers)
+    d = with_draft.workers[1]  # a slot: its keys/values, their copy for a whole draft, and its row of a forward
+    assert d.full_slot > 2 * d.kv_slot[0] and d.short_slot >= 2 * d.kv_slot[1]
 
 
 def test_parse_size():

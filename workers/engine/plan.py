@@ -26,6 +26,7 @@ from schemas.errors import ModelLoadError
 from schemas.settings import Settings
 from workers.engine.kvcache import kv_dims
 from workers.engine.quant import quantized_bytes
+from workers.engine.recurrent import state_bytes
 from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
 
 GiB = 1 << 30
@@ -40,13 +41,15 @@ class ModelShape:
     embed: int
     norm: int
     lm_head: int
-    kv_per_position: int  # keys + values of one layer, one position
+    kv_per_position: int  # keys + values of one attention layer, one position
     hidden: int
     intermediate: int
     heads: int
     vocab: int
     head_dim: int = 0
     tied: bool = False  # the LM head is the embedding (held once by a shard that has both)
+    kv_layer: tuple[int, ...] = ()  # each layer's keys + values a position (0: a linear-attention layer)
+    state_layer: tuple[int, ...] = ()  # each layer's fixed state a sequence (a linear-attention layer's)
 
 
 def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none") -> ModelShape:
@@ -65,20 +68,24 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
             total += quantized_bytes(*p.shape, quant, size) if quantized else p.numel() * size
         return total
 
-    kv_heads, key_dim, value_dim = kv_dims(config, base.layers[0].self_attn)
+    attention = next((layer.self_attn for layer in base.layers if hasattr(layer, "self_attn")), None)
+    kv_heads, key_dim, value_dim = kv_dims(config, attention)
+    per_position = kv_heads * (key_dim + value_dim) * size
     return ModelShape(
         layers=config.num_hidden_layers,
         layer=tuple(layer_bytes(layer) for layer in base.layers),
         embed=base.embed_tokens.weight.numel() * size,
         norm=base.norm.weight.numel() * size,
         lm_head=model.get_output_embeddings().weight.numel() * size,
-        kv_per_position=kv_heads * (key_dim + value_dim) * size,
+        kv_per_position=per_position,
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
         heads=config.num_attention_heads,
         vocab=config.vocab_size,
         head_dim=key_dim,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
+        kv_layer=tuple(per_position if hasattr(layer, "self_attn") else 0 for layer in base.layers),
+        state_layer=tuple(state_bytes(layer, size) for layer in base.layers),
     )
 
 
@@ -101,17 +108,26 @@ def row_bytes(shape: ModelShape, tokens: int, length: int, logits: bool, dtype_b
 
 
 def slot_bytes(
-    shape: ModelShape, n_layers: int, positions: int, tokens: int, logits: bool, dtype_bytes: int, scratch: int = 0
+    shape: ModelShape,
+    layers: tuple[int, int],
+    positions: int,
+    tokens: int,
+    logits: bool,
+    dtype_bytes: int,
+    scratch: int = 0,
 ) -> int:
-    """Keys/values of one slot of `positions` (+ `scratch`, default the step's tokens) over n_layers, plus its
-    row of a forward of `tokens` tokens (as `sizing.slot_cost`: a round's K+1, a drafter's 2 with K+2 scratch)."""
-    kv = kv_bytes(shape, n_layers, positions, scratch or tokens)
+    """Keys/values of one slot of `positions` (+ `scratch`, default the step's tokens) over layers [a, b), plus
+    its row of a forward of `tokens` tokens (as `sizing.slot_cost`: a round's K+1, a drafter's 2 with K+2
+    scratch)."""
+    kv = kv_bytes(shape, layers, positions, scratch or tokens)
     return kv + row_bytes(shape, tokens, positions, logits, dtype_bytes)
 
 
-def kv_bytes(shape: ModelShape, n_layers: int, positions: int, scratch: int) -> int:
-    """Keys/values alone of one slot of `positions` + `scratch` over n_layers."""
-    return n_layers * shape.kv_per_position * (positions + scratch)
+def kv_bytes(shape: ModelShape, layers: tuple[int, int], positions: int, scratch: int) -> int:
+    """What one sequence's cache holds over layers [a, b): the attention layers' keys/values of `positions` +
+    `scratch`, and the linear-attention layers' states (which do not grow with positions)."""
+    a, b = layers
+    return sum(shape.kv_layer[a:b]) * (positions + scratch) + sum(shape.state_layer[a:b])
 
 
 @dataclass
@@ -211,11 +227,11 @@ def plan_split(
     if n < 2:
         raise ModelLoadError(f"a model of {n} layer cannot be split between a head and a tail")
 
-    def slots(sh: ModelShape, layers: int, tokens: int, logits: bool, scratch: int = 0) -> tuple[int, int]:
+    def slots(sh: ModelShape, layers: tuple[int, int], tokens: int, logits: bool, scratch: int = 0) -> tuple[int, int]:
         one = [slot_bytes(sh, layers, p, tokens, logits, size, scratch) if p else 0 for p in (full_len, short_len)]
         return one[0], one[1]
 
-    def kv(sh: ModelShape | None, layers: int, scratch: int) -> tuple[int, int]:
+    def kv(sh: ModelShape | None, layers: tuple[int, int], scratch: int) -> tuple[int, int]:
         if sh is None:
             return 0, 0
         one = [kv_bytes(sh, layers, p, scratch) if p else 0 for p in (full_len, short_len)]
@@ -225,27 +241,30 @@ def plan_split(
     dws = workspace_bytes(draft, size, cfg) if draft is not None else 0
     dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
     dweights = shard_weights(dshape, (0, dshape.layers), embed=True, head=True) if dshape else 0
-    dslot = slots(dshape, dshape.layers, 2, True, 2 + k) if dshape else (0, 0)
+    dslot = slots(dshape, (0, dshape.layers), 2, True, 2 + k) if dshape else (0, 0)
+    if dshape is not None:  # a whole draft's copy of its rows' keys and values (`sizing.engine_slot_cost`)
+        copy = kv(dshape, (0, dshape.layers), 2 + k)
+        dslot = (dslot[0] + copy[0], dslot[1] + copy[1])
 
     def workers(s: int) -> list[WorkerPlan]:
-        hw, hslot = shard_weights(shape, (0, s), embed=True, head=False), slots(shape, s, k + 1, False)
-        tw, tslot = shard_weights(shape, (s, n), embed=False, head=True), slots(shape, n - s, k + 1, True)
+        hw, hslot = shard_weights(shape, (0, s), embed=True, head=False), slots(shape, (0, s), k + 1, False)
+        tw, tslot = shard_weights(shape, (s, n), embed=False, head=True), slots(shape, (s, n), k + 1, True)
         out = []
         if len(gpus) == 2 or dshape is None:  # the drafter beside the head's layers
             head = WorkerPlan(
                 "head", gpus[0], (0, s), hw + dweights, hslot[0] + dslot[0], hslot[1] + dslot[1], workspace=max(ws, dws)
             )
             head.parts = {"layers": hw, "draft": dweights}
-            hk, dk = kv(shape, s, k + 1), kv(dshape, dshape.layers if dshape else 0, k + 2)
+            hk, dk = kv(shape, (0, s), k + 1), kv(dshape, (0, dshape.layers if dshape else 0), k + 2)
             head.kv_slot = (hk[0] + dk[0], hk[1] + dk[1])
             out.append(fit(head, cfg, short_len))
         else:
-            head = WorkerPlan("head", gpus[0], (0, s), hw, *hslot, workspace=ws, kv_slot=kv(shape, s, k + 1))
+            head = WorkerPlan("head", gpus[0], (0, s), hw, *hslot, workspace=ws, kv_slot=kv(shape, (0, s), k + 1))
             out.append(fit(head, cfg, short_len))
             d = WorkerPlan("draft", gpus[2], (0, dshape.layers), dweights, *dslot, workspace=dws)
-            d.kv_slot = kv(dshape, dshape.layers, k + 2)
+            d.kv_slot = kv(dshape, (0, dshape.layers), k + 2)
             out.append(fit(d, cfg, short_len))
-        tail = WorkerPlan("tail", gpus[1], (s, n), tw, *tslot, workspace=ws, kv_slot=kv(shape, n - s, k + 1))
+        tail = WorkerPlan("tail", gpus[1], (s, n), tw, *tslot, workspace=ws, kv_slot=kv(shape, (s, n), k + 1))
         return [*out, fit(tail, cfg, short_len)]
 
     if split is not None and not 0 < split < n:
@@ -286,7 +305,9 @@ def worker_needs(parts: list[Part], settings: Settings) -> tuple[int, int, int]:
         n = min(settings.engine.max_len, getattr(p.config, "max_position_embeddings", None) or 1 << 30)
         k = settings.engine.graph_k  # a round of K+1 tokens, or a drafter's feed of 2 with K+2 positions of scratch
         tokens, scratch = (k + 1, k + 1) if i == 0 else (2, k + 2)
-        slot += slot_bytes(shape, p.layers[1] - p.layers[0], n, tokens, p.head, size, scratch)
+        slot += slot_bytes(shape, p.layers, n, tokens, p.head, size, scratch)
+        if i > 0:  # a drafter's whole drafts: a copy of its rows' keys and values (`sizing.engine_slot_cost`)
+            slot += kv_bytes(shape, p.layers, n, scratch)
     return weights, slot, workspace
 
 

@@ -31,6 +31,15 @@ def linear_layers(layers: nn.ModuleList) -> list[int]:
     return [layer.linear_attn.layer_idx for layer in layers if hasattr(layer, "linear_attn")]
 
 
+def state_bytes(layer: nn.Module, dtype_bytes: int) -> int:
+    """Bytes one sequence's state takes in a linear-attention layer (`linear_attn`, 0 for another): its
+    convolution's window of inputs, and its recurrent state (counted float32, as the delta rule keeps it)."""
+    m = getattr(layer, "linear_attn", None)
+    if m is None:
+        return 0
+    return m.conv_dim * m.conv_kernel_size * dtype_bytes + m.num_v_heads * m.head_k_dim * m.head_v_dim * 4
+
+
 class RecurrentCache(KVCache):
     """A dynamic cache whose linear layers' states roll back by restore and replay (see the module docstring)."""
 

@@ -35,9 +35,9 @@ from workers.engine.sizing import (
     cache_len,
     cache_modes,
     cpu_plan,
+    engine_slot_cost,
     memory_plan,
     shard_workspace,
-    slot_cost,
 )
 
 log = logging.getLogger("shardflow.engine")
@@ -111,13 +111,8 @@ class Engine:
         return [p for p in (self.short_pool, self.pool) if p is not None]
 
     def slot_bytes(self, shard: Shard, step_tokens: int, max_draft: int, max_len: int | None = None) -> int:
-        """Bytes a slot of this engine takes (of max_len positions, default the engine's): its keys/values and
-        its share of the graphs' memory; a drafter's whole drafts hold a copy of their rows' keys and values
-        (`DraftBuffer`) in that memory too."""
-        length, scratch = max_len or self.max_len, step_tokens + max_draft
-        buffered = max_draft and shard.device.type == "cuda" and not shard.attends_in_place
-        copy = KVPool.slot_bytes(shard, length, scratch) if buffered else 0
-        return slot_cost(shard, length, step_tokens, scratch) + copy
+        """Bytes a slot of this engine takes (of max_len positions, default the engine's): `engine_slot_cost`."""
+        return engine_slot_cost(shard, max_len or self.max_len, step_tokens, max_draft)
 
     def _new_pool(self, slots: int, max_len: int | None = None) -> KVPool:
         scratch = self.step_tokens + self.max_draft  # a draft's extra steps may run past max_len

@@ -60,6 +60,17 @@ def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int) -> int
     return kv + row_bytes(shard, step_tokens, p, max_len + scratch) + out * shard.dtype.itemsize
 
 
+def engine_slot_cost(shard: Shard, max_len: int, step_tokens: int, max_draft: int) -> int:
+    """`slot_cost` of an engine feeding step_tokens a round with drafts of up to max_draft steps, plus, for a
+    drafter on CUDA whose attention reads a copy, the copy of its rows' keys and values its whole drafts hold
+    (`DraftBuffer`): left out of the head's joint plan, a Qwen3-0.6B-shaped drafter's copies ran a Qwen3-8B head
+    out of memory capturing its graphs (docs/benchmarks.md, run 71)."""
+    scratch = step_tokens + max_draft
+    buffered = max_draft and shard.device.type == "cuda" and not shard.attends_in_place
+    copy = KVPool.slot_bytes(shard, max_len, scratch) if buffered else 0
+    return slot_cost(shard, max_len, step_tokens, scratch) + copy
+
+
 @torch.inference_mode()
 def row_bytes(shard: Shard, t: int, p: int, length: int) -> int:
     """Device memory a batched forward (t tokens a row, logits of p rows, attention over `length` positions)

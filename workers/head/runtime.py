@@ -33,6 +33,7 @@ from workers.engine.sizing import (
     SlotPlan,
     cache_len,
     cache_modes,
+    engine_slot_cost,
     linger_s,
     memory_plan,
     shard_workspace,
@@ -209,7 +210,7 @@ def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan 
         return slot_cost(shard, n, k + 1, k + 1)
 
     def draft_cost(n: int) -> int:
-        return slot_cost(dshard, n, 2, 2 + k) if dshard is not None else 0
+        return engine_slot_cost(dshard, n, 2, k) if dshard is not None else 0  # its drafts' copies too
 
     ws = shard_workspace(shard, cfg)
     if dshard is None or dshard.device == shard.device:  # one prefill at a time: the larger workspace
