@@ -171,7 +171,7 @@ class EngineSettings(_Group):
     long_slots_share: float = Field(
         0.25, gt=0, le=1, description="Share of the KV memory for full-length slots when there are short ones."
     )
-    cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU.")
+    cpu_slots: int = Field(16, ge=1, description="Sequences a worker holds at once on a CPU, or with dynamic caches.")
     switch_interval_ms: float | None = Field(
         1.0,
         ge=0.05,  # shorter ones round to nothing in the interpreter

@@ -5,6 +5,7 @@ rows of different lengths included."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from workers.engine.graphs import greedy_steps
@@ -25,10 +26,17 @@ def _viewed_steps(run, pool, rows, x, pos, pick, k, length):
     return torch.stack(out, dim=1)
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @torch.inference_mode()
-def test_draft_buffer_equals_a_view_per_step(models):
+def test_draft_buffer_equals_a_view_per_step(models, shared):
+    """shared: the copies land in one storage for every draft of the pool (as on CUDA: `KVPool.draft_copies`)."""
     shard = load_shard(models["qwen2"].drafter, embed=True, head=True)
     pool = KVPool.for_shard(shard, slots=4, max_len=64, scratch=12)
+    if shared:
+        store = tuple(
+            {i: torch.full((t.numel(),), float("nan")) for i, t in p.items()} for p in (pool.keys, pool.values)
+        )
+        pool.draft_copies = lambda: store
     torch.manual_seed(0)
     for i, n in ((0, 5), (2, 11), (3, 20)):  # three sequences' prompts in their slots (slot 1 stays empty)
         ids = torch.randint(0, shard.config.vocab_size, (1, n))

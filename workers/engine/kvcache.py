@@ -126,6 +126,22 @@ class KVPool:
         self.slots, self.max_len, self.scratch = slots, max_len, scratch
         self.index = torch.arange(max_len + scratch, device=device)
         self._free = list(range(slots - 1, -1, -1))
+        self._copies: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
+
+    def draft_copies(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None:
+        """On CUDA, storage as large as the pool's keys and values (made at first use) that every whole draft's
+        `DraftBuffer` copies its rows into: one copy for all of them, as the memory plan counts it. Copies made
+        apart took as much again in the graph pool as in warm-up (a Qwen3-8B head ran out of memory capturing
+        its drafter's graphs; docs/benchmarks.md, run 71). None on a CPU: each draft takes its own."""
+        first = next(iter(self.keys.values()), None)
+        if first is None or first.device.type != "cuda":
+            return None
+        if self._copies is None:
+            self._copies = tuple(
+                {i: torch.empty(t.numel(), dtype=t.dtype, device=t.device) for i, t in part.items()}
+                for part in (self.keys, self.values)
+            )  # type: ignore[assignment]
+        return self._copies
 
     @staticmethod
     def slot_bytes(shard: Any, max_len: int, scratch: int) -> int:
@@ -279,6 +295,15 @@ class BatchView:
         return causal(self.pool.index[: self.length], pos, window)[:, None]
 
 
+def rows_of(t: torch.Tensor, rows: torch.Tensor, n: int, store: torch.Tensor | None) -> torch.Tensor:
+    """t[rows, :, :n] as a new tensor, in `store` (flat storage) when given and large enough."""
+    shape = (rows.shape[0], t.shape[1], n, *t.shape[3:])
+    size = shape[0] * shape[1] * shape[2] * t[0, 0, 0].numel()
+    if store is None or size > store.numel():
+        return t[:, :, :n][rows]
+    return torch.index_select(t[:, :, :n], 0, rows, out=store[:size].view(shape))
+
+
 class DraftBuffer:
     """The keys and values of a batch's rows (slots `rows`, first `length` positions) copied out of a pool once,
     for the steps of one whole draft: `view(pos)` is one step's cache (its writes land here, in place, and its
@@ -289,9 +314,10 @@ class DraftBuffer:
     def __init__(self, pool: KVPool, rows: torch.Tensor, length: int | None = None) -> None:
         self.pool, self.rows = pool, rows
         self.length = length or pool.index.shape[0]
-        n = self.length
-        self.keys = {i: k[:, :, :n][rows] for i, k in pool.keys.items()}
-        self.values = {i: v[:, :, :n][rows] for i, v in pool.values.items()}
+        n, store = self.length, pool.draft_copies()
+        keys, values = store or ({}, {})
+        self.keys = {i: rows_of(k, rows, n, keys.get(i)) for i, k in pool.keys.items()}
+        self.values = {i: rows_of(v, rows, n, values.get(i)) for i, v in pool.values.items()}
         self.batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
 
     def view(self, pos: torch.Tensor) -> DraftStep:

@@ -201,9 +201,12 @@ class HeadRuntime:
 def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan | None:
     """Slots for the lower shard's and the draft model's caches together (full-length and short ones, each
     costing both models' slots), sized from the device's memory when the settings name none and the caches
-    are static on a CUDA device (None: each engine decides)."""
-    if cfg.engine.slots is not None or shard.device.type != "cuda" or not cache_modes(shard, cfg.engine)[0]:
+    are static on a CUDA device; as many as engine.cpu_slots where the shard's caches are dynamic (a static
+    drafter planned alone took all the memory); None: each engine decides."""
+    if cfg.engine.slots is not None or shard.device.type != "cuda":
         return None
+    if not cache_modes(shard, cfg.engine)[0]:  # dynamic caches (a recurrent shard): its drafter holds as many
+        return SlotPlan(cfg.engine.cpu_slots)
     k, n_max = cfg.engine.graph_k, cache_len(shard, cfg)
 
     def head_cost(n: int) -> int:
