@@ -18,6 +18,7 @@ from workers.engine.kvcache import BatchView, KVCache, KVPool
 from workers.engine.runner import BatchGraph, Engine, greedy_steps
 from workers.engine.shard import load_shard
 from workers.speculative.drafters import ModelDrafter, propose_greedy_many
+from workers.tiny_models import save_tiny_model
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -48,6 +49,40 @@ def test_fused_forward_equals_hf_layers(models, family, monkeypatch):
         cp.crop(prompt + 3)
         got, want = ef.forward(cf, x[:3], prompt + 3, 3), ep.forward(cp, x[:3], prompt + 3, 3)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@torch.inference_mode()
+def test_qwen3s_head_norms_run_fused_and_equal_hf_layers(tmp_path, tokenizers, window, monkeypatch):
+    """Qwen3's per-head q_norm / k_norm (set away from 1, so they count), its layers fused; with a sliding window in
+    its upper layers too. Static slots and growing caches, one token at a time, a rollback; SDPA forced as well."""
+    import workers.engine.fused as fused_mod
+
+    extra = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 2} if window else {}
+    path = save_tiny_model(tmp_path / "qwen3", "qwen3", tokenizer=tokenizers["qwen2"], **extra)
+    fused = load_shard(path, None, embed=True, head=True, fused=True)
+    plain = load_shard(path, None, embed=True, head=True, fused=False)
+    assert isinstance(fused.fused, FusedLayers) and plain.fused is None and fused.windowed == bool(window)
+    for a, b in zip(fused.layers, plain.layers, strict=True):
+        for n, ends in (("q_norm", (0.5, 1.5)), ("k_norm", (1.5, 0.3))):
+            w = torch.linspace(*ends, getattr(a.self_attn, n).weight.shape[0])
+            getattr(a.self_attn, n).weight.copy_(w)
+            getattr(b.self_attn, n).weight.copy_(w)
+    fused.fused = fused_stack(fused.layers[0], [fuse_layer(x, False, fused.config) for x in fused.layers], fused.config)
+    x = torch.arange(3, 60) % fused.config.vocab_size
+    for static, sdpa in ((False, False), (True, False), (True, True)):
+        fused.fused.sdpa = sdpa
+        monkeypatch.setattr(fused_mod, "SDPA_MIN_ROWS", 0 if sdpa else fused_mod.SDPA_MIN_ROWS)
+        settings = Settings(engine={"static": static, "max_len": 128})
+        ef, ep = Engine(fused, settings), Engine(plain, settings)
+        cf, cp = ef.acquire(), ep.acquire()
+        torch.testing.assert_close(ef.forward(cf, x[:30], 0, 30), ep.forward(cp, x[:30], 0, 30), rtol=1e-4, atol=1e-4)
+        for i in range(30, 34):
+            got, want = ef.forward(cf, x[i : i + 1], i, 1), ep.forward(cp, x[i : i + 1], i, 1)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        cf.crop(32)
+        cp.crop(32)
+        torch.testing.assert_close(ef.forward(cf, x[:3], 32, 3), ep.forward(cp, x[:3], 32, 3), rtol=1e-4, atol=1e-4)
 
 
 @torch.inference_mode()
@@ -141,7 +176,7 @@ def test_batched_forward_and_whole_draft_are_capture_safe(models):
     building host tensors: the CPU suite guards the GPU's graph captures."""
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True).to("meta")
     shard.rotary = shard.rotary.to("meta")
-    shard.fused = fused_stack(shard.layers[0], [fuse_layer(x, concat=True) for x in shard.layers], shard.config)
+    shard.fused = fused_stack(shard.layers[0], [fuse_layer(x, True, shard.config) for x in shard.layers], shard.config)
     pool = KVPool.for_shard(shard, slots=2, max_len=64, scratch=16)
     rows, pick = torch.zeros(3, dtype=torch.long, device="meta"), torch.zeros(3, 1, dtype=torch.long, device="meta")
     x = pos = torch.zeros(3, 2, dtype=torch.long, device="meta")

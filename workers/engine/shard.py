@@ -391,7 +391,7 @@ def load_shard(
             if scheme != "none":  # as each layer loads: peak memory stays one full-width layer above
                 quantize_layer(layer, scheme, dtype)
         if fuse:  # concatenate as each layer loads: peak memory stays one layer above the shard's
-            parts.append(fuse_layer(layer, concat=torch.device(device).type != "cpu" and scheme == "none"))
+            parts.append(fuse_layer(layer, torch.device(device).type != "cpu" and scheme == "none", config))
     embed_mod = norm_mod = head_mod = None
     embed_name = f"{_prefix_of(skeleton, base.embed_tokens)}weight"
     if embed:
