@@ -1,6 +1,7 @@
 """A leaner forward for Llama/Qwen2/Mistral-style decoder layers, and Qwen3's (the same with q and k normed per
-head before the rotary: one weightless RMSNorm over q and k together, times their weights stacked per head): the same weights and computation as the Hugging
-Face layers, in about half the kernel launches (a 14-layer 7B shard: 800 -> 386 on an H200).
+head before the rotary: one weightless RMSNorm over q and k together, times their weights stacked per head): the
+same weights and computation as the Hugging Face layers, in about half the kernel launches (a 14-layer 7B shard:
+800 -> 386 on an H200).
 
 Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall
 elsewhere (the norm's weight is applied before rounding, a residual add is fused into its GEMM,
