@@ -126,7 +126,7 @@ def interrupt_on_termination() -> Iterator[None]:
 def layer_count(target: str | Path) -> int:
     """The model's number of layers, from its config; ModelLoadError if there is no readable config."""
     try:
-        return int(AutoConfig.from_pretrained(target).num_hidden_layers)
+        return int(AutoConfig.from_pretrained(target).get_text_config(decoder=True).num_hidden_layers)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read the model config of {target}: {e}") from None
 

@@ -28,6 +28,7 @@ from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import BUILTIN_DRAFTERS
 from schemas.settings import EngineSettings
 from workers.engine.shard import Shard, Source, load_shard
+from workers.engine.wrappers import text_config
 from workers.speculative.drafters import DraftSession
 
 
@@ -101,7 +102,7 @@ class Registry:
         if src is not None:
             return src.config
         try:
-            return AutoConfig.from_pretrained(str(target))
+            return text_config(AutoConfig.from_pretrained(str(target)))  # a multimodal wrapper's: its text model's
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{target!r} is neither a local directory nor a reachable hub model: {e}") from None
 

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     LlamaConfig,
     MistralConfig,
     PreTrainedTokenizerFast,
@@ -174,6 +175,32 @@ def save_tiny_model(
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kw)
     tok.save_pretrained(out)
+    return out
+
+
+# multimodal wrappers: (their text family, a tiny vision tower of their own kind)
+_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 1}
+WRAPPERS: dict[str, tuple[str, dict[str, object]]] = {
+    "gemma3": ("gemma3_text", _VISION | {"model_type": "siglip_vision_model", "patch_size": 14}),
+    "qwen3_5": (
+        "qwen3_5_text",
+        {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64},
+    ),
+    "mistral3": ("ministral3", _VISION | {"model_type": "pixtral", "head_dim": 16}),
+}
+
+
+def save_tiny_wrapper(out: str | Path, wrapper: str, *, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+    """A random multimodal model (`WRAPPERS`: a text model beside a vision tower) saved as the wrapper saves itself."""
+    out, (family, vision) = Path(out), WRAPPERS[wrapper]
+    text = tiny_config(family, len(tokenizer))
+    config = AutoConfig.for_model(wrapper, text_config=text.to_dict(), vision_config=vision)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = text.eos_token_id
+    model.generation_config.pad_token_id = text.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 

@@ -28,6 +28,7 @@ from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
 from workers.engine.recurrent import RECURRENT, RecurrentCache, linear_layers
 from workers.engine.windows import WINDOWED, layer_windows, sliding_window
+from workers.engine.wrappers import stored_aliases, text_config
 
 Cache = KVCache | StaticKVCache
 # Steps whose float32 attention scores (batch x heads x tokens x cached positions) would take more than
@@ -133,10 +134,6 @@ def _parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-def checkpoint_source(files: dict[str, Path]) -> Source:
-    return lambda names, shapes, dtype, device: _read_tensors(files, names, dtype, device)
 
 
 def _prefix_of(root: nn.Module, target: nn.Module) -> str:
@@ -343,13 +340,13 @@ def load_shard(
     checkpoint saved quantized by transformers' bitsandbytes integration loads as it is stored."""
     files: dict[str, Path] = {}
     if source is not None:
-        config, weights = source
+        (config, weights), stored = source, "none"
+        full = config
     else:
         model_dir = resolve_model_dir(model)
-        config = AutoConfig.from_pretrained(model_dir)
-        files = weight_files(model_dir)
-        weights = checkpoint_source(files)
-    stored = prequantized_scheme(config) if files else "none"
+        full = AutoConfig.from_pretrained(model_dir)
+        config, files = text_config(full), weight_files(model_dir)  # a multimodal wrapper: its text model
+        stored = prequantized_scheme(full) if files else "none"
     if stored != "none" and check_scheme(quant) not in ("none", stored):
         raise ModelLoadError(f"the checkpoint is stored as {stored}: it cannot be loaded as {quant}")
     window = sliding_window(config)
@@ -366,8 +363,23 @@ def load_shard(
         config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
     with _parameters_on_meta():
         skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=attention.NAME)
-    if files and (plan := converted_names(skeleton, list(files))):  # experts stored one by one, say
-        weights = converting_source(set(files), plan, lambda n, dt, dev: _read_tensors(files, n, dt, dev))
+    aliases = stored_aliases(skeleton, set(files)) if files else {}  # a wrapper's decoder stored under its prefix
+
+    def read(names: dict[str, str], dt: torch.dtype, dev: str) -> dict[str, torch.Tensor]:
+        return _read_tensors(files, {k: aliases.get(n, n) for k, n in names.items()}, dt, dev)
+
+    def stored_source(names: dict[str, str], shapes: dict[str, tuple], dt: torch.dtype, dev: str) -> dict:
+        return read(names, dt, dev)
+
+    def raw(names: list[str]) -> dict[str, torch.Tensor]:
+        got = _read_raw(files, [aliases.get(n, n) for n in names])
+        return {n: got[aliases.get(n, n)] for n in names}
+
+    keys = set(aliases) or set(files)  # the checkpoint's tensors by the text model's names
+    if files:
+        weights = stored_source
+    if files and (plan := converted_names(skeleton, sorted(keys))):  # experts stored one by one, say
+        weights = converting_source(keys, plan, read)
     base = skeleton.get_decoder()
     if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
         raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
@@ -380,11 +392,10 @@ def load_shard(
             )
     fuse = fused and can_fuse(kept, config)
     parts, scheme = [], stored if stored != "none" else check_scheme(quant)
-    keys = set(files)
     for layer in kept:
         prefix = _prefix_of(skeleton, layer)
         if stored != "none":
-            prequantized_layer(layer, prefix, stored, keys, lambda n: _read_raw(files, n), device, dtype)
+            prequantized_layer(layer, prefix, stored, keys, raw, device, dtype)
             _materialise_rest(layer, prefix, weights, dtype, device)
         else:
             _materialise(layer, prefix, weights, dtype, device)
@@ -400,7 +411,7 @@ def load_shard(
     if head:
         norm_mod, head_mod = base.norm, skeleton.get_output_embeddings()
         _materialise(norm_mod, _prefix_of(skeleton, norm_mod), weights, dtype, device)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
+        tied = bool(getattr(full, "tie_word_embeddings", False))  # a wrapper's own says (its text config may not)
         if tied and embed_mod is not None:
             head_mod.weight = embed_mod.weight
         else:
