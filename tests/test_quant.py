@@ -89,7 +89,7 @@ def test_layers_quantize_as_they_load(models, monkeypatch):
     """Each layer is quantized right after it loads, before the next one loads: at most one layer is held at
     full width while a shard loads quantized."""
     events: list[str] = []
-    real_quantize, real_materialise = shard_mod.quantize_layer, shard_mod._materialise
+    real_quantize, real_materialise = shard_mod.quantize_layer, shard_mod.materialise
 
     def quantize(layer, scheme, dtype):
         full = sum(type(m) is nn.Linear and not m.weight.is_meta for m in layer.modules())
@@ -103,7 +103,7 @@ def test_layers_quantize_as_they_load(models, monkeypatch):
         return real_materialise(module, prefix, *a, **kw)
 
     monkeypatch.setattr(shard_mod, "quantize_layer", quantize)
-    monkeypatch.setattr(shard_mod, "_materialise", materialise)
+    monkeypatch.setattr(shard_mod, "materialise", materialise)
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True, quant="4bit")
     assert events == [e for i in range(4) for e in (f"load {i}", f"quantize {i} (7 full-width)")]
     assert shard.quant == "4bit" and shard.dtype == torch.float32

@@ -9,19 +9,26 @@ their computed buffers real); sliding windows run for the families in workers/en
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
 from workers.engine import attention, pool_attention
+from workers.engine.checkpoint import (
+    Source,
+    materialise,
+    materialise_rest,
+    parameters_on_meta,
+    prefix_of,
+    read_raw,
+    read_tensors,
+    resolve_model_dir,
+    weight_files,
+)
 from workers.engine.convert import converted_names, converting_source
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
@@ -37,110 +44,6 @@ Cache = KVCache | StaticKVCache
 # of a 7B shard (28 heads) over 8,192 positions take 132 MB; one 7B prefill may be 1,170 tokens over
 # 2,048 positions, 292 over 8,192.
 FUSED_MAX_SCORE_BYTES = 256 << 20
-Source = Callable[[dict[str, str], dict[str, tuple], torch.dtype, str], dict[str, torch.Tensor]]
-
-
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local model directory, or a hub id downloaded (weights as safetensors) into the HF cache."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as e:
-        raise ModelLoadError(f"{model!r} is neither a local directory nor a reachable hub model: {e}") from None
-
-
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """Map each tensor name of a safetensors checkpoint (single or multi-file) to its file."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: model_dir / f for k, f in weight_map.items()}
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        raise ModelLoadError(f"no safetensors weights in {model_dir}")
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
-def _read_tensors(files: dict[str, Path], names: dict[str, str], dtype: torch.dtype, device: str) -> dict:
-    """Read checkpoint tensors `names` (local name -> checkpoint name) and cast them."""
-    missing = [c for c in names.values() if c not in files]
-    if missing:
-        raise ModelLoadError(f"checkpoint lacks tensors {missing[:4]}")
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for local, ckpt in names.items():
-        by_file.setdefault(files[ckpt], []).append((local, ckpt))
-    for path, pairs in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for local, ckpt in pairs:
-                out[local] = f.get_tensor(ckpt).to(device=device, dtype=dtype)
-    return out
-
-
-def _materialise(
-    module: nn.Module, prefix: str, source: Source, dtype: torch.dtype, device: str, alias: dict | None = None
-) -> None:
-    """Give `module`'s parameters/buffers the tensors saved under `prefix` (alias: local -> checkpoint name)."""
-    state = dict(module.state_dict(keep_vars=True))
-    names = {k: (alias or {}).get(k, f"{prefix}{k}") for k in state}
-    shapes = {k: tuple(v.shape) for k, v in state.items()}
-    module.load_state_dict(source(names, shapes, dtype, device), assign=True, strict=True)
-
-
-def _read_raw(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors as stored (a pre-quantized checkpoint's codes and statistics), on the CPU."""
-    missing = [n for n in names if n not in files]
-    if missing:
-        raise ModelLoadError(f"checkpoint lacks tensors {missing[:4]}")
-    out: dict[str, torch.Tensor] = {}
-    for n in names:
-        with safe_open(str(files[n]), framework="pt", device="cpu") as f:
-            out[n] = f.get_tensor(n)
-    return out
-
-
-def _materialise_rest(module: nn.Module, prefix: str, source: Source, dtype: torch.dtype, device: str) -> None:
-    """Load what is still on the meta device under `module` (a pre-quantized layer's norms), by name."""
-    owners = {
-        f"{m_name}.{p_name}".lstrip("."): (mod, p_name)
-        for m_name, mod in module.named_modules()
-        for p_name, p in mod.named_parameters(recurse=False)
-        if p.is_meta
-    }
-    names = {k: f"{prefix}{k}" for k in owners}
-    tensors = source(names, {k: tuple(getattr(m, n).shape) for k, (m, n) in owners.items()}, dtype, device)
-    for k, (mod, p_name) in owners.items():
-        setattr(mod, p_name, nn.Parameter(tensors[k], requires_grad=False))
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Build modules with their parameters on the meta device (loaded later, layer by layer) but their buffers
-    real: what a module computes in its constructor and no checkpoint holds (Gemma's embedding scale) stays."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-def _prefix_of(root: nn.Module, target: nn.Module) -> str:
-    for name, mod in root.named_modules():
-        if mod is target:
-            return f"{name}." if name else ""
-    raise ModelLoadError("model layout not understood (module not found)")
 
 
 class Shard(nn.Module):
@@ -361,18 +264,18 @@ def load_shard(
         dtype = getattr(torch, dtype)
     if stored != "none":  # the skeleton is a plain model; its linears get the stored codes below
         config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
-    with _parameters_on_meta():
+    with parameters_on_meta():
         skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=attention.NAME)
     aliases = stored_aliases(skeleton, set(files)) if files else {}  # a wrapper's decoder stored under its prefix
 
     def read(names: dict[str, str], dt: torch.dtype, dev: str) -> dict[str, torch.Tensor]:
-        return _read_tensors(files, {k: aliases.get(n, n) for k, n in names.items()}, dt, dev)
+        return read_tensors(files, {k: aliases.get(n, n) for k, n in names.items()}, dt, dev)
 
     def stored_source(names: dict[str, str], shapes: dict[str, tuple], dt: torch.dtype, dev: str) -> dict:
         return read(names, dt, dev)
 
     def raw(names: list[str]) -> dict[str, torch.Tensor]:
-        got = _read_raw(files, [aliases.get(n, n) for n in names])
+        got = read_raw(files, [aliases.get(n, n) for n in names])
         return {n: got[aliases.get(n, n)] for n in names}
 
     keys = set(aliases) or set(files)  # the checkpoint's tensors by the text model's names
@@ -393,30 +296,30 @@ def load_shard(
     fuse = fused and can_fuse(kept, config)
     parts, scheme = [], stored if stored != "none" else check_scheme(quant)
     for layer in kept:
-        prefix = _prefix_of(skeleton, layer)
+        prefix = prefix_of(skeleton, layer)
         if stored != "none":
             prequantized_layer(layer, prefix, stored, keys, raw, device, dtype)
-            _materialise_rest(layer, prefix, weights, dtype, device)
+            materialise_rest(layer, prefix, weights, dtype, device)
         else:
-            _materialise(layer, prefix, weights, dtype, device)
+            materialise(layer, prefix, weights, dtype, device)
             if scheme != "none":  # as each layer loads: peak memory stays one full-width layer above
                 quantize_layer(layer, scheme, dtype)
         if fuse:  # concatenate as each layer loads: peak memory stays one layer above the shard's
             parts.append(fuse_layer(layer, torch.device(device).type != "cpu" and scheme == "none", config))
     embed_mod = norm_mod = head_mod = None
-    embed_name = f"{_prefix_of(skeleton, base.embed_tokens)}weight"
+    embed_name = f"{prefix_of(skeleton, base.embed_tokens)}weight"
     if embed:
         embed_mod = base.embed_tokens
-        _materialise(embed_mod, "", weights, dtype, device, {"weight": embed_name})
+        materialise(embed_mod, "", weights, dtype, device, {"weight": embed_name})
     if head:
         norm_mod, head_mod = base.norm, skeleton.get_output_embeddings()
-        _materialise(norm_mod, _prefix_of(skeleton, norm_mod), weights, dtype, device)
+        materialise(norm_mod, prefix_of(skeleton, norm_mod), weights, dtype, device)
         tied = bool(getattr(full, "tie_word_embeddings", False))  # a wrapper's own says (its text config may not)
         if tied and embed_mod is not None:
             head_mod.weight = embed_mod.weight
         else:
-            src = embed_name if tied else f"{_prefix_of(skeleton, head_mod)}weight"
-            _materialise(head_mod, "", weights, dtype, device, {"weight": src})
+            src = embed_name if tied else f"{prefix_of(skeleton, head_mod)}weight"
+            materialise(head_mod, "", weights, dtype, device, {"weight": src})
     rotary = type(base.rotary_emb)(config=config).to(device)
     shard = Shard(config, (a, b), kept, rotary, embed_mod, norm_mod, head_mod).eval()
     for mod in shard.modules():  # the buffers the skeleton computed, on the shard's device
