@@ -21,10 +21,11 @@ SHARDFLOW_TEST_FORK=0 starts fresh interpreters.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,7 @@ def redis_client(redis_server):
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, ModelSet]:
     root = tmp_path_factory.mktemp("models")
+    _SESSION["models"] = root
     tok = build_tokenizer()
     out = {}
     for family in ("qwen2", "llama"):
@@ -99,16 +101,26 @@ class Tails:
     def __init__(self, url: str, logdir: Path) -> None:
         self.url, self.logdir = url, logdir
         self.procs: dict[tuple, tuple[subprocess.Popen | Forked, Keys]] = {}
+        self.retired: list[subprocess.Popen | Forked] = []
+        self._made = itertools.count()
 
     def get(self, target: Path, split: int, n_layers: int, extra: tuple[str, ...] = ()) -> Keys:
         key = (str(target), split, extra)
         if key not in self.procs or self.procs[key][0].poll() is not None:
-            names = Keys(f"t{len(self.procs)}-{os.getpid()}")
+            names = Keys(f"t{next(self._made)}-{os.getpid()}")  # never a prefix used before
             args = tail_args(target, (split, n_layers), self.url, names.prefix, ["--threads", "1", *extra])
             proc = spawn(args, self.logdir / f"{names.prefix}.log")
             wait_for_tails(connect(self.url), names, proc=proc)
             self.procs[key] = (proc, names)
         return self.procs[key][1]
+
+    def retire(self, keep: Callable[[str], bool]) -> None:
+        """SIGTERM, without waiting, the tails of targets `keep` refuses (a module's own models, used by no other
+        module): they exit while the next modules run, rather than idle to the session's end; `close` reaps them."""
+        for key in [k for k in self.procs if not keep(k[0])]:
+            proc, _ = self.procs.pop(key)
+            proc.terminate()
+            self.retired.append(proc)
 
     def close(self) -> None:
         """SIGTERM every tail, then wait for them all under one deadline: two dozen exiting at once on two cores
@@ -116,7 +128,7 @@ class Tails:
         for proc, _ in self.procs.values():
             proc.terminate()
         deadline, hung = time.monotonic() + 90, []
-        for proc, _ in self.procs.values():
+        for proc in [p for p, _ in self.procs.values()] + self.retired:
             try:
                 proc.wait(max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
@@ -126,11 +138,24 @@ class Tails:
         assert not hung, f"tails that did not stop on SIGTERM within 90 s: {hung}"
 
 
+_SESSION: dict[str, object] = {}  # the session's Tails and shared models' root, once made
+
+
 @pytest.fixture(scope="session")
 def tails(redis_server, tmp_path_factory) -> Iterator[Tails]:
     t = Tails(redis_server.url, tmp_path_factory.mktemp("tail-logs"))
+    _SESSION["tails"] = t
     yield t
     t.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _retire_module_tails() -> Iterator[None]:
+    """After each module, the tails of models only it made (not the session's `models`) stop."""
+    yield
+    t, root = _SESSION.get("tails"), _SESSION.get("models")
+    if isinstance(t, Tails):
+        t.retire(lambda target: root is not None and target.startswith(str(root)))
 
 
 def pytest_sessionfinish(session, exitstatus):

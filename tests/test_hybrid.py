@@ -5,7 +5,6 @@ in separate processes over real Redis."""
 
 from __future__ import annotations
 
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,8 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
-from tests.test_sampling import DRAWS, PROMPT, VOCAB, chi2_pvalue, exact_distribution
-from tests.test_sampling import NEW as SAMPLED
+from tests.test_sampling import DRAWS, VOCAB, chi2_pvalue, exact_distribution, sample_draws
 from workers.engine.plan import GiB, kv_bytes, model_shape, plan_split
 from workers.engine.recurrent import RecurrentCache
 from workers.engine.runner import Engine
@@ -167,23 +165,17 @@ def test_hybrid_generations_in_flight_equal_generate(hybrid, tokenizers, tails, 
 
 @pytest.mark.slow
 def test_hybrid_sampling_matches_the_targets_distribution(tmp_path, tails, redis_client):
-    """Speculative rejection sampling on a Qwen3.5 split 2/4 (linear layers on the head, a linear and the full-attention
-    layer on the tail), drafted by a noisy copy."""
-    target = save_tiny_model(tmp_path / "t", "qwen3_5_text", vocab_size=VOCAB, hidden=32, init=0.15, seed=3)
+    """Speculative rejection sampling on a three-layer Qwen3.5 split 1/3 (a linear layer on the head, a linear and the
+    full-attention layer on the tail: states roll back on both sides), drafted by a noisy copy."""
+    types = ["linear_attention", "linear_attention", "full_attention"]
+    target = save_tiny_model(
+        tmp_path / "t", "qwen3_5_text", vocab_size=VOCAB, layers=3, hidden=32, init=0.15, seed=3, layer_types=types
+    )
     drafter = save_noisy_copy(target, tmp_path / "d", 0.6)
-    names = tails.get(target, 2, 4)
-    runtime = HeadRuntime.load(target, (0, 2), draft=drafter)
+    names = tails.get(target, 1, 3)
+    runtime = HeadRuntime.load(target, (0, 1), draft=drafter)
     runtime.eos_token_ids = []
-    s, counts, accepted, drafted = SamplingParams(temperature=1.0), Counter(), 0, 0
-    for seed in range(DRAWS):
-        req = GenerationRequest(
-            prompt_ids=PROMPT,
-            max_new_tokens=SAMPLED,
-            sampling=s.model_copy(update={"seed": seed}),
-            draft=DraftSettings(kind="model", k=2),
-        )
-        got = generate(req, runtime, redis_client, names=names)
-        counts[tuple(got.token_ids)] += 1
-        accepted, drafted = accepted + got.accepted_tokens, drafted + got.drafted_tokens
+    s = SamplingParams(temperature=1.0)
+    counts, accepted, drafted = sample_draws(runtime, redis_client, names, s)
     assert 0 < accepted < drafted
     assert chi2_pvalue(counts, exact_distribution(target, s), DRAWS) > 1e-3

@@ -6,7 +6,6 @@ tail in separate processes over real Redis."""
 
 from __future__ import annotations
 
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,8 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
-from tests.test_sampling import DRAWS, PROMPT, VOCAB, chi2_pvalue, exact_distribution
-from tests.test_sampling import NEW as SAMPLED
+from tests.test_sampling import DRAWS, VOCAB, chi2_pvalue, exact_distribution, sample_draws
 from workers.engine.kvcache import KVCache, KVPool
 from workers.engine.plan import model_shape, shard_weights
 from workers.engine.shard import load_shard
@@ -128,17 +126,8 @@ def test_moe_sampling_matches_the_targets_distribution(tmp_path, tails, redis_cl
     names = tails.get(target, 1, 2)
     runtime = HeadRuntime.load(target, (0, 1), draft=drafter)
     runtime.eos_token_ids = []
-    s, counts, accepted, drafted = SamplingParams(temperature=1.0), Counter(), 0, 0
-    for seed in range(DRAWS):
-        req = GenerationRequest(
-            prompt_ids=PROMPT,
-            max_new_tokens=SAMPLED,
-            sampling=s.model_copy(update={"seed": seed}),
-            draft=DraftSettings(kind="model", k=2),
-        )
-        got = generate(req, runtime, redis_client, names=names)
-        counts[tuple(got.token_ids)] += 1
-        accepted, drafted = accepted + got.accepted_tokens, drafted + got.drafted_tokens
+    s = SamplingParams(temperature=1.0)
+    counts, accepted, drafted = sample_draws(runtime, redis_client, names, s)
     assert 0 < accepted < drafted
     assert chi2_pvalue(counts, exact_distribution(target, s), DRAWS) > 1e-3
 

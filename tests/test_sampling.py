@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -19,6 +20,25 @@ from workers.tiny_models import save_noisy_copy, save_tiny_model
 
 VOCAB, NEW, DRAWS = 5, 3, 1500
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def sample_draws(runtime, redis_client, names, s: SamplingParams, drafter: str = "model", draws: int = DRAWS):
+    """`draws` generations of NEW tokens after PROMPT, each its own seed, 32 in flight at once (the head's step loop
+    batches them, as it batches real traffic): (sequences drawn, accepted draft tokens, drafted tokens)."""
+
+    def one(seed: int):
+        req = GenerationRequest(
+            prompt_ids=PROMPT,
+            max_new_tokens=NEW,
+            sampling=s.model_copy(update={"seed": seed}),
+            draft=DraftSettings(kind=drafter, k=2),
+        )
+        return generate(req, runtime, redis_client, names=names)
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(one, range(draws)))
+    counts = Counter(tuple(g.token_ids) for g in got)
+    return counts, sum(g.accepted_tokens for g in got), sum(g.drafted_tokens for g in got)
 
 
 def chi2_pvalue(counts: Counter, probs: dict[tuple, float], n: int) -> float:
@@ -130,19 +150,7 @@ def test_split_sampling_matches_target_distribution(small_vocab, redis_client, d
     target, draft_model, names = small_vocab
     runtime = HeadRuntime.load(target, (0, 1), draft=draft_model if drafter == "model" else None)
     runtime.eos_token_ids = []
-    counts: Counter = Counter()
-    accepted = drafted = 0
-    for seed in range(DRAWS):
-        req = GenerationRequest(
-            prompt_ids=PROMPT,
-            max_new_tokens=NEW,
-            sampling=s.model_copy(update={"seed": seed}),
-            draft=DraftSettings(kind=drafter, k=2),
-        )
-        got = generate(req, runtime, redis_client, names=names)
-        counts[tuple(got.token_ids)] += 1
-        accepted += got.accepted_tokens
-        drafted += got.drafted_tokens
+    counts, accepted, drafted = sample_draws(runtime, redis_client, names, s, drafter)
     assert 0 < accepted < drafted  # both acceptance and rejection happened
     assert chi2_pvalue(counts, exact_distribution(target, s), DRAWS) > 1e-3
 
