@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from schemas.errors import ModelLoadError
 from schemas.requests import DraftSettings, GenerationRequest
 from tests.conftest import PROMPTS
 from workers.engine.kvcache import KVCache
+from workers.engine.plan import model_shape
 from workers.engine.shard import load_shard
 from workers.head.runtime import HeadRuntime, generate
 from workers.tiny_models import DENSE_FAMILIES, save_tiny_model
@@ -80,8 +81,6 @@ def test_split_generation_equals_generate(family, dense, tokenizers, tails, redi
 @pytest.mark.parametrize("family", ["falcon_h1", "lfm2"])
 def test_other_layouts_are_refused_at_load(family, tmp_path, tokenizers):
     """Mamba-style and convolution mixers beside attention (no rotary, no `self_attn`): one clear line at load."""
-    from transformers import AutoConfig
-
     config = AutoConfig.for_model(
         family,
         vocab_size=len(tokenizers["qwen2"]),
@@ -95,3 +94,32 @@ def test_other_layouts_are_refused_at_load(family, tmp_path, tokenizers):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / family)
     with pytest.raises(ModelLoadError, match=r"not laid out like Qwen2/Llama|recurrent state"):
         load_shard(tmp_path / family, (0, 2), embed=True, head=True)
+    with pytest.raises(ModelLoadError, match=r"not laid out like Qwen2/Llama|recurrent state"):  # `shardflow plan`
+        model_shape(config, torch.float32)
+
+
+def test_gemma4s_windows_are_refused_by_the_loader_and_the_plan(tmp_path, tokenizers):
+    """Gemma 4 (its windows beside KV shared across layers): one clear line at load and from the plan (real and tiny
+    Gemma 4 checkpoints ship their tokenizer apart: none is needed to load layers)."""
+    config = AutoConfig.for_model(
+        "gemma4_text",
+        vocab_size=len(tokenizers["qwen2"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        vocab_size_per_layer_input=len(tokenizers["qwen2"]),
+        hidden_size_per_layer_input=8,
+        num_kv_shared_layers=2,
+        per_layer_config={},
+    )
+    torch.manual_seed(0)
+    target = tmp_path / "g4"
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    with pytest.raises(ModelLoadError, match=r"sliding-window attention .* gemma4_text"):
+        load_shard(target, (0, 2), embed=True, head=False)
+    with pytest.raises(ModelLoadError, match=r"sliding-window attention .* gemma4_text"):
+        model_shape(AutoConfig.from_pretrained(target), torch.float32)

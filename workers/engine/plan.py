@@ -27,6 +27,7 @@ from schemas.settings import Settings
 from workers.engine.kvcache import kv_dims
 from workers.engine.quant import quantized_bytes
 from workers.engine.recurrent import state_bytes
+from workers.engine.shard import refuse_layers, refuse_layout, refuse_windows
 from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
 
 GiB = 1 << 30
@@ -57,8 +58,9 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     base = model.get_decoder()
-    if not hasattr(base, "layers"):
-        raise ModelLoadError(f"{type(model).__name__} is not laid out like Qwen2/Llama")
+    refuse_layout(model)
+    refuse_windows(config)  # what a worker refuses at load, the plan refuses too, in the same words
+    refuse_layers(config, base.layers)
     size = torch.empty((), dtype=dtype).element_size()
 
     def layer_bytes(layer: torch.nn.Module) -> int:

@@ -214,6 +214,30 @@ class Shard(nn.Module):
         return h
 
 
+def refuse_layout(model: nn.Module) -> None:
+    """ModelLoadError for a model whose decoder lacks the parts a shard runs (layers, rotary, final norm, embedding)."""
+    if not all(hasattr(model.get_decoder(), a) for a in ("layers", "rotary_emb", "norm", "embed_tokens")):
+        raise ModelLoadError(f"{type(model).__name__} is not laid out like Qwen2/Llama")
+
+
+def refuse_windows(config: PretrainedConfig) -> None:
+    """ModelLoadError for sliding windows of a family whose windows do not run here (`windows.WINDOWED`)."""
+    window = sliding_window(config)
+    if window is not None and config.model_type not in WINDOWED:
+        raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported for {config.model_type}")
+
+
+def refuse_layers(config: PretrainedConfig, layers: nn.ModuleList | list, first: int = 0) -> None:
+    """ModelLoadError, naming the first, for layers that keep a state a shard cannot roll back (Mamba-style mixers,
+    short convolutions: any layer without attention outside the linear-attention families of `recurrent.py`)."""
+    for i, layer in enumerate(layers, start=first):
+        if not hasattr(layer, "self_attn") and config.model_type not in RECURRENT:
+            raise ModelLoadError(
+                f"{config.model_type}: layer {i} ({type(layer).__name__}) keeps a recurrent state rather than a KV "
+                "cache (linear attention); such layers are not supported yet"
+            )
+
+
 def blank_input(shard: Shard, b: int, t: int) -> torch.Tensor:
     """Zeros shaped as a batch of b rows x t tokens this shard takes: token ids, or hidden states without an
     embedding."""
@@ -252,9 +276,7 @@ def load_shard(
         stored = prequantized_scheme(full) if files else "none"
     if stored != "none" and check_scheme(quant) not in ("none", stored):
         raise ModelLoadError(f"the checkpoint is stored as {stored}: it cannot be loaded as {quant}")
-    window = sliding_window(config)
-    if window is not None and config.model_type not in WINDOWED:
-        raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported for {config.model_type}")
+    refuse_windows(config)
     n_layers = config.num_hidden_layers
     a, b = layers if layers is not None else (0, n_layers)
     if not 0 <= a < b <= n_layers:
@@ -284,15 +306,9 @@ def load_shard(
     if files and (plan := converted_names(skeleton, sorted(keys))):  # experts stored one by one, say
         weights = converting_source(keys, plan, read)
     base = skeleton.get_decoder()
-    if not all(hasattr(base, a_) for a_ in ("layers", "rotary_emb", "norm", "embed_tokens")):
-        raise ModelLoadError(f"{type(skeleton).__name__} is not laid out like Qwen2/Llama")
+    refuse_layout(skeleton)
     kept = nn.ModuleList(base.layers[a:b])
-    for i, layer in enumerate(kept, start=a):
-        if not hasattr(layer, "self_attn") and config.model_type not in RECURRENT:  # Mamba-style mixers, ...
-            raise ModelLoadError(
-                f"{config.model_type}: layer {i} ({type(layer).__name__}) keeps a recurrent state rather than a KV "
-                "cache (linear attention); such layers are not supported yet"
-            )
+    refuse_layers(config, kept, a)
     fuse = fused and can_fuse(kept, config)
     parts, scheme = [], stored if stored != "none" else check_scheme(quant)
     for layer in kept:
