@@ -26,6 +26,7 @@ WINDOW = 8
 # (family, config fields): every layer windowed; the upper half only (the tail's, split at 2); the lower half only
 WINDOWED = {
     "mistral": ("mistral", {"sliding_window": WINDOW}),
+    "ministral": ("ministral", {"sliding_window": WINDOW}),  # its layer_types: every layer sliding
     "qwen2-upper": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
     "qwen3-upper": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
     # families run by their HF layers: Gemma 2 (soft caps, 1 + w norms, a scaled embedding), Gemma 3 (a rotary per

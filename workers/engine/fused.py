@@ -43,7 +43,7 @@ from torch.nn import functional as F
 
 from workers.engine import pool_attention
 
-KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"}
+KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen3DecoderLayer"}
 SDPA_MIN_ROWS = 512  # query rows (batch x tokens x query heads) from which CUDA half batches attend through SDPA
 # ... for steps of up to this many tokens a row (rounds, drafts: the shapes graphs capture). cuDNN builds a plan per
 # new shape, and prompts' eager batches come in many (on an H200 that added about a second to the first tokens of
