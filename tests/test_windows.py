@@ -9,13 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 from schemas.errors import ModelLoadError
 from schemas.requests import DraftSettings, GenerationRequest
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from workers.engine.kvcache import KVCache, causal
+from workers.engine.plan import model_shape
 from workers.engine.shard import load_shard
 from workers.engine.windows import layer_windows
 from workers.head.runtime import HeadRuntime, generate
@@ -83,6 +84,17 @@ def test_a_windowed_mask_sees_the_last_window_positions():
     cache.keys[0] = cache.values[0] = torch.zeros(1, 1, 4, 2)
     assert cache.mask(torch.tensor([4]), None) is None and cache.mask(torch.tensor([4]), 5) is None
     assert cache.mask(torch.tensor([4]), 2)[0, 0].int().tolist() == [[0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_refuses_float16_saying_what_to_run(name, windowed):
+    """Gemma 2 and 3 overflow float16: the worker refuses it at load, and the plan too, naming bfloat16."""
+    with pytest.raises(ModelLoadError, match=r"overflows float16.*--dtype bfloat16"):
+        load_shard(windowed[name], (0, 2), embed=True, head=False, dtype=torch.float16)
+    config = AutoConfig.from_pretrained(windowed[name])
+    with pytest.raises(ModelLoadError, match=r"overflows float16"):
+        model_shape(config, torch.float16)
+    assert model_shape(config, torch.bfloat16).layers == 4
 
 
 def test_other_families_with_a_window_are_refused(models, tmp_path):

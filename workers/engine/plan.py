@@ -27,7 +27,7 @@ from schemas.settings import Settings
 from workers.engine.kvcache import kv_dims
 from workers.engine.quant import quantized_bytes
 from workers.engine.recurrent import state_bytes
-from workers.engine.shard import refuse_layers, refuse_layout, refuse_windows
+from workers.engine.shard import refuse_half, refuse_layers, refuse_layout, refuse_windows
 from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
 
 GiB = 1 << 30
@@ -61,6 +61,7 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
     refuse_layout(model)
     refuse_windows(config)  # what a worker refuses at load, the plan refuses too, in the same words
     refuse_layers(config, base.layers)
+    refuse_half(config, dtype)
     size = torch.empty((), dtype=dtype).element_size()
 
     def layer_bytes(layer: torch.nn.Module) -> int:

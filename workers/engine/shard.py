@@ -227,6 +227,20 @@ def refuse_windows(config: PretrainedConfig) -> None:
         raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported for {config.model_type}")
 
 
+# families whose activations pass float16's range in their released weights (Gemma's scaled embeddings and
+# unnormalised residual stream: HF's own Gemma 2/3 docs run them in bfloat16)
+HALF_UNSAFE = {"gemma2", "gemma3_text"}
+
+
+def refuse_half(config: PretrainedConfig, dtype: torch.dtype) -> None:
+    """ModelLoadError for float16 where the family is known to overflow it, saying what to run instead."""
+    if dtype == torch.float16 and config.model_type in HALF_UNSAFE:
+        raise ModelLoadError(
+            f"{config.model_type} overflows float16 (its activations pass 65504): run it with --dtype bfloat16, "
+            "or float32 on a GPU without bfloat16 (a T4)"
+        )
+
+
 def refuse_layers(config: PretrainedConfig, layers: nn.ModuleList | list, first: int = 0) -> None:
     """ModelLoadError, naming the first, for layers that keep a state a shard cannot roll back (Mamba-style mixers,
     short convolutions: any layer without attention outside the linear-attention families of `recurrent.py`)."""
@@ -277,13 +291,14 @@ def load_shard(
     if stored != "none" and check_scheme(quant) not in ("none", stored):
         raise ModelLoadError(f"the checkpoint is stored as {stored}: it cannot be loaded as {quant}")
     refuse_windows(config)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    refuse_half(config, dtype)
     n_layers = config.num_hidden_layers
     a, b = layers if layers is not None else (0, n_layers)
     if not 0 <= a < b <= n_layers:
         raise ModelLoadError(f"layers {a}:{b} outside the model's 0:{n_layers}")
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     if stored != "none":  # the skeleton is a plain model; its linears get the stored codes below
         config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
     with parameters_on_meta():
