@@ -51,23 +51,31 @@ def test_fused_forward_equals_hf_layers(models, family, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("window", [None, 8])
+NEWER = {  # families the fused layers run beyond Qwen2 / Llama / Mistral, with a window in some layers or none
+    "qwen3": ("qwen3", {}),
+    "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+    "gemma3-window": ("gemma3_text", {"sliding_window": 8}),  # 1 + w norms, four a layer, GELU, two rotary bases
+}
+
+
+@pytest.mark.parametrize("name", list(NEWER))
 @torch.inference_mode()
-def test_qwen3s_head_norms_run_fused_and_equal_hf_layers(tmp_path, tokenizers, window, monkeypatch):
-    """Qwen3's per-head q_norm / k_norm (set away from 1, so they count), its layers fused; with a sliding window in
-    its upper layers too. Static slots and growing caches, one token at a time, a rollback; SDPA forced as well."""
+def test_newer_families_run_fused_and_equal_hf_layers(tmp_path, tokenizers, name, monkeypatch):
+    """Qwen3 (per-head q_norm / k_norm) and Gemma 3, their layers fused, every norm set to its own values (so each
+    counts, and where it goes). Static slots and growing caches, one token at a time, a rollback; SDPA forced too."""
     import workers.engine.fused as fused_mod
 
-    extra = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 2} if window else {}
-    path = save_tiny_model(tmp_path / "qwen3", "qwen3", tokenizer=tokenizers["qwen2"], **extra)
+    family, extra = NEWER[name]
+    path = save_tiny_model(tmp_path / name, family, tokenizer=tokenizers["qwen2"], **extra)
     fused = load_shard(path, None, embed=True, head=True, fused=True)
     plain = load_shard(path, None, embed=True, head=True, fused=False)
-    assert isinstance(fused.fused, FusedLayers) and plain.fused is None and fused.windowed == bool(window)
-    for a, b in zip(fused.layers, plain.layers, strict=True):
-        for n, ends in (("q_norm", (0.5, 1.5)), ("k_norm", (1.5, 0.3))):
-            w = torch.linspace(*ends, getattr(a.self_attn, n).weight.shape[0])
-            getattr(a.self_attn, n).weight.copy_(w)
-            getattr(b.self_attn, n).weight.copy_(w)
+    assert isinstance(fused.fused, FusedLayers) and plain.fused is None and fused.windowed == ("window" in name)
+    gen = torch.Generator().manual_seed(0)
+    for (n, a), (_, b) in zip(fused.layers.named_parameters(), plain.layers.named_parameters(), strict=True):
+        if "norm" in n:
+            w = torch.rand(a.shape, generator=gen) + 0.3
+            a.copy_(w)
+            b.copy_(w)
     fused.fused = fused_stack(fused.layers[0], [fuse_layer(x, False, fused.config) for x in fused.layers], fused.config)
     x = torch.arange(3, 60) % fused.config.vocab_size
     for static, sdpa in ((False, False), (True, False), (True, True)):

@@ -1,7 +1,8 @@
-"""A leaner forward for Llama/Qwen2/Mistral-style decoder layers, and Qwen3's (the same with q and k normed per
-head before the rotary: one weightless RMSNorm over q and k together, times their weights stacked per head): the
-same weights and computation as the Hugging Face layers, in about half the kernel launches (a 14-layer 7B shard:
-800 -> 386 on an H200).
+"""A leaner forward for Llama/Qwen2/Mistral/Ministral-style decoder layers, Qwen3's (the same with q and k normed
+per head before the rotary: one weightless RMSNorm over q and k together, times their weights stacked per head) and
+Gemma 3's (norms scaling by 1 + w, four a layer: the attention's and the MLP's outputs normed before their residual
+adds; tanh GELU; a rotary per layer type, local and global): the same weights and computation as the Hugging Face
+layers, in about half the kernel launches (a 14-layer 7B shard: 800 -> 386 on an H200). Kernels: fused_ops.py.
 
 Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall
 elsewhere (the norm's weight is applied before rounding, a residual add is fused into its GEMM,
@@ -42,8 +43,25 @@ from torch import nn
 from torch.nn import functional as F
 
 from workers.engine import pool_attention
+from workers.engine.fused_ops import (
+    attend,
+    attend_sdpa,
+    rotate_elementwise,
+    rotate_half_signs,
+    rotation,
+    score_dtype,
+    wide_gemm_works,
+)
 
-KNOWN = {"Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen3DecoderLayer"}
+KNOWN = {
+    "Qwen2DecoderLayer",
+    "LlamaDecoderLayer",
+    "MistralDecoderLayer",
+    "MinistralDecoderLayer",
+    "Qwen3DecoderLayer",
+    "Gemma3DecoderLayer",
+}
+ACTS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 SDPA_MIN_ROWS = 512  # query rows (batch x tokens x query heads) from which CUDA half batches attend through SDPA
 # ... for steps of up to this many tokens a row (rounds, drafts: the shapes graphs capture). cuDNN builds a plan per
 # new shape, and prompts' eager batches come in many (on an H200 that added about a second to the first tokens of
@@ -51,6 +69,7 @@ SDPA_MIN_ROWS = 512  # query rows (batch x tokens x query heads) from which CUDA
 SDPA_MAX_TOKENS = 16
 # (weight, bias), or a quantized linear module (workers/engine/quant.py), called as it is
 Linear = tuple[torch.Tensor, torch.Tensor | None] | nn.Module
+CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -67,6 +86,9 @@ class FusedLayer:
     w_down: torch.Tensor | nn.Module
     qk_norm: torch.Tensor | None = None  # Qwen3's per-head q_norm / k_norm weights, [q heads + kv heads, head dim]
     eps_qk: float = 0.0
+    post_attn: torch.Tensor | None = None  # Gemma 3's norms of the attention's and the MLP's outputs
+    post_mlp: torch.Tensor | None = None
+    act: str = "silu"
 
 
 def _fuse(mods: list[nn.Linear]) -> Linear:
@@ -92,7 +114,9 @@ def _supported(layer: nn.Module, config: object) -> bool:
         return False  # a norm over the whole projection (OLMo 2's), not one per head
     if len({m.bias is None for m in (attn.q_proj, attn.k_proj, attn.v_proj)}) > 1:
         return False
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(mlp, "down_proj", None) is None:
+    if _act(config) not in ACTS or getattr(mlp, "down_proj", None) is None:
+        return False
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
         return False
     return all(getattr(mlp, n, None) is not None for n in ("gate_proj", "up_proj")) and not getattr(
         config, "mlp_bias", False
@@ -127,24 +151,23 @@ class FusedLayers:
     def __call__(
         self,
         h: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: CosSin | list[CosSin],
         masks: list[torch.Tensor | None],
         cache: object,
     ) -> torch.Tensor:
-        """h [B, T, hidden], cos/sin [B, T, d] (the HF rotary module's), each layer's mask bool [B|1, 1, T, L] or
-        None (layers with one window share one mask object, so one bias)."""
+        """h [B, T, hidden], cos/sin [B, T, d] (the HF rotary module's; or one per layer, Gemma 3's local and global
+        bases: layers of one type share one object), each layer's mask bool [B|1, 1, T, L] or None (layers with one
+        window share one mask object, so one bias)."""
         b, t, _ = h.shape
-        if torch.compiler.is_compiling():  # inductor fuses the elementwise form into neighbouring kernels
-            cos, sin = (c.reshape(-1, 1, c.shape[-1]) for c in cos_sin)
-            rope: Callable[[torch.Tensor], torch.Tensor] = partial(rotate_elementwise, cos=cos, sin=sin)
-        else:  # eager: one batched matmul is fewer launches than the five elementwise ops
-            rope = partial(torch.matmul, other=rotation(*cos_sin, self.signs))
+        per_layer = cos_sin if isinstance(cos_sin, list) else [cos_sin] * len(self.layers)
+        made = {id(cs): self._rope(cs) for cs in per_layer}
+        ropes = [made[id(cs)] for cs in per_layer]
         g = self.heads // self.kv_heads
         if self.attends_in_place(cache):
             pool, rows, last = cache.in_place()  # type: ignore[attr-defined]
             lay = pool_attention.layout(rows, last, t, self.kv_heads, g, pool.index.shape[0])
             in_place = partial(pool_attention.attend, lay=lay, scale=self.scale, kernel=self.kernel)
-            for layer in self.layers:
+            for layer, rope in zip(self.layers, ropes, strict=True):
                 h = self._layer(layer, h, rope, partial(_in_place, cache, in_place))
             return h
         attention = partial(attend, scale=self.scale, wide_gemm=self.wide_gemm)
@@ -153,11 +176,17 @@ class FusedLayers:
         if sdpa:
             attention = partial(attend_sdpa, scale=self.scale)
         biases: dict[int, torch.Tensor | None] = {}
-        for layer, mask in zip(self.layers, masks, strict=True):
+        for layer, mask, rope in zip(self.layers, masks, ropes, strict=True):
             if id(mask) not in biases:
                 biases[id(mask)] = self._bias(mask, b, t, g, sdpa)
             h = self._layer(layer, h, rope, partial(_gathered, cache, attention, biases[id(mask)]))
         return h
+
+    def _rope(self, cos_sin: CosSin) -> Callable[[torch.Tensor], torch.Tensor]:
+        if torch.compiler.is_compiling():  # inductor fuses the elementwise form into neighbouring kernels
+            cos, sin = (c.reshape(-1, 1, c.shape[-1]) for c in cos_sin)
+            return partial(rotate_elementwise, cos=cos, sin=sin)
+        return partial(torch.matmul, other=rotation(*cos_sin, self.signs))  # eager: one batched matmul
 
     def _bias(self, mask: torch.Tensor | None, b: int, t: int, g: int, sdpa: bool) -> torch.Tensor | None:
         """A mask as the additive bias its attention takes: [B, 1, g * T, L] in the compute dtype for SDPA (broadcast
@@ -184,10 +213,10 @@ class FusedLayers:
         qk = rope(qk).view(b, t, hq + hkv, d)  # rotary embeddings, q and k at once
         v = qkv[:, hq + hkv :].view(b, t, hkv, d).transpose(1, 2)
         o = attn(qk[:, :, :hq], qk[:, :, hq:].transpose(1, 2), v, p.idx)  # [B * T, hq * d]
-        h2 = _residual(h.view(b * t, width), o, p.w_o, p.b_o)
+        h2 = _out(h.view(b * t, width), o, p.w_o, p.b_o, p.post_attn, p.eps2)
         x = F.rms_norm(h2, (width,), p.ln2, p.eps2)
         gate, up = _linear_cat(x, p.gate_up).chunk(2, dim=-1)
-        h2 = _residual(h2, F.silu(gate) * up, p.w_down, None)
+        h2 = _out(h2, ACTS[p.act](gate) * up, p.w_down, None, p.post_mlp, p.eps2)
         return h2.view(b, t, width)
 
 
@@ -235,99 +264,30 @@ def _residual(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | nn.Module, b: 
     return torch.addmm(h, x, w.t()) if b is None else h + F.linear(x, w, b)
 
 
-def rotate_half_signs(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """S [d, d] with x @ S = rotate_half(x): out_i (i < d/2) is -x_{i+d/2}, out_{i+d/2} is x_i."""
-    half = d // 2
-    sign = torch.zeros(d, d, dtype=dtype)
-    i = torch.arange(half)
-    sign[i + half, i] = -1.0
-    sign[i, i + half] = 1.0
-    return sign.to(device)
-
-
-def rotate_elementwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, as the HF layers write it (x [N, heads, d], cos/sin [N, 1, d])."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def rotation(cos: torch.Tensor, sin: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """Per-position matrices R [B*T, d, d] with x @ R = x * cos + rotate_half(x) * sin (signs: see above)."""
-    d = cos.shape[-1]
-    cos, sin = cos.reshape(-1, d), sin.reshape(-1, d)
-    return torch.diag_embed(cos) + signs * sin[:, None, :]
-
-
-def score_dtype(x: torch.Tensor) -> torch.dtype:
-    """Attention scores are kept in (at least) float32, as flash kernels keep them."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-def attend(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bias: torch.Tensor | None,
-    scale: float,
-    wide_gemm: bool = False,
+def _out(
+    h: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor | nn.Module,
+    b: torch.Tensor | None,
+    norm: torch.Tensor | None,
+    eps: float,
 ) -> torch.Tensor:
-    """q [B, T, hq, d] against keys/values [B, hkv, L, d]; returns [B * T, hq * d].
-
-    Query head h = i * g + j uses key/value head i, so queries are regrouped as [B * hkv, g * T, d]
-    and multiply the caches as they are."""
-    b, t, hq, d = q.shape
-    hkv, length = keys.shape[1], keys.shape[2]
-    g = hq // hkv
-    q3 = q.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
-    k3 = keys.reshape(b * hkv, length, d).transpose(1, 2)
-    wide = score_dtype(q)
-    if bias is None:
-        bias = torch.zeros((), dtype=wide, device=q.device).expand(b * hkv, g * t, length)
-    if wide != q.dtype:  # bf16/fp16 on CUDA: float32 scores from the half GEMM, probabilities back in half
-        probs = torch.softmax(_wide_scores(bias, q3, k3, scale, wide_gemm), dim=-1).to(q.dtype)
-    else:
-        probs = torch.softmax(torch.baddbmm(bias, q3, k3, alpha=scale), dim=-1)
-    out = torch.bmm(probs, values.reshape(b * hkv, length, d))
-    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
+    """A block's output added to the residual stream: h + x @ w.T (+ b), or with Gemma 3's norm of it between."""
+    if norm is None:
+        return _residual(h, x, w, b)
+    y = w(x.contiguous()) if not isinstance(w, torch.Tensor) else F.linear(x, w, b)
+    return h + F.rms_norm(y, (y.shape[-1],), norm, eps)
 
 
-def attend_sdpa(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """`attend` through torch's scaled_dot_product_attention: q [B, T, hq, d] folded to [B, hkv, g * T, d]
-    against keys/values [B, hkv, L, d], bias [B, 1, g * T, L] (or None); returns [B * T, hq * d]."""
-    b, t, hq, d = q.shape
-    hkv = keys.shape[1]
-    g = hq // hkv
-    q4 = q.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-    out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=bias, scale=scale)
-    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
+def _act(config: object) -> str:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
 
 
-def wide_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch has half x half -> float32 `baddbmm(..., out_dtype=)` on `device` for the bias
-    layouts `attend` passes (broadcast views); probed once, at load."""
-    a = torch.ones(2, 3, 4, dtype=dtype, device=device)
-    b = torch.ones(2, 4, 5, dtype=dtype, device=device)
-    biases = (torch.zeros((), device=device).expand(2, 3, 5), torch.zeros(1, 3, 5, device=device).expand(2, 3, 5))
-    try:
-        outs = [torch.baddbmm(c, a, b, alpha=0.5, out_dtype=torch.float32) for c in biases]
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return all(o.dtype == torch.float32 and bool((o == 2.0).all()) for o in outs)
-
-
-def _wide_scores(bias: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, scale: float, one_gemm: bool) -> torch.Tensor:
-    """bias + scale * q3 @ k3 in float32 from half inputs: one GEMM where torch has `out_dtype` (CUDA),
-    else a float32 GEMM of widened copies (CPU). Under torch.compile (which cannot trace `out_dtype`;
-    only drafters are compiled) a half GEMM, widened after its float32 accumulation is rounded: inductor
-    fuses the widening into the softmax, where a float32 GEMM is a slow SIMT kernel on an H200 (0.8 ms
-    of a K = 8 draft, run 12). The rounding can only change which drafts are proposed, never the output."""
-    if torch.compiler.is_compiling():
-        return torch.bmm(q3, k3).float() * scale + bias
-    if one_gemm:
-        return torch.baddbmm(bias, q3, k3, alpha=scale, out_dtype=torch.float32)
-    return torch.baddbmm(bias, q3.float(), k3.float(), alpha=scale)
+def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    """An RMSNorm's weight as it scales (Gemma's scale by 1 + w) and its epsilon."""
+    w = norm.weight.detach()
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    return (1.0 + w if type(norm).__name__.startswith("Gemma") else w), float(eps)
 
 
 def can_fuse(layers: nn.ModuleList, config: object) -> bool:
@@ -350,14 +310,6 @@ def _head_norms(attn: nn.Module) -> bool:
     return all(n is not None and tuple(getattr(n, "weight", torch.empty(0)).shape) == (d,) for n in (q, k))
 
 
-def _qk_norm(attn: nn.Module, heads: int, kv_heads: int) -> tuple[torch.Tensor | None, float]:
-    """The per-head norms' weights, one row per q head then per kv head (None where the layer has none)."""
-    if not hasattr(attn, "q_norm"):
-        return None, 0.0
-    q, k = attn.q_norm.weight.detach(), attn.k_norm.weight.detach()
-    return torch.cat([q.expand(heads, -1), k.expand(kv_heads, -1)]).contiguous(), float(attn.q_norm.variance_epsilon)
-
-
 def _apart(mods: list[nn.Linear]) -> list[Linear]:
     return [(m.weight.detach(), m.bias.detach() if m.bias is not None else None) for m in mods]
 
@@ -377,17 +329,25 @@ def fuse_layer(layer: nn.Module, concat: bool, config: object) -> FusedLayer:
         qkv, gate_up = ([_fuse(qkv_mods)], [_fuse(gu_mods)]) if concat else (_apart(qkv_mods), _apart(gu_mods))
         w_o, w_down = attn.o_proj.weight.detach(), mlp.down_proj.weight.detach()
         b_o = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
+    gemma = hasattr(layer, "pre_feedforward_layernorm")  # Gemma 3: four norms a layer
+    (ln1, eps1), (ln2, eps2) = (
+        _norm(layer.input_layernorm),
+        _norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
+    )
     return FusedLayer(
         idx=attn.layer_idx,
-        ln1=layer.input_layernorm.weight.detach(),
-        eps1=float(layer.input_layernorm.variance_epsilon),
+        ln1=ln1,
+        eps1=eps1,
         qkv=qkv,
         w_o=w_o,
         b_o=b_o,
-        ln2=layer.post_attention_layernorm.weight.detach(),
-        eps2=float(layer.post_attention_layernorm.variance_epsilon),
+        ln2=ln2,
+        eps2=eps2,
         gate_up=gate_up,
         w_down=w_down,
+        post_attn=_norm(layer.post_attention_layernorm)[0] if gemma else None,
+        post_mlp=_norm(layer.post_feedforward_layernorm)[0] if gemma else None,
+        act=_act(config),
         **_norms_of(layer, config),
     )
 
@@ -396,8 +356,8 @@ def _norms_of(layer: nn.Module, config: object) -> dict:
     if not hasattr(layer.self_attn, "q_norm"):
         return {}
     heads, kv_heads, _ = _heads(layer, config)
-    qk_norm, eps = _qk_norm(layer.self_attn, heads, kv_heads)
-    return {"qk_norm": qk_norm, "eps_qk": eps}
+    (q, eps), (k, _) = _norm(layer.self_attn.q_norm), _norm(layer.self_attn.k_norm)
+    return {"qk_norm": torch.cat([q.expand(heads, -1), k.expand(kv_heads, -1)]).contiguous(), "eps_qk": eps}
 
 
 def fused_stack(first: nn.Module, parts: list[FusedLayer], config: object) -> FusedLayers:

@@ -202,6 +202,8 @@ class Shard(nn.Module):
         else:  # a rotary per layer type (Gemma 3's local and global bases, OLMo 3's)
             made = {t: self.rotary(h, pos, t) for t in dict.fromkeys(self.layer_types)}
             by_layer = [made[t] for t in self.layer_types]
+            if self.fused is not None and self._fused_fits(h, masks[0], cache):
+                return self.fused(h, by_layer, masks, cache)
         for layer, mask, cos_sin in zip(self.layers, masks, by_layer, strict=True):
             h = layer(
                 h,
