@@ -293,7 +293,7 @@ def load_shard(
     if stored != "none" and check_scheme(quant) not in ("none", stored):
         raise ModelLoadError(f"the checkpoint is stored as {stored}: it cannot be loaded as {quant}")
     refuse_windows(config)
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = dtype or getattr(config, "dtype", None) or getattr(full, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     refuse_half(config, dtype)
