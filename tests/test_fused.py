@@ -55,14 +55,20 @@ NEWER = {  # families the fused layers run beyond Qwen2 / Llama / Mistral, with 
     "qwen3": ("qwen3", {}),
     "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
     "gemma3-window": ("gemma3_text", {"sliding_window": 8}),  # 1 + w norms, four a layer, GELU, two rotary bases
+    "qwen3_moe": ("qwen3_moe", {"mlp_only_layers": [1]}),  # experts beside a dense layer
+    "qwen2_moe": ("qwen2_moe", {}),  # a shared expert, q/k/v biases
+    "mixtral": ("mixtral", {}),
+    "gpt_oss-window": ("gpt_oss", {"sliding_window": 8}),  # sinks, a window every other layer, half-width rotary, YaRN
 }
+RANDOMIZED = ("norm", "sinks", "bias")  # parameters a tiny model leaves at 0 or 1: set, each counts
 
 
 @pytest.mark.parametrize("name", list(NEWER))
 @torch.inference_mode()
 def test_newer_families_run_fused_and_equal_hf_layers(tmp_path, tokenizers, name, monkeypatch):
-    """Qwen3 (per-head q_norm / k_norm) and Gemma 3, their layers fused, every norm set to its own values (so each
-    counts, and where it goes). Static slots and growing caches, one token at a time, a rollback; SDPA forced too."""
+    """Qwen3 (per-head q_norm / k_norm), Gemma 3, mixtures of experts and gpt-oss, their layers fused, every norm,
+    sink and bias set to its own values (so each counts, and where it goes). Static slots and growing caches, one
+    token at a time, a rollback; SDPA forced too (gpt-oss's sinks keep to `attend`)."""
     import workers.engine.fused as fused_mod
 
     family, extra = NEWER[name]
@@ -72,7 +78,7 @@ def test_newer_families_run_fused_and_equal_hf_layers(tmp_path, tokenizers, name
     assert isinstance(fused.fused, FusedLayers) and plain.fused is None and fused.windowed == ("window" in name)
     gen = torch.Generator().manual_seed(0)
     for (n, a), (_, b) in zip(fused.layers.named_parameters(), plain.layers.named_parameters(), strict=True):
-        if "norm" in n:
+        if any(k in n for k in RANDOMIZED):
             w = torch.rand(a.shape, generator=gen) + 0.3
             a.copy_(w)
             b.copy_(w)
@@ -178,11 +184,15 @@ class _HostCopies(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gpt_oss"])
 @torch.inference_mode()
-def test_batched_forward_and_whole_draft_are_capture_safe(models):
+def test_batched_forward_and_whole_draft_are_capture_safe(models, tmp_path, tokenizers, family):
     """The fused forward and the whole-draft loop run on the meta device (standing in for CUDA) without
-    building host tensors: the CPU suite guards the GPU's graph captures."""
-    shard = load_shard(models["qwen2"].target, None, embed=True, head=True).to("meta")
+    building host tensors: the CPU suite guards the GPU's graph captures (experts routed on the device too)."""
+    tok = tokenizers["qwen2"]
+    path = models[family].target if family in models else save_tiny_model(tmp_path, family, tokenizer=tok)
+    dtype = torch.float32 if family == "qwen2" else torch.bfloat16  # CUDA's grouped GEMM takes bf16 (sm_80+)
+    shard = load_shard(path, None, embed=True, head=True, dtype=dtype).to("meta")
     shard.rotary = shard.rotary.to("meta")
     shard.fused = fused_stack(shard.layers[0], [fuse_layer(x, True, shard.config) for x in shard.layers], shard.config)
     pool = KVPool.for_shard(shard, slots=2, max_len=64, scratch=16)

@@ -1,8 +1,11 @@
 """A leaner forward for Llama/Qwen2/Mistral/Ministral-style decoder layers, Qwen3's (the same with q and k normed
 per head before the rotary: one weightless RMSNorm over q and k together, times their weights stacked per head) and
 Gemma 3's (norms scaling by 1 + w, four a layer: the attention's and the MLP's outputs normed before their residual
-adds; tanh GELU; a rotary per layer type, local and global): the same weights and computation as the Hugging Face
-layers, in about half the kernel launches (a 14-layer 7B shard: 800 -> 386 on an H200). Kernels: fused_ops.py.
+adds; tanh GELU; a rotary per layer type, local and global), and the mixtures of experts on those attentions
+(Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, gpt-oss with its attention sinks and half-width rotary: the
+experts' block is called as it is, transformers' grouped-GEMM experts, graph-safe): the same weights and computation
+as the Hugging Face layers, in about half the kernel launches (a 14-layer 7B shard: 800 -> 386 on an H200). Kernels:
+fused_ops.py.
 
 Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall
 elsewhere (the norm's weight is applied before rounding, a residual add is fused into its GEMM,
@@ -46,6 +49,7 @@ from workers.engine import pool_attention
 from workers.engine.fused_ops import (
     attend,
     attend_sdpa,
+    full_width,
     rotate_elementwise,
     rotate_half_signs,
     rotation,
@@ -60,6 +64,10 @@ KNOWN = {
     "MinistralDecoderLayer",
     "Qwen3DecoderLayer",
     "Gemma3DecoderLayer",
+    "Qwen3MoeDecoderLayer",
+    "Qwen2MoeDecoderLayer",
+    "MixtralDecoderLayer",
+    "GptOssDecoderLayer",
 }
 ACTS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 SDPA_MIN_ROWS = 512  # query rows (batch x tokens x query heads) from which CUDA half batches attend through SDPA
@@ -82,13 +90,15 @@ class FusedLayer:
     b_o: torch.Tensor | None
     ln2: torch.Tensor
     eps2: float
-    gate_up: list[Linear]  # one concatenated (weight, None), or gate and up apart
-    w_down: torch.Tensor | nn.Module
+    gate_up: list[Linear]  # one concatenated (weight, None), or gate and up apart (none for a mixture of experts)
+    w_down: torch.Tensor | nn.Module | None
     qk_norm: torch.Tensor | None = None  # Qwen3's per-head q_norm / k_norm weights, [q heads + kv heads, head dim]
     eps_qk: float = 0.0
     post_attn: torch.Tensor | None = None  # Gemma 3's norms of the attention's and the MLP's outputs
     post_mlp: torch.Tensor | None = None
     act: str = "silu"
+    moe: nn.Module | None = None  # a mixture of experts' block, called as it is (router, experts, shared expert)
+    sinks: torch.Tensor | None = None  # gpt-oss's attention sinks, a logit per query head
 
 
 def _fuse(mods: list[nn.Linear]) -> Linear:
@@ -114,13 +124,22 @@ def _supported(layer: nn.Module, config: object) -> bool:
         return False  # a norm over the whole projection (OLMo 2's), not one per head
     if len({m.bias is None for m in (attn.q_proj, attn.k_proj, attn.v_proj)}) > 1:
         return False
-    if _act(config) not in ACTS or getattr(mlp, "down_proj", None) is None:
-        return False
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
+        return False
+    if _experts(mlp):
+        return True
+    if _act(config) not in ACTS or getattr(mlp, "down_proj", None) is None:
         return False
     return all(getattr(mlp, n, None) is not None for n in ("gate_proj", "up_proj")) and not getattr(
         config, "mlp_bias", False
     )
+
+
+def _experts(mlp: nn.Module) -> bool:
+    """Whether an MLP is a mixture of experts' block (experts stored as 3-D tensors, a router): the fused layer calls
+    it as it is, graph-safe through transformers' grouped-GEMM experts (tokens sorted by expert, offsets on the
+    device)."""
+    return hasattr(mlp, "experts") and (hasattr(mlp, "gate") or hasattr(mlp, "router"))
 
 
 class FusedLayers:
@@ -136,12 +155,13 @@ class FusedLayers:
             torch.zeros((), dtype=sd, device=w.device),
             torch.full((), -torch.inf, dtype=sd, device=w.device),
         )
+        self.sinks = any(p.sinks is not None for p in layers)  # softmax with a sink column: `attend` only
         self.sdpa = w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)
         self.mask_half = tuple(v.to(w.dtype) for v in self.mask_values)
         # attention over a batch's pool in place where FlashAttention runs (workers/engine/pool_attention.py);
         # the engine may turn it off, or on with the reference kernel (EngineSettings.attention)
         self.kernel: pool_attention.Kernel | None = (
-            pool_attention.flash if pool_attention.supported(w.device, w.dtype, head_dim) else None
+            pool_attention.flash if pool_attention.supported(w.device, w.dtype, head_dim) and not self.sinks else None
         )
 
     def attends_in_place(self, cache: object) -> bool:
@@ -160,7 +180,7 @@ class FusedLayers:
         window share one mask object, so one bias)."""
         b, t, _ = h.shape
         per_layer = cos_sin if isinstance(cos_sin, list) else [cos_sin] * len(self.layers)
-        made = {id(cs): self._rope(cs) for cs in per_layer}
+        made = {id(cs): self._rope(full_width(cs, self.head_dim)) for cs in per_layer}
         ropes = [made[id(cs)] for cs in per_layer]
         g = self.heads // self.kv_heads
         if self.attends_in_place(cache):
@@ -171,7 +191,7 @@ class FusedLayers:
                 h = self._layer(layer, h, rope, partial(_in_place, cache, in_place))
             return h
         attention = partial(attend, scale=self.scale, wide_gemm=self.wide_gemm)
-        sdpa = self.sdpa and t <= SDPA_MAX_TOKENS and b * t * self.heads >= SDPA_MIN_ROWS
+        sdpa = self.sdpa and not self.sinks and t <= SDPA_MAX_TOKENS and b * t * self.heads >= SDPA_MIN_ROWS
         sdpa = sdpa and not torch.compiler.is_compiling()
         if sdpa:
             attention = partial(attend_sdpa, scale=self.scale)
@@ -179,7 +199,8 @@ class FusedLayers:
         for layer, mask, rope in zip(self.layers, masks, ropes, strict=True):
             if id(mask) not in biases:
                 biases[id(mask)] = self._bias(mask, b, t, g, sdpa)
-            h = self._layer(layer, h, rope, partial(_gathered, cache, attention, biases[id(mask)]))
+            attend_layer = attention if layer.sinks is None else partial(attention, sinks=layer.sinks)
+            h = self._layer(layer, h, rope, partial(_gathered, cache, attend_layer, biases[id(mask)]))
         return h
 
     def _rope(self, cos_sin: CosSin) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -215,8 +236,11 @@ class FusedLayers:
         o = attn(qk[:, :, :hq], qk[:, :, hq:].transpose(1, 2), v, p.idx)  # [B * T, hq * d]
         h2 = _out(h.view(b * t, width), o, p.w_o, p.b_o, p.post_attn, p.eps2)
         x = F.rms_norm(h2, (width,), p.ln2, p.eps2)
+        if p.moe is not None:
+            y = p.moe(x.view(b, t, width))
+            return (h2 + (y[0] if isinstance(y, tuple) else y).reshape(b * t, width)).view(b, t, width)
         gate, up = _linear_cat(x, p.gate_up).chunk(2, dim=-1)
-        h2 = _out(h2, ACTS[p.act](gate) * up, p.w_down, None, p.post_mlp, p.eps2)
+        h2 = _out(h2, ACTS[p.act](gate) * up, p.w_down, None, p.post_mlp, p.eps2)  # type: ignore[arg-type]
         return h2.view(b, t, width)
 
 
@@ -319,15 +343,24 @@ def fuse_layer(layer: nn.Module, concat: bool, config: object) -> FusedLayer:
     views of them). CPU workers keep them apart: their weights are views of the memory-mapped checkpoint,
     and launches are cheap there. A quantized layer's linears are called as the modules they are."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv_mods, gu_mods = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+    moe = mlp if _experts(mlp) else None
+    qkv_mods, gu_mods = [attn.q_proj, attn.k_proj, attn.v_proj], [] if moe else [mlp.gate_proj, mlp.up_proj]
     w_o: torch.Tensor | nn.Module = attn.o_proj
-    w_down: torch.Tensor | nn.Module = mlp.down_proj
+    w_down: torch.Tensor | nn.Module | None = None if moe else mlp.down_proj
     b_o = None
     if type(attn.q_proj) is not nn.Linear:  # quantized (workers/engine/quant.py)
         qkv, gate_up = list[Linear](qkv_mods), list[Linear](gu_mods)
     else:
-        qkv, gate_up = ([_fuse(qkv_mods)], [_fuse(gu_mods)]) if concat else (_apart(qkv_mods), _apart(gu_mods))
-        w_o, w_down = attn.o_proj.weight.detach(), mlp.down_proj.weight.detach()
+        qkv, gate_up = (
+            ([_fuse(qkv_mods)], [_fuse(gu_mods)] if gu_mods else [])
+            if concat
+            else (
+                _apart(qkv_mods),
+                _apart(gu_mods),
+            )
+        )
+        w_o = attn.o_proj.weight.detach()
+        w_down = None if moe else mlp.down_proj.weight.detach()
         b_o = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
     gemma = hasattr(layer, "pre_feedforward_layernorm")  # Gemma 3: four norms a layer
     (ln1, eps1), (ln2, eps2) = (
@@ -348,6 +381,8 @@ def fuse_layer(layer: nn.Module, concat: bool, config: object) -> FusedLayer:
         post_attn=_norm(layer.post_attention_layernorm)[0] if gemma else None,
         post_mlp=_norm(layer.post_feedforward_layernorm)[0] if gemma else None,
         act=_act(config),
+        moe=moe,
+        sinks=attn.sinks.detach() if hasattr(attn, "sinks") else None,
         **_norms_of(layer, config),
     )
 

@@ -31,6 +31,14 @@ def rotation(cos: torch.Tensor, sin: torch.Tensor, signs: torch.Tensor) -> torch
     return torch.diag_embed(cos) + signs * sin[:, None, :]
 
 
+def full_width(cos_sin: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin as wide as a head: gpt-oss's rotary gives half (its halves rotate by the same angles)."""
+    cos, sin = cos_sin
+    if cos.shape[-1] * 2 != head_dim:
+        return cos_sin
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
 def score_dtype(x: torch.Tensor) -> torch.dtype:
     """Attention scores are kept in (at least) float32, as flash kernels keep them."""
     return torch.promote_types(x.dtype, torch.float32)
@@ -43,11 +51,13 @@ def attend(
     bias: torch.Tensor | None,
     scale: float,
     wide_gemm: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, T, hq, d] against keys/values [B, hkv, L, d]; returns [B * T, hq * d].
 
     Query head h = i * g + j uses key/value head i, so queries are regrouped as [B * hkv, g * T, d]
-    and multiply the caches as they are."""
+    and multiply the caches as they are. `sinks` [hq] (gpt-oss): a logit per head that takes part in the softmax
+    and attends to nothing (a column of the scores, dropped after it)."""
     b, t, hq, d = q.shape
     hkv, length = keys.shape[1], keys.shape[2]
     g = hq // hkv
@@ -57,9 +67,14 @@ def attend(
     if bias is None:
         bias = torch.zeros((), dtype=wide, device=q.device).expand(b * hkv, g * t, length)
     if wide != q.dtype:  # bf16/fp16 on CUDA: float32 scores from the half GEMM, probabilities back in half
-        probs = torch.softmax(_wide_scores(bias, q3, k3, scale, wide_gemm), dim=-1).to(q.dtype)
+        scores = _wide_scores(bias, q3, k3, scale, wide_gemm)
     else:
-        probs = torch.softmax(torch.baddbmm(bias, q3, k3, alpha=scale), dim=-1)
+        scores = torch.baddbmm(bias, q3, k3, alpha=scale)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    else:
+        col = sinks.to(scores.dtype).view(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1).reshape(b * hkv, g * t, 1)
+        probs = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :length].to(q.dtype)
     out = torch.bmm(probs, values.reshape(b * hkv, length, d))
     return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
 

@@ -171,8 +171,8 @@ class Shard(nn.Module):
     def set_attention(self, mode: str) -> None:
         """EngineSettings.attention on the fused layers: gather turns attention in place off, in_place turns it on
         with the reference kernel where FlashAttention does not run, auto keeps what the load probed."""
-        if self.fused is None or mode == "auto" or self.windowed:
-            return  # a windowed shard attends through masks over gathered keys and values (`_masks`)
+        if self.fused is None or mode == "auto" or self.windowed or self.fused.sinks:
+            return  # a windowed shard attends through masks over gathered keys and values (`_masks`), sinks too
         if mode == "gather":
             self.fused.kernel = None
         elif self.fused.kernel is None:
