@@ -351,14 +351,10 @@ def fuse_layer(layer: nn.Module, concat: bool, config: object) -> FusedLayer:
     if type(attn.q_proj) is not nn.Linear:  # quantized (workers/engine/quant.py)
         qkv, gate_up = list[Linear](qkv_mods), list[Linear](gu_mods)
     else:
-        qkv, gate_up = (
-            ([_fuse(qkv_mods)], [_fuse(gu_mods)] if gu_mods else [])
-            if concat
-            else (
-                _apart(qkv_mods),
-                _apart(gu_mods),
-            )
-        )
+        if concat:
+            qkv, gate_up = [_fuse(qkv_mods)], [_fuse(gu_mods)] if gu_mods else []
+        else:
+            qkv, gate_up = _apart(qkv_mods), _apart(gu_mods)
         w_o = attn.o_proj.weight.detach()
         w_down = None if moe else mlp.down_proj.weight.detach()
         b_o = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
@@ -382,7 +378,7 @@ def fuse_layer(layer: nn.Module, concat: bool, config: object) -> FusedLayer:
         post_mlp=_norm(layer.post_feedforward_layernorm)[0] if gemma else None,
         act=_act(config),
         moe=moe,
-        sinks=attn.sinks.detach() if hasattr(attn, "sinks") else None,
+        sinks=attn.sinks.detach().float() if hasattr(attn, "sinks") else None,  # in the scores' dtype, made once
         **_norms_of(layer, config),
     )
 
