@@ -26,6 +26,7 @@ from schemas.errors import ModelLoadError
 from schemas.settings import Settings
 from workers.engine.kvcache import kv_dims
 from workers.engine.quant import quantized_bytes
+from workers.engine.quant_experts import expert_weights
 from workers.engine.recurrent import state_bytes
 from workers.engine.shard import refuse_half, refuse_layers, refuse_layout, refuse_windows
 from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
@@ -51,6 +52,9 @@ class ModelShape:
     tied: bool = False  # the LM head is the embedding (held once by a shard that has both)
     kv_layer: tuple[int, ...] = ()  # each layer's keys + values a position (0: a linear-attention layer)
     state_layer: tuple[int, ...] = ()  # each layer's fixed state a sequence (a linear-attention layer's)
+    # one layer's experts dequantized at once by a forward (quantized experts: workers/engine/quant_experts.py), the
+    # largest layer's: a worker's workspace holds it beside a prefill's
+    experts_scratch: int = 0
 
 
 def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none") -> ModelShape:
@@ -65,11 +69,17 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
     size = torch.empty((), dtype=dtype).element_size()
 
     def layer_bytes(layer: torch.nn.Module) -> int:
-        total = 0
+        total, experts = 0, {id(getattr(m, n)) for m, n in expert_weights(layer)}
         for name, p in layer.named_parameters():
+            if id(p) in experts:  # [experts, rows, cols]: quantized as rows over the last dimension
+                total += quantized_bytes(p.shape[:-1].numel(), p.shape[-1], quant, size)
+                continue
             quantized = name.endswith("proj.weight") and p.dim() == 2
             total += quantized_bytes(*p.shape, quant, size) if quantized else p.numel() * size
         return total
+
+    def scratch(layer: torch.nn.Module) -> int:  # its experts at full width, while a forward runs them
+        return 0 if quant == "none" else sum(getattr(m, n).numel() * size for m, n in expert_weights(layer))
 
     attention = next((layer.self_attn for layer in base.layers if hasattr(layer, "self_attn")), None)
     kv_heads, key_dim, value_dim = kv_dims(config, attention)
@@ -89,6 +99,7 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         kv_layer=tuple(per_position if hasattr(layer, "self_attn") else 0 for layer in base.layers),
         state_layer=tuple(state_bytes(layer, size) for layer in base.layers),
+        experts_scratch=max(scratch(layer) for layer in base.layers),
     )
 
 
@@ -240,9 +251,9 @@ def plan_split(
         one = [kv_bytes(sh, layers, p, scratch) if p else 0 for p in (full_len, short_len)]
         return one[0], one[1]
 
-    ws = workspace_bytes(config, size, cfg)
-    dws = workspace_bytes(draft, size, cfg) if draft is not None else 0
     dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
+    ws = workspace_bytes(config, size, cfg) + shape.experts_scratch
+    dws = workspace_bytes(draft, size, cfg) + dshape.experts_scratch if dshape is not None else 0
     dweights = shard_weights(dshape, (0, dshape.layers), embed=True, head=True) if dshape else 0
     dslot = slots(dshape, (0, dshape.layers), 2, True, 2 + k) if dshape else (0, 0)
     if dshape is not None:  # a whole draft's copy of its rows' keys and values (`sizing.engine_slot_cost`)
@@ -303,7 +314,7 @@ def worker_needs(parts: list[Part], settings: Settings) -> tuple[int, int, int]:
     weights = slot = workspace = 0
     for i, p in enumerate(parts):
         shape, size = model_shape(p.config, p.dtype, p.quant), torch.empty((), dtype=p.dtype).element_size()
-        workspace = max(workspace, workspace_bytes(p.config, size, settings))
+        workspace = max(workspace, workspace_bytes(p.config, size, settings) + shape.experts_scratch)
         weights += shard_weights(shape, p.layers, embed=p.embed, head=p.head)
         n = min(settings.engine.max_len, getattr(p.config, "max_position_embeddings", None) or 1 << 30)
         k = settings.engine.graph_k  # a round of K+1 tokens, or a drafter's feed of 2 with K+2 positions of scratch

@@ -33,6 +33,7 @@ from workers.engine.convert import converted_names, converting_source
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
+from workers.engine.quant_experts import quantize_experts
 from workers.engine.recurrent import RECURRENT, RecurrentCache, linear_layers
 from workers.engine.windows import WINDOWED, layer_windows, sliding_window
 from workers.engine.wrappers import stored_aliases, text_config
@@ -279,8 +280,9 @@ def load_shard(
     `model` is a local directory or hub id; `source` (config, weights) replaces it with weights from
     elsewhere (a plugin's model scheme, workers/plugins.py; `model` is then only its name). `fused`
     runs known layer layouts through workers/engine/fused.py instead
-    of the HF modules; `quant` (workers/engine/quant.py) quantizes the layers' linears as each loads. A
-    checkpoint saved quantized by transformers' bitsandbytes integration loads as it is stored."""
+    of the HF modules; `quant` (workers/engine/quant.py) quantizes the layers' linears as each loads, and a
+    mixture's experts (workers/engine/quant_experts.py). A checkpoint saved quantized by transformers'
+    bitsandbytes integration loads as it is stored (its experts as stored: full width)."""
     files: dict[str, Path] = {}
     if source is not None:
         (config, weights), stored = source, "none"
@@ -337,6 +339,7 @@ def load_shard(
             materialise(layer, prefix, weights, dtype, device)
             if scheme != "none":  # as each layer loads: peak memory stays one full-width layer above
                 quantize_layer(layer, scheme, dtype)
+                quantize_experts(layer, scheme)  # a mixture's 3-D expert weights (workers/engine/quant_experts.py)
         if fuse:  # concatenate as each layer loads: peak memory stays one layer above the shard's
             parts.append(fuse_layer(layer, torch.device(device).type != "cpu" and scheme == "none", config))
     embed_mod = norm_mod = head_mod = None

@@ -11,6 +11,7 @@ import torch
 
 from schemas.settings import EngineSettings, Settings
 from workers.engine.kvcache import BatchView, KVPool
+from workers.engine.quant_experts import dequantized_bytes
 from workers.engine.shard import FUSED_MAX_SCORE_BYTES, Shard, blank_input
 
 ALLOCATOR_SLACK = 512 << 20  # what fragmentation and small buffers take beside counted memory (expandable segments)
@@ -207,7 +208,10 @@ def memory_plan(
 
 
 def shard_workspace(shard: Shard, settings: Settings) -> int:
-    return workspace_bytes(shard.config, shard.dtype.itemsize, settings)
+    """`workspace_bytes`, plus the experts one layer's forward dequantizes at once where they are stored quantized
+    (workers/engine/quant_experts.py; the plan's `ModelShape.experts_scratch`)."""
+    scratch = max((dequantized_bytes(layer) for layer in shard.layers), default=0)
+    return workspace_bytes(shard.config, shard.dtype.itemsize, settings) + scratch
 
 
 def short_len_of(max_len: int, settings: Settings) -> int:
