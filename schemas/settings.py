@@ -124,6 +124,14 @@ class EngineSettings(_Group):
         validation_alias="static_cache_len",
         description="Positions a static KV cache holds (capped by the model's limit).",
     )
+    window_slack: int | None = Field(
+        80,
+        ge=1,
+        description="Positions a sliding-window layer's static cache keeps beyond its window, as a ring "
+        "(workers/engine/rings.py): the furthest a sequence can roll back, so at least its longest round or whole "
+        "draft (a request's k is at most 64; an engine never takes less than its graph steps and drafts). None: "
+        "windowed layers keep every position, as full-attention layers do.",
+    )
     graph_k: int = Field(
         8,
         ge=0,

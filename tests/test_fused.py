@@ -34,7 +34,7 @@ def test_fused_forward_equals_hf_layers(models, family, monkeypatch):
         # growing caches, static slots (masked), and a prefill whose scores outgrow the budget (HF layers)
         monkeypatch.setattr(shard_mod, "FUSED_MAX_SCORE_BYTES", budget or shard_mod.FUSED_MAX_SCORE_BYTES)
         if budget:
-            assert not fused._fused_fits(torch.empty(1, prompt, 1), None) and fused._fused_fits(x[:1, None], None)
+            assert not fused._fused_fits(torch.empty(1, prompt, 1), [None]) and fused._fused_fits(x[:1, None], [None])
         ef, ep = (
             Engine(fused, Settings(engine={"static": static, "max_len": 128})),
             Engine(plain, Settings(engine={"static": static, "max_len": 128})),
@@ -269,9 +269,9 @@ def test_batched_rounds_of_a_7b_shard_stay_fused():
 
     shard = SimpleNamespace(fused=SimpleNamespace(heads=28))
     fits = Shard._fused_fits
-    assert fits(shard, torch.empty(16, 9, 0), torch.ones(16, 1, 9, 8210, dtype=torch.bool))  # type: ignore[arg-type]
-    assert fits(shard, torch.empty(1, 137, 0), torch.ones(1, 1, 137, 8210, dtype=torch.bool))  # type: ignore[arg-type]
-    assert not fits(shard, torch.empty(1, 2000, 0), torch.ones(1, 1, 2000, 8210, dtype=torch.bool))  # type: ignore[arg-type]
+    assert fits(shard, torch.empty(16, 9, 0), [torch.ones(16, 1, 9, 8210, dtype=torch.bool)])  # type: ignore[arg-type]
+    assert fits(shard, torch.empty(1, 137, 0), [torch.ones(1, 1, 137, 8210, dtype=torch.bool)])  # type: ignore[arg-type]
+    assert not fits(shard, torch.empty(1, 2000, 0), [None, torch.ones(1, 1, 2000, 8210, dtype=torch.bool)])  # type: ignore[arg-type]
 
 
 def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from schemas.settings import Settings
+from workers.engine.batches import pick_last
 from workers.engine.kvcache import KVCache
-from workers.engine.runner import Engine, pick_last
+from workers.engine.runner import Engine
 from workers.engine.shard import load_shard
 
 

@@ -162,3 +162,25 @@ def test_a_whole_shards_logits_equal_the_models(name, windowed, tokenizers):
         want = hf(ids[None]).logits[0]
         got = shard.forward(ids, 0, KVCache(), logits_last=ids.shape[0])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_prompts_longer_than_the_rings_equal_generate(name, windowed, tokenizers, tails, redis_client):
+    """Static caches keep a windowed layer's keys in a ring of window + engine.window_slack (8 + 80: 96 positions,
+    workers/engine/rings.py): prompts of over 100 tokens (the long form), then rounds, rejections rolled back and
+    the ring wrapping, fused layers (Mistral) and HF layers (Gemma 3: 5 local : 1 global), in flight, as `generate`."""
+    target, tok = windowed[name], tokenizers["qwen2"]
+    prompts = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(3)]
+    assert all(len(tok.encode(p)) > 100 for p in prompts)
+    expected = _reference(target, prompts, tok)
+    names = tails.get(target, 2, 4, ("--static-cache",))
+    runtime = HeadRuntime.load(target, (0, 2), draft=str(target), settings=Settings(engine={"static": True}))
+    assert runtime.engine.pool is not None and runtime.engine.pool.rings  # the head's windowed layers: rings
+
+    def one(p: str) -> list[int]:
+        req = GenerationRequest(prompt=p, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(k=4))
+        return generate(req, runtime, redis_client, names=names).token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(one, prompts)) == expected

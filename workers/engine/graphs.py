@@ -16,7 +16,8 @@ from functools import partial
 
 import torch
 
-from workers.engine.kvcache import BatchView, DraftBuffer, DraftStep, KVPool
+from workers.engine.draft_buffer import DraftBuffer, DraftStep
+from workers.engine.kvcache import BatchView, KVPool
 from workers.engine.shard import Shard, blank_input
 
 

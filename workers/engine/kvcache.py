@@ -19,10 +19,9 @@ layer per release costs far less than masking keys/values in every round (bench/
 Both answer `positions(start, n)` and `mask(pos, window)` so a shard builds its attention mask the same way (a
 window: each query sees only the last `window` positions up to its own, as HF's sliding-window layers do).
 
-A whole draft's K steps (workers/engine/graphs.py `greedy_steps`) run over a `DraftBuffer`: the batch's keys and
-values gathered out of the pool once, each step writing its own in place there, and the positions the draft
-wrote copied back at its end. A `BatchView` would gather every row's attended keys and values in every layer
-of every step (at 128 sequences of a 0.5B drafter, one index kernel took 16.2 ms of a 38 ms draft).
+A windowed layer keeps a ring of its window and some slack rather than every position (workers/engine/rings.py),
+where the engine's settings give a slack (`engine.window_slack`). A whole draft's K steps run over a copy of the
+batch's rows (workers/engine/draft_buffer.py).
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from workers.engine.rings import ring_mask, ring_sizes, shard_windows, write_ring
 
 
 def kv_dims(cfg: Any, attention: Any = None) -> tuple[int, int, int]:
@@ -102,7 +103,10 @@ class KVPool:
     """Static keys/values for `slots` sequences, [slots + 1, kv_heads, max_len + scratch, key / value width] per
     layer. Each sequence owns one slot (a `StaticKVCache` view); the extra slot and the `scratch`
     positions past max_len take the writes of padding rows, so batches of any size up to `slots` run
-    as one fixed-shape (graph-capturable) forward. A one-slot pool has no extra slot."""
+    as one fixed-shape (graph-capturable) forward. A one-slot pool has no extra slot.
+
+    With `ring_slack`, a layer of `windows` (layer -> its sliding window) keeps [slots + 1, kv_heads, R, width],
+    R = window + ring_slack rounded up (workers/engine/rings.py), where that is shorter than a slot."""
 
     def __init__(
         self,
@@ -116,13 +120,22 @@ class KVPool:
         scratch: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        windows: dict[int, int] | None = None,
+        ring_slack: int | None = None,
     ) -> None:
         scratch = -(-(max_len + scratch) // 16) * 16 - max_len  # total length a multiple of 16 (kernel alignment)
         # a one-slot pool never has padding rows: warm-up and capture write its own slot's scratch positions
         self.pad_slot = slots if slots > 1 else 0
-        shape = (slots + (slots > 1), kv_heads, max_len + scratch)
-        self.keys = {i: torch.zeros(*shape, head_dim, dtype=dtype, device=device) for i in layer_ids}
-        self.values = {i: torch.zeros(*shape, value_dim or head_dim, dtype=dtype, device=device) for i in layer_ids}
+        self.ring_slack = ring_slack
+        self.rings = ring_sizes(windows or {}, ring_slack, max_len + scratch)  # layer -> (ring, window)
+        self.ring_of = {w: r for r, w in self.rings.values()}  # window -> ring
+        rows = slots + (slots > 1)
+
+        def zeros(i: int, width: int) -> torch.Tensor:
+            return torch.zeros(rows, kv_heads, self.length_of(i, max_len + scratch), width, dtype=dtype, device=device)
+
+        self.keys = {i: zeros(i, head_dim) for i in layer_ids}
+        self.values = {i: zeros(i, value_dim or head_dim) for i in layer_ids}
         self.slots, self.max_len, self.scratch = slots, max_len, scratch
         self.index = torch.arange(max_len + scratch, device=device)
         self._free = list(range(slots - 1, -1, -1))
@@ -143,16 +156,22 @@ class KVPool:
             )  # type: ignore[assignment]
         return self._copies
 
+    def length_of(self, layer: int, full: int) -> int:
+        """Positions layer `layer` keeps a slot: its ring's, or `full`."""
+        return self.rings[layer][0] if layer in self.rings else full
+
     @staticmethod
-    def slot_bytes(shard: Any, max_len: int, scratch: int) -> int:
-        """Bytes one slot of a pool for `shard` takes (keys and values of every layer)."""
+    def slot_bytes(shard: Any, max_len: int, scratch: int, ring_slack: int | None = None) -> int:
+        """Bytes one slot of a pool for `shard` takes (keys and values of every layer; rings where windowed)."""
         heads, key_dim, value_dim = kv_dims(shard.config, shard.layers[0].self_attn)
         length = -(-(max_len + scratch) // 16) * 16
+        rings = ring_sizes(shard_windows(shard), ring_slack, length)
         size = torch.empty((), dtype=shard.dtype).element_size()
-        return len(shard.layers) * heads * (key_dim + value_dim) * length * size
+        ids = [layer.self_attn.layer_idx for layer in shard.layers]
+        return sum(heads * (key_dim + value_dim) * rings.get(i, (length, 0))[0] * size for i in ids)
 
     @classmethod
-    def for_shard(cls, shard: Any, *, slots: int, max_len: int, scratch: int) -> KVPool:
+    def for_shard(cls, shard: Any, *, slots: int, max_len: int, scratch: int, ring_slack: int | None = None) -> KVPool:
         heads, key_dim, value_dim = kv_dims(shard.config, shard.layers[0].self_attn)
         ids = [layer.self_attn.layer_idx for layer in shard.layers]
         return cls(
@@ -165,6 +184,8 @@ class KVPool:
             scratch=scratch,
             dtype=shard.dtype,
             device=shard.device,
+            windows=shard_windows(shard),
+            ring_slack=ring_slack,
         )
 
     @property
@@ -206,11 +227,26 @@ class StaticKVCache:
         self.pos: torch.Tensor | None = None  # positions of the step being run (device)
         self.released = False  # given back to the pool (`KVPool.release`)
         self.slot_row = torch.full((1,), slot, dtype=torch.long, device=pool.index.device)
+        self.high = 0  # one past the furthest position written since the cache was last emptied (rings' rollback)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values at `self.pos`; return the whole (masked) buffers."""
+        """Write this step's keys/values at `self.pos`; return the whole (masked) buffers (a ring's: see
+        `write_ring`)."""
+        if layer_idx in self.pool.rings:
+            assert self.pos is not None, "mask(pos) first"
+            slot = self.slot
+            return write_ring(
+                self.pool,
+                layer_idx,
+                self.slot_row[:, None],
+                self.pos[None],
+                None,
+                key_states,
+                value_states,
+                lambda t: t[slot : slot + 1],
+            )
         k, v = self.keys[layer_idx], self.values[layer_idx]
         k.index_copy_(2, self.pos, key_states)  # type: ignore[arg-type]
         v.index_copy_(2, self.pos, value_states)  # type: ignore[arg-type]
@@ -243,15 +279,28 @@ class StaticKVCache:
     def mask(self, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """Query i attends to every cached slot at or before its position (valid prefix + itself)."""
         self.pos = pos
+        if window in self.pool.ring_of:
+            return ring_mask(pos, self.pool.ring_of[window], window)[None, None]
         return causal(self.pool.index, pos, window)[None, None]
 
-    def advance(self, length: int) -> None:
+    def advance(self, length: int, written: int = 0) -> None:
+        """The cache holds `length` positions; `written`: one past the furthest position the step wrote, padding
+        included (default: length)."""
         self._length = length
+        self.high = max(self.high, length, written)
 
     def crop(self, length: int) -> None:
         if length < 0 or length > self._length:
             raise ValueError(f"cannot crop a cache of {self._length} positions to {length}")
+        slack = self.pool.ring_slack
+        if self.pool.rings and length and slack is not None and self.high - length > slack:
+            raise ValueError(
+                f"cannot roll a windowed layer's ring back from position {self.high} to {length}: it keeps {slack} "
+                "positions beyond its window (engine.window_slack)"
+            )
         self._length = length
+        if length == 0:
+            self.high = 0
 
 
 class BatchView:
@@ -260,14 +309,28 @@ class BatchView:
     Attention reads only the first `length` positions of each slot (default: all): a batch whose rows
     all sit below it gathers and attends over what its sequences use, not the pool's capacity."""
 
-    def __init__(self, pool: KVPool, rows: torch.Tensor, pos: torch.Tensor, length: int | None = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        length: int | None = None,
+        last: torch.Tensor | None = None,
+    ) -> None:
         self.pool, self.rows, self.pos = pool, rows, pos
         self.length = length or pool.index.shape[0]
+        self.last = last  # each row's last real position (padding follows): what a long step keeps in a ring
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scatter [B, heads, T, dim] into the rows' slots at their positions; gather the rows' caches."""
+        """Scatter [B, heads, T, dim] into the rows' slots at their positions; gather the rows' caches (a ring's:
+        see `write_ring`)."""
+        if layer_idx in self.pool.rings:
+            rows = self.rows
+            return write_ring(
+                self.pool, layer_idx, rows[:, None], self.pos, self.last, key_states, value_states, lambda t: t[rows]
+            )
         k, v = self.write(key_states, value_states, layer_idx)
         n = self.length
         return k[:, :, :n][self.rows], v[:, :, :n][self.rows]
@@ -291,65 +354,8 @@ class BatchView:
         return 0
 
     def mask(self, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
-        """[B, 1, T, length]: each row's token attends to its slot's positions at or before its own."""
+        """[B, 1, T, length]: each row's token attends to its slot's positions at or before its own (a ring's
+        columns where the window has one)."""
+        if window in self.pool.ring_of:
+            return ring_mask(pos, self.pool.ring_of[window], window)[:, None]
         return causal(self.pool.index[: self.length], pos, window)[:, None]
-
-
-def rows_of(t: torch.Tensor, rows: torch.Tensor, n: int, store: torch.Tensor | None) -> torch.Tensor:
-    """t[rows, :, :n] as a new tensor, in `store` (flat storage) when given and large enough."""
-    shape = (rows.shape[0], t.shape[1], n, *t.shape[3:])
-    size = shape[0] * shape[1] * shape[2] * t[0, 0, 0].numel()
-    if store is None or size > store.numel():
-        return t[:, :, :n][rows]
-    return torch.index_select(t[:, :, :n], 0, rows, out=store[:size].view(shape))
-
-
-class DraftBuffer:
-    """The keys and values of a batch's rows (slots `rows`, first `length` positions) copied out of a pool once,
-    for the steps of one whole draft: `view(pos)` is one step's cache (its writes land here, in place, and its
-    attention reads this copy: no gather per layer and step); `write_back(pos)` copies the positions the draft
-    wrote to the rows' slots. Padding rows' positions past `length` (scratch) are clamped into the copy's last
-    position: they only ever meet their own row's attention, as in a BatchView."""
-
-    def __init__(self, pool: KVPool, rows: torch.Tensor, length: int | None = None) -> None:
-        self.pool, self.rows = pool, rows
-        self.length = length or pool.index.shape[0]
-        n, store = self.length, pool.draft_copies()
-        keys, values = store or ({}, {})
-        self.keys = {i: rows_of(k, rows, n, keys.get(i)) for i, k in pool.keys.items()}
-        self.values = {i: rows_of(v, rows, n, values.get(i)) for i, v in pool.values.items()}
-        self.batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
-
-    def view(self, pos: torch.Tensor) -> DraftStep:
-        return DraftStep(self, pos)
-
-    def write_back(self, pos: torch.Tensor) -> None:
-        """Copy positions pos [B, P] of each row (every position the draft wrote) to its slot."""
-        local, slots = pos.clamp(max=self.length - 1), self.rows[:, None]
-        for i in self.keys:
-            self.pool.keys[i][slots, :, pos] = self.keys[i][self.batch, :, local]
-            self.pool.values[i][slots, :, pos] = self.values[i][self.batch, :, local]
-
-
-class DraftStep:
-    """One step of a draft over its `DraftBuffer` (the cache a shard's layers update and attend over)."""
-
-    def __init__(self, buf: DraftBuffer, pos: torch.Tensor) -> None:
-        self.buf, self.pos = buf, pos
-        self.local = pos.clamp(max=buf.length - 1)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write [B, heads, T, dim] at the rows' positions of the copy; return the copy (every row's keys)."""
-        k, v = self.buf.keys[layer_idx], self.buf.values[layer_idx]
-        k[self.buf.batch, :, self.local] = key_states.transpose(1, 2)
-        v[self.buf.batch, :, self.local] = value_states.transpose(1, 2)
-        return k, v
-
-    def get_seq_length(self, layer_idx: int | None = None) -> int:
-        return 0
-
-    def mask(self, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
-        """As `BatchView.mask`: each row's token attends to its positions at or before its own."""
-        return causal(self.buf.pool.index[: self.buf.length], pos, window)[:, None]

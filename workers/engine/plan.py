@@ -28,8 +28,10 @@ from workers.engine.kvcache import kv_dims
 from workers.engine.quant import quantized_bytes
 from workers.engine.quant_experts import expert_weights
 from workers.engine.recurrent import state_bytes
+from workers.engine.rings import ring_length
 from workers.engine.shard import refuse_half, refuse_layers, refuse_layout, refuse_windows
 from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
+from workers.engine.windows import layer_windows
 
 GiB = 1 << 30
 
@@ -52,6 +54,7 @@ class ModelShape:
     tied: bool = False  # the LM head is the embedding (held once by a shard that has both)
     kv_layer: tuple[int, ...] = ()  # each layer's keys + values a position (0: a linear-attention layer)
     state_layer: tuple[int, ...] = ()  # each layer's fixed state a sequence (a linear-attention layer's)
+    window_layer: tuple[int | None, ...] = ()  # each layer's sliding window (None: it sees every position)
     # one layer's experts dequantized at once by a forward (quantized experts: workers/engine/quant_experts.py), the
     # largest layer's: a worker's workspace holds it beside a prefill's
     experts_scratch: int = 0
@@ -99,6 +102,7 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         kv_layer=tuple(per_position if hasattr(layer, "self_attn") else 0 for layer in base.layers),
         state_layer=tuple(state_bytes(layer, size) for layer in base.layers),
+        window_layer=tuple(layer_windows(config)),
         experts_scratch=max(scratch(layer) for layer in base.layers),
     )
 
@@ -129,19 +133,30 @@ def slot_bytes(
     logits: bool,
     dtype_bytes: int,
     scratch: int = 0,
+    window_slack: int | None = None,
 ) -> int:
     """Keys/values of one slot of `positions` (+ `scratch`, default the step's tokens) over layers [a, b), plus
     its row of a forward of `tokens` tokens (as `sizing.slot_cost`: a round's K+1, a drafter's 2 with K+2
     scratch)."""
-    kv = kv_bytes(shape, layers, positions, scratch or tokens)
+    kv = kv_bytes(shape, layers, positions, scratch or tokens, window_slack)
     return kv + row_bytes(shape, tokens, positions, logits, dtype_bytes)
 
 
-def kv_bytes(shape: ModelShape, layers: tuple[int, int], positions: int, scratch: int) -> int:
+def kv_bytes(
+    shape: ModelShape, layers: tuple[int, int], positions: int, scratch: int, window_slack: int | None = None
+) -> int:
     """What one sequence's cache holds over layers [a, b): the attention layers' keys/values of `positions` +
-    `scratch`, and the linear-attention layers' states (which do not grow with positions)."""
+    `scratch` (a windowed layer's: a ring of its window and max(window_slack, scratch), where shorter, as the
+    engines keep them: workers/engine/rings.py), and the linear-attention layers' states (which do not grow)."""
     a, b = layers
-    return sum(shape.kv_layer[a:b]) * (positions + scratch) + sum(shape.state_layer[a:b])
+    full, windows = positions + scratch, shape.window_layer or (None,) * shape.layers
+    slack = None if window_slack is None else max(window_slack, scratch)
+
+    def held(window: int | None) -> int:
+        return full if window is None or slack is None else min(full, ring_length(window, slack))
+
+    kv = sum(per * held(w) for per, w in zip(shape.kv_layer[a:b], windows[a:b], strict=True))
+    return kv + sum(shape.state_layer[a:b])
 
 
 @dataclass
@@ -242,13 +257,16 @@ def plan_split(
         raise ModelLoadError(f"a model of {n} layer cannot be split between a head and a tail")
 
     def slots(sh: ModelShape, layers: tuple[int, int], tokens: int, logits: bool, scratch: int = 0) -> tuple[int, int]:
-        one = [slot_bytes(sh, layers, p, tokens, logits, size, scratch) if p else 0 for p in (full_len, short_len)]
+        one = [
+            slot_bytes(sh, layers, p, tokens, logits, size, scratch, cfg.engine.window_slack) if p else 0
+            for p in (full_len, short_len)
+        ]
         return one[0], one[1]
 
     def kv(sh: ModelShape | None, layers: tuple[int, int], scratch: int) -> tuple[int, int]:
         if sh is None:
             return 0, 0
-        one = [kv_bytes(sh, layers, p, scratch) if p else 0 for p in (full_len, short_len)]
+        one = [kv_bytes(sh, layers, p, scratch, cfg.engine.window_slack) if p else 0 for p in (full_len, short_len)]
         return one[0], one[1]
 
     dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
@@ -319,9 +337,10 @@ def worker_needs(parts: list[Part], settings: Settings) -> tuple[int, int, int]:
         n = min(settings.engine.max_len, getattr(p.config, "max_position_embeddings", None) or 1 << 30)
         k = settings.engine.graph_k  # a round of K+1 tokens, or a drafter's feed of 2 with K+2 positions of scratch
         tokens, scratch = (k + 1, k + 1) if i == 0 else (2, k + 2)
-        slot += slot_bytes(shape, p.layers, n, tokens, p.head, size, scratch)
+        slack = settings.engine.window_slack
+        slot += slot_bytes(shape, p.layers, n, tokens, p.head, size, scratch, slack)
         if i > 0:  # a drafter's whole drafts: a copy of its rows' keys and values (`sizing.engine_slot_cost`)
-            slot += kv_bytes(shape, p.layers, n, scratch)
+            slot += kv_bytes(shape, p.layers, n, scratch, slack)
     return weights, slot, workspace
 
 

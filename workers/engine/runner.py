@@ -26,6 +26,7 @@ import torch
 import torch._dynamo
 
 from schemas.settings import Settings
+from workers.engine.batches import pick_last, prefill_parts
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
@@ -37,6 +38,7 @@ from workers.engine.sizing import (
     cpu_plan,
     engine_slot_cost,
     memory_plan,
+    ring_slack,
     shard_workspace,
 )
 
@@ -44,11 +46,6 @@ log = logging.getLogger("shardflow.engine")
 GB = 1e9
 
 Logits = int | Sequence[int]  # rows of logits wanted per sequence (0: hidden states)
-
-
-def pick_last(m: int, p: int) -> list[int]:
-    """The last p of a row's m rows (the first repeated where m < p: the row wants fewer)."""
-    return [max(m - p + j, 0) for j in range(p)]
 
 
 class Engine:
@@ -85,6 +82,7 @@ class Engine:
         self.static, self.graphs = cache_modes(shard, settings.engine)
         self.max_len = cache_len(shard, settings)  # static caches hold this many positions
         self.step_tokens, self.pad, self.max_draft = step_tokens, pad, max_draft  # max_draft: see `draft_many`
+        self.ring_slack = ring_slack(settings, step_tokens, max_draft)  # windowed layers' rings (rings.py)
         plan = slots if isinstance(slots, SlotPlan) else SlotPlan(slots) if slots else self._plan(settings)
         self.slots = max(plan.total, 1)  # sequences held at once (both lengths)
         self.capture_len = settings.engine.graph_capture_len  # graphs of longer attended lengths: at first use
@@ -112,11 +110,13 @@ class Engine:
 
     def slot_bytes(self, shard: Shard, step_tokens: int, max_draft: int, max_len: int | None = None) -> int:
         """Bytes a slot of this engine takes (of max_len positions, default the engine's): `engine_slot_cost`."""
-        return engine_slot_cost(shard, max_len or self.max_len, step_tokens, max_draft)
+        return engine_slot_cost(shard, max_len or self.max_len, step_tokens, max_draft, self.ring_slack)
 
     def _new_pool(self, slots: int, max_len: int | None = None) -> KVPool:
         scratch = self.step_tokens + self.max_draft  # a draft's extra steps may run past max_len
-        return KVPool.for_shard(self.shard, slots=slots, max_len=max_len or self.max_len, scratch=scratch)
+        return KVPool.for_shard(
+            self.shard, slots=slots, max_len=max_len or self.max_len, scratch=scratch, ring_slack=self.ring_slack
+        )
 
     def acquire(self, overflow: bool = True, need: int | None = None) -> Cache | None:
         """A cache for one sequence that will hold up to `need` positions (None: up to max_len): a short slot if
@@ -202,20 +202,9 @@ class Engine:
     def _prefill_parts(
         self, idx: list[int], caches: Sequence[Cache], xs: Sequence[torch.Tensor], starts: Sequence[int]
     ) -> list[list[int]]:
-        """Batches of long steps of one pool (prompts): up to `prefill_tokens` padded tokens each. Rows are
-        padded to their batch's longest step, after their own tokens (masked out, overwritten later); a row
-        whose padding would run past its slot runs alone."""
-        longest = max(xs[i].shape[0] for i in idx)
+        """`prefill_parts` of these rows (prompts of one pool) within this engine's prefill_tokens."""
         pool: KVPool = caches[idx[0]].pool  # type: ignore[union-attr]
-        room = pool.index.shape[0]
-        fits = [i for i in idx if starts[i] + longest <= room]
-        parts: list[list[int]] = []
-        for i in fits:
-            if parts and len(parts[-1]) < pool.slots and (len(parts[-1]) + 1) * longest <= self.prefill_tokens:
-                parts[-1].append(i)
-            else:
-                parts.append([i])
-        return parts + [[i] for i in idx if i not in fits]
+        return prefill_parts(idx, [x.shape[0] for x in xs], starts, pool, self.prefill_tokens)
 
     def check(self, cache: Cache, start: int, m: int) -> None:
         """Raise ValueError unless `cache` holds exactly `start` positions and has room for m more."""
@@ -247,18 +236,23 @@ class Engine:
             for b, xb in enumerate(xs):
                 x[b, : sizes[b]] = xb
         meta = [
-            [c.slot, *range(s, s + t), *([m - 1] if p == 1 else range(t - p, t) if graph else pick_last(m, p))]
+            [
+                c.slot,
+                s + m - 1,
+                *range(s, s + t),
+                *([m - 1] if p == 1 else range(t - p, t) if graph else pick_last(m, p)),
+            ]
             for c, s, m in zip(caches, starts, sizes, strict=True)
         ]
         meta_t = torch.tensor(meta, dtype=torch.long).to(dev, non_blocking=True)
-        rows, pos, pick = meta_t[:, 0], meta_t[:, 1 : 1 + t], (meta_t[:, 1 + t :] if p else None)
+        rows, last, pos, pick = meta_t[:, 0], meta_t[:, 1], meta_t[:, 2 : 2 + t], (meta_t[:, 2 + t :] if p else None)
         if graph:
             out = self._graph(pool, len(caches), t, p, length=length)(rows, x, pos, pick)
         else:  # prompts never through torch.compile: their lengths vary
             run = self.shard.run_batch if eager else self.run_batch
-            out = run(x, pos, BatchView(pool, rows, pos, length), pick)
-        for cache, start, m in zip(caches, starts, sizes, strict=True):
-            cache.advance(start + m)
+            out = run(x, pos, BatchView(pool, rows, pos, length, last=last), pick)
+        for cache, start, m in zip(caches, starts, sizes, strict=True):  # padding wrote up to start + t
+            cache.advance(start + m, start + t)
         if p == 0:
             return [out[b, :m] for b, m in enumerate(sizes)]
         if p == 1:
@@ -306,8 +300,8 @@ class Engine:
             out = self._graph(pool, len(caches), t, 1, steps=k, length=length)(rows, x, pos, pick)  # type: ignore[arg-type]
         else:
             out = greedy_steps(self.run_batch, pool, rows, x, pos, pick, k, length, self.shard.attends_in_place)  # type: ignore[arg-type]
-        for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):
-            cache.advance(start + m + kb - 1)  # type: ignore[union-attr]
+        for cache, start, m, kb in zip(caches, starts, sizes, ks, strict=True):  # every row drafted k steps
+            cache.advance(start + m + kb - 1, max(start + t, start + m + k - 1))  # type: ignore[union-attr]
         return out
 
     def capture(self, shapes: Sequence[tuple[int, int, int]]) -> int:

@@ -4,7 +4,8 @@
 materialises only layers [a, b) (plus the embedding and/or final norm + LM head when asked), reading
 just those tensors from the safetensors files. Tied embeddings are handled: a tail's LM head is read
 from the embedding tensor. Families laid out like Qwen2 / Llama load (their parameters built on the meta device,
-their computed buffers real); sliding windows run for the families in workers/engine/windows.py.
+their computed buffers real); sliding windows run for the families in workers/engine/windows.py (on static caches
+in rings of window + slack positions: workers/engine/rings.py).
 """
 
 from __future__ import annotations
@@ -184,11 +185,11 @@ class Shard(nn.Module):
         made = {w: cache.mask(pos, w) for w in dict.fromkeys(self.windows)}  # type: ignore[attr-defined]
         return [made[w] for w in self.windows]
 
-    def _fused_fits(self, h: torch.Tensor, mask: torch.Tensor | None, cache: object = None) -> bool:
+    def _fused_fits(self, h: torch.Tensor, masks: list[torch.Tensor | None], cache: object = None) -> bool:
         assert self.fused is not None
         if cache is not None and self.fused.attends_in_place(cache):
             return True
-        positions = mask.shape[-1] if mask is not None else h.shape[1]
+        positions = max((m.shape[-1] for m in masks if m is not None), default=h.shape[1])  # the widest layer's
         return h.shape[0] * self.fused.heads * h.shape[1] * positions * 4 <= FUSED_MAX_SCORE_BYTES
 
     def _layers(
@@ -197,13 +198,13 @@ class Shard(nn.Module):
         rotary_pos = pos[None].expand(3, *pos.shape) if hasattr(self.rotary, "mrope_section") else pos  # Qwen3.5
         if self.layer_types is None:
             cos_sin = self.rotary(h, rotary_pos)
-            if self.fused is not None and self._fused_fits(h, masks[0], cache):
+            if self.fused is not None and self._fused_fits(h, masks, cache):
                 return self.fused(h, cos_sin, masks, cache)
             by_layer = [cos_sin] * len(self.layers)
         else:  # a rotary per layer type (Gemma 3's local and global bases, OLMo 3's)
             made = {t: self.rotary(h, pos, t) for t in dict.fromkeys(self.layer_types)}
             by_layer = [made[t] for t in self.layer_types]
-            if self.fused is not None and self._fused_fits(h, masks[0], cache):
+            if self.fused is not None and self._fused_fits(h, masks, cache):
                 return self.fused(h, by_layer, masks, cache)
         for layer, mask, cos_sin in zip(self.layers, masks, by_layer, strict=True):
             h = layer(

@@ -44,7 +44,14 @@ def cache_len(shard: Shard, settings: Settings) -> int:
     return min(settings.engine.max_len, limit)
 
 
-def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int) -> int:
+def ring_slack(settings: Settings, step_tokens: int, max_draft: int) -> int | None:
+    """What an engine's windowed layers keep beyond their window (workers/engine/rings.py): engine.window_slack, and
+    never less than its own graph steps and whole drafts; None: every position."""
+    slack = settings.engine.window_slack
+    return None if slack is None else max(slack, step_tokens + max_draft)
+
+
+def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int, ring_slack: int | None = None) -> int:
     """Bytes one more sequence costs a static engine on a CUDA device: its slot of keys/values and what one more
     row adds to a batched forward of `step_tokens` attending over the whole slot (the graph memory pool holds
     the largest such batch) and to the graphs' output buffer. A tail's row counts step_tokens x its logits there,
@@ -53,7 +60,7 @@ def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int) -> int
     undercounts its rows (the peaks of 4 and 8 rows are both set by a dequantized weight; run 43). Measured at up
     to 32 rows instead, over the whole slot, they cost a 14B-shaped 4-bit head a quarter of its slots (run 44),
     so the margin stays until rows are measured at the lengths graphs are captured for."""
-    kv = KVPool.slot_bytes(shard, max_len, scratch)
+    kv = KVPool.slot_bytes(shard, max_len, scratch, ring_slack)
     if shard.device.type != "cuda":
         return kv
     p = step_tokens if shard.lm_head is not None else 0
@@ -61,15 +68,17 @@ def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int) -> int
     return kv + row_bytes(shard, step_tokens, p, max_len + scratch) + out * shard.dtype.itemsize
 
 
-def engine_slot_cost(shard: Shard, max_len: int, step_tokens: int, max_draft: int) -> int:
+def engine_slot_cost(
+    shard: Shard, max_len: int, step_tokens: int, max_draft: int, ring_slack: int | None = None
+) -> int:
     """`slot_cost` of an engine feeding step_tokens a round with drafts of up to max_draft steps, plus, for a
     drafter on CUDA whose attention reads a copy, the copy of its rows' keys and values its whole drafts hold
     (`DraftBuffer`): left out of the head's joint plan, a Qwen3-0.6B-shaped drafter's copies ran a Qwen3-8B head
     out of memory capturing its graphs (docs/benchmarks.md, run 71)."""
     scratch = step_tokens + max_draft
     buffered = max_draft and shard.device.type == "cuda" and not shard.attends_in_place
-    copy = KVPool.slot_bytes(shard, max_len, scratch) if buffered else 0
-    return slot_cost(shard, max_len, step_tokens, scratch) + copy
+    copy = KVPool.slot_bytes(shard, max_len, scratch, ring_slack) if buffered else 0
+    return slot_cost(shard, max_len, step_tokens, scratch, ring_slack) + copy
 
 
 @torch.inference_mode()

@@ -36,6 +36,7 @@ from workers.engine.sizing import (
     engine_slot_cost,
     linger_s,
     memory_plan,
+    ring_slack,
     shard_workspace,
     slot_cost,
 )
@@ -210,10 +211,10 @@ def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan 
     k, n_max = cfg.engine.graph_k, cache_len(shard, cfg)
 
     def head_cost(n: int) -> int:
-        return slot_cost(shard, n, k + 1, k + 1)
+        return slot_cost(shard, n, k + 1, k + 1, ring_slack(cfg, k + 1, 0))
 
     def draft_cost(n: int) -> int:
-        return engine_slot_cost(dshard, n, 2, k) if dshard is not None else 0  # its drafts' copies too
+        return engine_slot_cost(dshard, n, 2, k, ring_slack(cfg, 2, k)) if dshard is not None else 0  # and copies
 
     ws = shard_workspace(shard, cfg)
     if dshard is None or dshard.device == shard.device:  # one prefill at a time: the larger workspace

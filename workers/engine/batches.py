@@ -1,0 +1,36 @@
+"""How an engine's rows make up its batched forwards (workers/engine/runner.py): which prompts of a pool run
+together, and which rows of a step are picked for logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from workers.engine.kvcache import KVPool
+
+
+def pick_last(m: int, p: int) -> list[int]:
+    """The last p of a row's m rows (the first repeated where m < p: the row wants fewer)."""
+    return [max(m - p + j, 0) for j in range(p)]
+
+
+def prefill_parts(
+    idx: list[int], sizes: Sequence[int], starts: Sequence[int], pool: KVPool, budget: int
+) -> list[list[int]]:
+    """Batches of long steps (prompts; sizes[i] tokens at starts[i]) of one pool: up to `budget` padded tokens each.
+    Rows are padded to their batch's longest step, after their own tokens (masked out, overwritten later); a row
+    whose padding would run past its slot runs alone. Where windowed layers keep rings (workers/engine/rings.py), a
+    batch's rows differ in length by no more than the rings' slack: what padding writes, a ring can roll back."""
+    longest = max(sizes[i] for i in idx)
+    room = pool.index.shape[0]
+    fits = [i for i in idx if starts[i] + longest <= room]
+    gap = pool.ring_slack if pool.rings else None
+    parts: list[list[int]] = []
+    for i in fits:
+        part = parts[-1] if parts else []
+        lengths = [sizes[j] for j in (*part, i)]
+        joins = bool(part) and len(part) < pool.slots and (len(part) + 1) * longest <= budget
+        if joins and (gap is None or max(lengths) - min(lengths) <= gap):
+            part.append(i)
+        else:
+            parts.append([i])
+    return parts + [[i] for i in idx if i not in fits]
