@@ -140,8 +140,7 @@ def exact_distribution(target, s: SamplingParams) -> dict[tuple, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("drafter", "s"),
-    [
-        ("model", SamplingParams(temperature=1.0)),
+    [  # plain temperature 1 with a draft model is proven by the MoE and hybrid χ² tests too (test_moe, test_hybrid)
         ("model", SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
         ("ngram", SamplingParams(temperature=1.0)),
     ],
