@@ -126,10 +126,11 @@ class EngineSettings(_Group):
     )
     window_slack: int | None = Field(
         80,
-        ge=1,
+        ge=64,
         description="Positions a sliding-window layer's static cache keeps beyond its window, as a ring "
         "(workers/engine/rings.py): the furthest a sequence can roll back, so at least its longest round or whole "
-        "draft (a request's k is at most 64; an engine never takes less than its graph steps and drafts). None: "
+        "draft (a request's k is at most 64, hence the floor; an engine never takes less than its graph steps and "
+        "drafts). None: "
         "windowed layers keep every position, as full-attention layers do.",
     )
     graph_k: int = Field(

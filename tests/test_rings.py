@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from schemas.settings import Settings
-from workers.engine.kvcache import KVPool
+from workers.engine.graphs import greedy_steps
+from workers.engine.kvcache import BatchView, KVPool
 from workers.engine.plan import kv_bytes, model_shape
 from workers.engine.rings import held, ring_mask
 from workers.engine.runner import Engine
-from workers.engine.shard import load_shard
+from workers.engine.shard import blank_input, load_shard
 from workers.tiny_models import save_tiny_model
 
 WINDOW = 8
-SLACK = 12  # an engine of 4-token steps and 4-step drafts: rings of 32 positions
+SLACK = 64  # the least engine.window_slack allows: rings of 8 + 64 -> 80 positions
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +57,23 @@ def test_held_positions_and_the_masks_two_forms():
 
 
 def test_rings_give_the_logits_of_full_length_caches(shard):
-    """Three sequences side by side, prompts of 30-45 tokens (longer than the ring: the long form), then rounds of
-    1-4 tokens with rejections rolled back and whole drafts, up to 150 positions (the 32-position ring wraps
-    about 4 times): every logit as with every position kept, and the same drafts."""
+    """Three sequences side by side, prompts of 75-110 tokens (mostly longer than the ring allows a step: the long
+    form), then rounds of 1-4 tokens with rejections rolled back and whole drafts, up to 240 positions (the
+    80-position ring wraps 3 times): every logit as with every position kept, and the same drafts."""
     rng = random.Random(0)
     full, ring = _engine(shard, None), _engine(shard, SLACK)
     assert not full.pool.rings and set(ring.pool.rings) == {0, 1}
-    assert ring.pool.keys[0].shape[2] == 32 and ring.pool.keys[2].shape[2] == full.pool.keys[2].shape[2]
+    assert ring.pool.keys[0].shape[2] == 80 and ring.pool.keys[2].shape[2] == full.pool.keys[2].shape[2]
     vocab = shard.config.vocab_size
-    pairs = [(full.acquire(need=200), ring.acquire(need=200)) for _ in range(3)]
-    lens = [rng.randint(30, 45) for _ in pairs]
+    pairs = [(full.acquire(need=256), ring.acquire(need=256)) for _ in range(3)]
+    lens = [rng.randint(75, 110) for _ in pairs]
     with torch.inference_mode():
         prompts = [torch.randint(0, vocab, (n,)) for n in lens]
         a = full.forward_many([p[0] for p in pairs], prompts, [0] * 3, 1)
         b = ring.forward_many([p[1] for p in pairs], prompts, [0] * 3, 1)
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
-        while min(lens) < 150:
+        while max(lens) < 240:
             if rng.random() < 0.3:  # a whole draft of 4 steps from a feed of 1-2 tokens, then its rollback
                 feeds = [[rng.randrange(vocab) for _ in range(rng.randint(1, 2))] for _ in pairs]
                 da = full.draft_many([p[0] for p in pairs], feeds, lens, [4] * 3)
@@ -100,24 +101,68 @@ def test_rings_give_the_logits_of_full_length_caches(shard):
 
 
 def test_a_rollback_past_the_slack_is_refused(shard):
-    """The ring keeps SLACK positions beyond the window: a cache that wrote further than that past the length it
-    is rolled back to says so (its window's keys may be overwritten), where a full-length cache rolls back."""
+    """The ring keeps R - W positions beyond the window: a cache that wrote further than R - W + 1 past the length
+    it is rolled back to says so (its window's keys may be overwritten), where a full-length cache rolls back."""
     ring = _engine(shard, SLACK)
     cache = ring.acquire(need=200)
     with torch.inference_mode():
-        ring.forward(cache, torch.zeros(40, dtype=torch.long), 0, 1)
-        ring.forward(cache, torch.zeros(4, dtype=torch.long), 40, 1)
-    cache.crop(41)  # 44 - 41 <= 12
-    with pytest.raises(ValueError, match="keeps 12 positions beyond its window"):
-        cache.crop(20)
-    cache.crop(0)  # emptied: always
+        ring.forward(cache, torch.zeros(100, dtype=torch.long), 0, 1)
+        ring.forward(cache, torch.zeros(4, dtype=torch.long), 100, 1)
+    cache.crop(101)  # 104 - 101 <= 73
+    cache.crop(31)  # 104 - 31 = 73: the furthest back
+    with pytest.raises(ValueError, match="keeps 72 positions beyond its window"):
+        cache.crop(30)
+    cache.crop(0)  # emptied (a replay from position 0): always
+
+
+def test_a_long_round_beside_a_prompt_rolls_back(shard):
+    """A round longer than the graphs' steps (a request's k above graph_k) runs eagerly, padded to the prompt it is
+    batched with: a step too long for the ring writes no padding there, so every draft of it can still be rejected,
+    and the rounds after equal full-length caches."""
+    full, ring = _engine(shard, None), _engine(shard, SLACK)
+    vocab = shard.config.vocab_size
+    pairs = [(full.acquire(need=256), ring.acquire(need=256)) for _ in range(2)]
+    with torch.inference_mode():
+        first = torch.randint(0, vocab, (60,))
+        for engine, i in ((full, 0), (ring, 1)):
+            engine.forward(pairs[0][i], first, 0, 1)
+        steps = [torch.randint(0, vocab, (10,)), torch.randint(0, vocab, (90,))]  # k = 9 beside a 90-token prompt
+        a = full.forward_many([p[0] for p in pairs], steps, [60, 0], [10, 1])
+        b = ring.forward_many([p[1] for p in pairs], steps, [60, 0], [10, 1])
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+        for cache in pairs[0]:
+            cache.crop(61)  # every draft rejected
+        nxt = torch.randint(0, vocab, (4,))
+        torch.testing.assert_close(ring.forward(pairs[0][1], nxt, 61, 4), full.forward(pairs[0][0], nxt, 61, 4))
+
+
+def test_warm_up_on_a_one_slot_pool_leaves_its_sequence_alone(shard):
+    """Graph warm-up and capture run a batch of the pool's pad slot at its last positions, forwards and whole drafts
+    (workers/engine/graphs.py `BatchGraph`). A one-slot pool's own slot would do for full-length layers (those are
+    scratch positions); a ring's wrap onto live ones, so a pool with rings keeps a pad slot at any size."""
+    ring = _engine(shard, SLACK)
+    pool = ring._new_pool(1)  # as a spare pool (or a one-slot main pool) is made
+    assert pool.pad_slot == 1 and pool.keys[0].shape[0] == 2
+    cache = pool.acquire()
+    with torch.inference_mode():
+        ring.forward(cache, torch.randint(0, shard.config.vocab_size, (50,)), 0, 1)
+        before = {i: (k[0].clone(), pool.values[i][0].clone()) for i, k in pool.keys.items()}
+        t = ring.step_tokens
+        rows = torch.full((2,), pool.pad_slot, dtype=torch.long)
+        pos = pool.index[-t:].expand(2, t).clone()
+        pick = torch.full((2, 1), t - 1, dtype=torch.long)
+        shard.run_batch(blank_input(shard, 2, t), pos, BatchView(pool, rows, pos), pick)
+        greedy_steps(shard.run_batch, pool, rows, blank_input(shard, 2, t), pos, pick, ring.max_draft)
+    for i, (k, v) in before.items():
+        assert torch.equal(pool.keys[i][0], k) and torch.equal(pool.values[i][0], v)
 
 
 def test_rings_cost_less_than_full_slots(shard):
     """A slot's bytes count each windowed layer at its ring: here half the layers at 32 of 272 positions."""
     full = KVPool.slot_bytes(shard, 256, 16)
     ringed = KVPool.slot_bytes(shard, 256, 16, ring_slack=SLACK)
-    assert ringed == full // 2 + full // 2 * 32 // 272
+    assert ringed == full // 2 + full // 2 * 80 // 272
 
 
 def test_the_plan_counts_rings_as_the_pools_hold_them(shard):
@@ -127,5 +172,5 @@ def test_the_plan_counts_rings_as_the_pools_hold_them(shard):
     assert shape.window_layer == (WINDOW, WINDOW, None, None)
     per = shape.kv_layer[0]
     assert kv_bytes(shape, (0, 4), 256, 16) == 4 * per * 272
-    assert kv_bytes(shape, (0, 4), 256, 16, SLACK) == 2 * per * 32 + 2 * per * 272  # max(12, 16) + 8 -> 32
-    assert kv_bytes(shape, (0, 4), 256, 16, SLACK) == KVPool.slot_bytes(shard, 256, 16, ring_slack=16)
+    assert kv_bytes(shape, (0, 4), 256, 16, SLACK) == 2 * per * 80 + 2 * per * 272  # 64 + 8 -> 80
+    assert kv_bytes(shape, (0, 4), 256, 16, SLACK) == KVPool.slot_bytes(shard, 256, 16, ring_slack=SLACK)

@@ -18,18 +18,15 @@ def prefill_parts(
 ) -> list[list[int]]:
     """Batches of long steps (prompts; sizes[i] tokens at starts[i]) of one pool: up to `budget` padded tokens each.
     Rows are padded to their batch's longest step, after their own tokens (masked out, overwritten later); a row
-    whose padding would run past its slot runs alone. Where windowed layers keep rings (workers/engine/rings.py), a
-    batch's rows differ in length by no more than the rings' slack: what padding writes, a ring can roll back."""
+    whose padding would run past its slot runs alone. A windowed layer's ring (workers/engine/rings.py) takes no
+    padding from a step too long for it, and a shorter step's padding stays within what it can roll back."""
     longest = max(sizes[i] for i in idx)
     room = pool.index.shape[0]
     fits = [i for i in idx if starts[i] + longest <= room]
-    gap = pool.ring_slack if pool.rings else None
     parts: list[list[int]] = []
     for i in fits:
         part = parts[-1] if parts else []
-        lengths = [sizes[j] for j in (*part, i)]
-        joins = bool(part) and len(part) < pool.slots and (len(part) + 1) * longest <= budget
-        if joins and (gap is None or max(lengths) - min(lengths) <= gap):
+        if part and len(part) < pool.slots and (len(part) + 1) * longest <= budget:
             part.append(i)
         else:
             parts.append([i])

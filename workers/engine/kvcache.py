@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from workers.engine.rings import ring_mask, ring_sizes, shard_windows, write_ring
+from workers.engine.rings import is_long, ring_mask, ring_sizes, shard_windows, write_ring
 
 
 def kv_dims(cfg: Any, attention: Any = None) -> tuple[int, int, int]:
@@ -124,12 +124,14 @@ class KVPool:
         ring_slack: int | None = None,
     ) -> None:
         scratch = -(-(max_len + scratch) // 16) * 16 - max_len  # total length a multiple of 16 (kernel alignment)
-        # a one-slot pool never has padding rows: warm-up and capture write its own slot's scratch positions
-        self.pad_slot = slots if slots > 1 else 0
         self.ring_slack = ring_slack
         self.rings = ring_sizes(windows or {}, ring_slack, max_len + scratch)  # layer -> (ring, window)
         self.ring_of = {w: r for r, w in self.rings.values()}  # window -> ring
-        rows = slots + (slots > 1)
+        # A one-slot pool never has padding rows: warm-up and capture write its own slot's scratch positions. Not
+        # where a ring keeps a layer: its scratch positions wrap onto live ones (p mod R), so it has a pad slot too.
+        padded = slots > 1 or bool(self.rings)
+        self.pad_slot = slots if padded else 0
+        rows = slots + padded
 
         def zeros(i: int, width: int) -> torch.Tensor:
             return torch.zeros(rows, kv_heads, self.length_of(i, max_len + scratch), width, dtype=dtype, device=device)
@@ -206,6 +208,7 @@ class KVPool:
             return
         cache.crop(0)
         cache.released = True
+        cache.high.clear()
         self.clear(cache.slot)
         self._free.append(cache.slot)
 
@@ -227,7 +230,7 @@ class StaticKVCache:
         self.pos: torch.Tensor | None = None  # positions of the step being run (device)
         self.released = False  # given back to the pool (`KVPool.release`)
         self.slot_row = torch.full((1,), slot, dtype=torch.long, device=pool.index.device)
-        self.high = 0  # one past the furthest position written since the cache was last emptied (rings' rollback)
+        self.high: dict[tuple[int, int], int] = {}  # (ring, window) -> one past the furthest position written there
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
@@ -284,23 +287,28 @@ class StaticKVCache:
         return causal(self.pool.index, pos, window)[None, None]
 
     def advance(self, length: int, written: int = 0) -> None:
-        """The cache holds `length` positions; `written`: one past the furthest position the step wrote, padding
-        included (default: length)."""
+        """The cache held `self.length` positions before a step and holds `length` after it; `written`: one past
+        the furthest position the step wrote, padding included (default: length). A ring keeps what its step wrote
+        (`high`), except the padding of a step too long for it (rings.long_writes writes real positions only)."""
+        steps = max(written, length) - self._length
+        for ring, window in set(self.pool.rings.values()):
+            top = length if is_long(steps, ring, window) else max(written, length)
+            self.high[ring, window] = max(self.high.get((ring, window), 0), top)
         self._length = length
-        self.high = max(self.high, length, written)
 
     def crop(self, length: int) -> None:
+        """Roll back to the first `length` positions. A ring (rings.py) reads a position s it holds beyond the
+        sequence as s - R, outside every window of a later query while s < length + R - W + 1: a rollback further
+        back from the furthest position written there is refused."""
         if length < 0 or length > self._length:
             raise ValueError(f"cannot crop a cache of {self._length} positions to {length}")
-        slack = self.pool.ring_slack
-        if self.pool.rings and length and slack is not None and self.high - length > slack:
-            raise ValueError(
-                f"cannot roll a windowed layer's ring back from position {self.high} to {length}: it keeps {slack} "
-                "positions beyond its window (engine.window_slack)"
-            )
-        self._length = length
-        if length == 0:
-            self.high = 0
+        for (ring, window), high in self.high.items():
+            if length and high - length > ring - window + 1:
+                raise ValueError(
+                    f"cannot roll a windowed layer's ring back from position {high} to {length}: it keeps "
+                    f"{ring - window} positions beyond its window (engine.window_slack)"
+                )
+        self._length = length  # emptied (a replay from position 0), rings keep what was written: so does `high`
 
 
 class BatchView:
