@@ -4,6 +4,7 @@ compute alone; the plan splits the device's memory between the two."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -83,6 +84,21 @@ def test_the_plan_splits_memory_between_lengths(monkeypatch):
     assert sizing.plan_slots(dev, gib, gib // 4, 2048, cfg, workspace=8 * gib) == SlotPlan(8, 96, 2048)
     assert sizing.short_len_of(8192, cfg) == 2048 and sizing.short_len_of(2048, cfg) == 0
     assert sizing.short_len_of(8192, cfg.replace(engine={"short_cache_len": 0})) == 0
+
+
+def test_the_budget_does_not_count_the_allocators_cached_blocks(monkeypatch):
+    """What a load freed into the allocator's cache (a quantized shard's full-precision weights) is given back before
+    slots are counted, not held against them."""
+    gib = 1 << 30
+    reserved = [12 * gib]  # 2 GiB of it cached, free
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: reserved.__setitem__(0, 10 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: reserved[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (88 * gib, 100 * gib))
+    cfg = Settings(engine={"gpu_memory": 20, "graph_reserve": 0.0, "cuda_context_gib": 0})
+    assert sizing.budget(torch.device("cuda:0"), cfg) == 10 * gib
 
 
 @torch.inference_mode()

@@ -160,8 +160,14 @@ def allocator_budget(device: torch.device, settings: Settings) -> int | None:
 def budget(device: torch.device, settings: Settings, workspace: int = 0) -> float:
     """Bytes the worker may still fill of a CUDA device with slots: its `allocator_budget` less what its
     allocator holds and what other processes hold, less the reserve for what is not counted per slot (prefills,
-    workspaces, fragmentation: `reserve_bytes`)."""
+    workspaces, fragmentation: `reserve_bytes`). Blocks the allocator caches but no tensor holds are given back
+    first: loading a quantized shard frees its full-precision weights into that cache, and counted as held they
+    left a Qwen3-30B-A3B-shaped 4-bit tail in 15 GiB one slot where the plan gives it five (docs/benchmarks.md,
+    run 79)."""
     allowed = allocator_budget(device, settings) or 0
+    if torch.cuda.is_initialized():
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     left = min(allowed - torch.cuda.memory_reserved(device), free)
     return max(left - reserve_bytes(left, workspace, settings), 0.0)
