@@ -26,7 +26,7 @@ from schemas.errors import ModelLoadError
 from schemas.settings import Settings
 from workers.engine.kvcache import kv_dims
 from workers.engine.quant import quantized_bytes
-from workers.engine.quant_experts import expert_weights
+from workers.engine.quant_experts import EXPERT_COPIES, expert_weights
 from workers.engine.recurrent import state_bytes
 from workers.engine.rings import ring_length
 from workers.engine.shard import refuse_half, refuse_layers, refuse_layout, refuse_windows
@@ -81,8 +81,10 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
             total += quantized_bytes(*p.shape, quant, size) if quantized else p.numel() * size
         return total
 
-    def scratch(layer: torch.nn.Module) -> int:  # its experts at full width, while a forward runs them
-        return 0 if quant == "none" else sum(getattr(m, n).numel() * size for m, n in expert_weights(layer))
+    def scratch(layer: torch.nn.Module) -> int:  # its experts at full width while forwards run (`dequantized_bytes`)
+        if quant == "none":
+            return 0
+        return EXPERT_COPIES * sum(getattr(m, n).numel() * size for m, n in expert_weights(layer))
 
     attention = next((layer.self_attn for layer in base.layers if hasattr(layer, "self_attn")), None)
     kv_heads, key_dim, value_dim = kv_dims(config, attention)

@@ -143,9 +143,16 @@ def quantized_experts(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, _Dequantizing)]
 
 
+# Copies of one layer's dequantized experts a CUDA worker holds at once: one in its graphs' memory pool (their
+# captures keep it), one more for a forward outside it (a graph's warm-up, a prompt). Counted once, a
+# Qwen3-30B-A3B-shaped 4-bit head ran out of memory capturing its graphs (docs/benchmarks.md, run 80).
+EXPERT_COPIES = 2
+
+
 def dequantized_bytes(layer: nn.Module) -> int:
-    """Bytes one forward of `layer` dequantizes at once: every quantized expert weight at full width."""
-    return sum(
+    """Bytes `layer`'s forwards keep dequantized at once: every quantized expert weight at full width, in
+    EXPERT_COPIES copies."""
+    return EXPERT_COPIES * sum(
         shape.numel() * torch.empty((), dtype=dtype).element_size()
         for m in quantized_experts(layer)
         for _, shape, dtype in m._stored.values()  # type: ignore[attr-defined]
