@@ -2,7 +2,8 @@
 transformers config class: a whole shard's every logit equals the model's, split shards equal it too, and a split
 generation with a real tail process equals HF `generate`. The model-level scales their forwards apply outside the
 layers (Granite's embedding and logit multipliers, Cohere's logit scale) are set away from 1 so they count; Llama runs
-with YaRN rope scaling. Families with recurrent-state layers are refused at load, naming the layer."""
+with YaRN rope scaling. Families with recurrent-state layers are refused at load, naming the layer. (Gemma 4, whose
+layers take per-layer inputs and shared keys: tests/test_gemma4.py.)"""
 
 from __future__ import annotations
 
@@ -96,30 +97,3 @@ def test_other_layouts_are_refused_at_load(family, tmp_path, tokenizers):
         load_shard(tmp_path / family, (0, 2), embed=True, head=True)
     with pytest.raises(ModelLoadError, match=r"not laid out like Qwen2/Llama|recurrent state"):  # `shardflow plan`
         model_shape(config, torch.float32)
-
-
-def test_gemma4s_windows_are_refused_by_the_loader_and_the_plan(tmp_path, tokenizers):
-    """Gemma 4 (its windows beside KV shared across layers): one clear line at load and from the plan (real and tiny
-    Gemma 4 checkpoints ship their tokenizer apart: none is needed to load layers)."""
-    config = AutoConfig.for_model(
-        "gemma4_text",
-        vocab_size=len(tokenizers["qwen2"]),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        vocab_size_per_layer_input=len(tokenizers["qwen2"]),
-        hidden_size_per_layer_input=8,
-        num_kv_shared_layers=2,
-        per_layer_config={},
-    )
-    torch.manual_seed(0)
-    target = tmp_path / "g4"
-    AutoModelForCausalLM.from_config(config).save_pretrained(target)
-    with pytest.raises(ModelLoadError, match=r"sliding-window attention .* gemma4_text"):
-        load_shard(target, (0, 2), embed=True, head=False)
-    with pytest.raises(ModelLoadError, match=r"sliding-window attention .* gemma4_text"):
-        model_shape(AutoConfig.from_pretrained(target), torch.float32)

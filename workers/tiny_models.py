@@ -115,6 +115,24 @@ HYBRID_FAMILIES: dict[str, dict[str, object]] = {
 }
 
 
+_S, _F = "sliding_attention", "full_attention"
+# Gemma 4's text layers (workers/engine/per_layer.py): per-layer inputs, the last 2 layers reading the keys and values
+# of layers 3 (sliding) and 2 (full), wider heads and one key/value head on full attention with keys as values,
+# double-wide MLPs on the shared layers, a window shorter than the tests' prompts, the final logit soft cap
+GEMMA4: dict[str, object] = {
+    "layers": 6,
+    "layer_types": [_S, _S, _F, _S, _S, _F],
+    "global_head_dim": 32,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "sliding_window": 8,
+    "hidden_size_per_layer_input": 8,
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "final_logit_softcapping": 30.0,
+}
+
+
 def tiny_config(
     family: str, vocab_size: int, *, layers: int = 4, hidden: int = 64, init: float = 0.25, **extra: object
 ):
@@ -146,6 +164,10 @@ def tiny_config(
         family in OTHER_FAMILIES or family in DENSE_FAMILIES
     ):  # their own config class, at these sizes (head_dim: their defaults are wide)
         return AutoConfig.for_model(family, **common, **{"head_dim": hidden // 4} | extra)
+    if family == "gemma4_text":  # `GEMMA4` passed as `extra` (its layer types fit its layer count)
+        return AutoConfig.for_model(
+            family, **common | {"head_dim": hidden // 4, "vocab_size_per_layer_input": vocab_size} | extra
+        )
     if family in HYBRID_FAMILIES:
         return AutoConfig.for_model(family, **common | {"head_dim": hidden // 4} | HYBRID_FAMILIES[family] | extra)
     if family in MOE_FAMILIES:
@@ -190,10 +212,18 @@ WRAPPERS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
+# wrappers whose text model is tested apart (tests/test_gemma4.py), with the text config's own fields
+MORE_WRAPPERS: dict[str, tuple[str, dict[str, object]]] = {
+    "gemma4": ("gemma4_text", _VISION | {"head_dim": 16, "num_key_value_heads": 2}),
+}
+TEXT_FIELDS: dict[str, dict[str, object]] = {"gemma4": GEMMA4}
+
+
 def save_tiny_wrapper(out: str | Path, wrapper: str, *, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
-    """A random multimodal model (`WRAPPERS`: a text model beside a vision tower) saved as the wrapper saves itself."""
-    out, (family, vision) = Path(out), WRAPPERS[wrapper]
-    text = tiny_config(family, len(tokenizer))
+    """A random multimodal model (`WRAPPERS`, `MORE_WRAPPERS`: a text model beside a vision tower) saved as the
+    wrapper saves itself."""
+    out, (family, vision) = Path(out), (WRAPPERS | MORE_WRAPPERS)[wrapper]
+    text = tiny_config(family, len(tokenizer), **TEXT_FIELDS.get(wrapper, {}))  # type: ignore[arg-type]
     config = AutoConfig.for_model(wrapper, text_config=text.to_dict(), vision_config=vision)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

@@ -59,6 +59,19 @@ def read_tensors(files: dict[str, Path], names: dict[str, str], dtype: torch.dty
     return out
 
 
+def read_slice(
+    files: dict[str, Path], name: str, dim: int, start: int, stop: int, dtype: torch.dtype, device: str
+) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) start:stop of one checkpoint tensor, reading only those from its file (a
+    shard's part of a table packed across layers: Gemma 4's per-layer embeddings, workers/engine/per_layer.py)."""
+    if name not in files:
+        raise ModelLoadError(f"checkpoint lacks tensors {[name]}")
+    with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+        part = f.get_slice(name)
+        got = part[start:stop] if dim == 0 else part[:, start:stop]
+    return got.to(device=device, dtype=dtype)
+
+
 def materialise(
     module: nn.Module, prefix: str, source: Source, dtype: torch.dtype, device: str, alias: dict | None = None
 ) -> None:

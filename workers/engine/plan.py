@@ -25,11 +25,12 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from schemas.errors import ModelLoadError
 from schemas.settings import Settings
 from workers.engine.kvcache import kv_dims
+from workers.engine.per_layer import plan_cuts, shape_fields, takes_layer_inputs, widest_kv
 from workers.engine.quant import quantized_bytes
 from workers.engine.quant_experts import EXPERT_COPIES, expert_weights
 from workers.engine.recurrent import state_bytes
+from workers.engine.refusals import refuse_half, refuse_layers, refuse_layout, refuse_windows
 from workers.engine.rings import ring_length
-from workers.engine.shard import refuse_half, refuse_layers, refuse_layout, refuse_windows
 from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
 from workers.engine.windows import layer_windows
 
@@ -58,6 +59,8 @@ class ModelShape:
     # one layer's experts dequantized at once by a forward (quantized experts: workers/engine/quant_experts.py), the
     # largest layer's: a worker's workspace holds it beside a prefill's
     experts_scratch: int = 0
+    per_layer: tuple[int, ...] = ()  # each layer's per-layer-input weights (Gemma 4: workers/engine/per_layer.py)
+    per_layer_norm: int = 0  # their norm, held by every shard that has them
 
 
 def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none") -> ModelShape:
@@ -87,8 +90,14 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
         return EXPERT_COPIES * sum(getattr(m, n).numel() * size for m, n in expert_weights(layer))
 
     attention = next((layer.self_attn for layer in base.layers if hasattr(layer, "self_attn")), None)
-    kv_heads, key_dim, value_dim = kv_dims(config, attention)
+    kv_heads, key_dim, value_dim = widest_kv(config) if takes_layer_inputs(config) else kv_dims(config, attention)
     per_position = kv_heads * (key_dim + value_dim) * size
+    fields = {
+        "kv_layer": tuple(per_position if hasattr(layer, "self_attn") else 0 for layer in base.layers),
+        "window_layer": tuple(layer_windows(config)),
+    }
+    if takes_layer_inputs(config):  # widths per layer type, shared keys counted once, every position kept
+        fields |= shape_fields(config, base, size)
     return ModelShape(
         layers=config.num_hidden_layers,
         layer=tuple(layer_bytes(layer) for layer in base.layers),
@@ -102,17 +111,20 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
         vocab=config.vocab_size,
         head_dim=key_dim,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
-        kv_layer=tuple(per_position if hasattr(layer, "self_attn") else 0 for layer in base.layers),
         state_layer=tuple(state_bytes(layer, size) for layer in base.layers),
-        window_layer=tuple(layer_windows(config)),
         experts_scratch=max(scratch(layer) for layer in base.layers),
+        **fields,  # type: ignore[arg-type]
     )
 
 
 def shard_weights(shape: ModelShape, layers: tuple[int, int], *, embed: bool, head: bool) -> int:
+    """Bytes of layers [a, b) with the embedding / norm + LM head; with per-layer inputs, their slices, and the
+    embedding on every shard (a tail embeds its rounds' ids), held once beside a tied LM head."""
     a, b = layers
-    lm_head = 0 if shape.tied and embed else shape.lm_head
-    return sum(shape.layer[a:b]) + (shape.embed if embed else 0) + (shape.norm + lm_head if head else 0)
+    tokens = embed or bool(shape.per_layer)
+    lm_head = 0 if shape.tied and tokens else shape.lm_head
+    inputs = sum(shape.per_layer[a:b]) + shape.per_layer_norm if shape.per_layer else 0
+    return sum(shape.layer[a:b]) + (shape.embed if tokens else 0) + (shape.norm + lm_head if head else 0) + inputs
 
 
 def row_bytes(shape: ModelShape, tokens: int, length: int, logits: bool, dtype_bytes: int) -> int:
@@ -303,7 +315,8 @@ def plan_split(
 
     if split is not None and not 0 < split < n:
         raise ModelLoadError(f"a split at layer {split} leaves a worker without layers (the model has {n})")
-    best = split or max(range(1, n), key=lambda s: (min(w.slots for w in workers(s)), -abs(n - 2 * s)))
+    cuts = plan_cuts(config, split)  # each, but where it parts a Gemma 4 shared layer from its source (refused)
+    best = split or max(cuts, key=lambda s: (min(w.slots for w in workers(s)), -abs(n - 2 * s)))
     return Plan(name, str(dtype).removeprefix("torch."), quant, full_len, short_len, workers(best))
 
 

@@ -157,13 +157,22 @@ class Engine:
         return self.forward_many([cache], [x], [start], logits_last)[0]
 
     def forward_many(
-        self, caches: Sequence[Cache], xs: Sequence[torch.Tensor], starts: Sequence[int], logits_last: Logits = 0
+        self,
+        caches: Sequence[Cache],
+        xs: Sequence[torch.Tensor],
+        starts: Sequence[int],
+        logits_last: Logits = 0,
+        ids: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Run one step of each sequence: x [m] ids (or [m, h]) at positions start..start+m-1 of its cache.
 
         Returns per sequence its hidden states [m, h], or the logits [n, vocab] of its last n rows
-        (n = logits_last, one int or one per sequence). Static caches of one pool run as one batch."""
+        (n = logits_last, one int or one per sequence). Static caches of one pool run as one batch. `ids`: each
+        x's token ids [m], for a shard that takes them beside hidden states (`Shard.needs_ids`: Gemma 4's per-layer
+        inputs), whose caches are dynamic."""
         n = len(caches)
+        if ids is not None and self.static:
+            raise ValueError("token ids beside hidden states run over dynamic caches only")
         wants = [logits_last] * n if isinstance(logits_last, int) else list(logits_last)
         for cache, x, start in zip(caches, xs, starts, strict=True):  # check every row before any runs
             self.check(cache, start, x.shape[0])
@@ -174,7 +183,7 @@ class Engine:
             if isinstance(cache, StaticKVCache) and 0 < x.shape[0]:
                 (steps if x.shape[0] <= self.step_tokens else longs).setdefault(id(cache.pool), []).append(i)
             else:
-                out[i] = self.shard(x, starts[i], cache, wants[i])
+                out[i] = self.shard(x, starts[i], cache, wants[i], **({"ids": ids[i]} if ids is not None else {}))
         for idx in longs.values():
             for part in self._prefill_parts(idx, caches, xs, starts):
                 got = self._batch(

@@ -5,7 +5,8 @@ materialises only layers [a, b) (plus the embedding and/or final norm + LM head 
 just those tensors from the safetensors files. Tied embeddings are handled: a tail's LM head is read
 from the embedding tensor. Families laid out like Qwen2 / Llama load (their parameters built on the meta device,
 their computed buffers real); sliding windows run for the families in workers/engine/windows.py (on static caches
-in rings of window + slack positions: workers/engine/rings.py).
+in rings of window + slack positions: workers/engine/rings.py). Layers that take more than the hidden states (Gemma 4's
+per-layer inputs and keys shared across layers) get them from `Shard.layer_inputs` (workers/engine/per_layer.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from workers.engine.checkpoint import (
 from workers.engine.convert import converted_names, converting_source
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
+from workers.engine.per_layer import DYNAMIC_ONLY, LayerInputs, load_layer_inputs, refuse_split, takes_layer_inputs
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
 from workers.engine.quant_experts import quantize_experts
-from workers.engine.recurrent import RECURRENT, RecurrentCache, linear_layers
-from workers.engine.windows import WINDOWED, layer_windows, sliding_window
+from workers.engine.recurrent import RecurrentCache, linear_layers
+from workers.engine.refusals import refuse_half, refuse_layers, refuse_layout, refuse_windows
+from workers.engine.windows import layer_windows
 from workers.engine.wrappers import stored_aliases, text_config
 
 Cache = KVCache | StaticKVCache
@@ -71,6 +74,7 @@ class Shard(nn.Module):
         self.layer_types: list[str] | None = (
             list(config.layer_types[layer_range[0] : layer_range[1]]) if takes_type else None
         )
+        self.layer_inputs: LayerInputs | None = None  # Gemma 4's per-layer inputs and shared KV (per_layer.py)
         self.fused: FusedLayers | None = None  # the lean forward of workers/engine/fused.py, when set (load_shard)
         self.quant = "none"  # how its layers' linears are stored (workers/engine/quant.py), set by load_shard
         self._dtype: torch.dtype | None = None  # the compute dtype (quantized weights are stored otherwise)
@@ -90,24 +94,39 @@ class Shard(nn.Module):
         tensors = {t.data_ptr(): t for t in (*self.parameters(), *self.buffers())}
         return sum(t.numel() * t.element_size() for t in tensors.values()) + state_bytes(self)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache: Cache, logits_last: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start_pos: int, cache: Cache, logits_last: int = 0, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run the shard over x (token ids [n] with an embedding, else hidden states [n, h]).
 
         Positions are start_pos..start_pos+n-1 and `cache` must hold exactly start_pos positions.
         Returns hidden states [n, h], or logits [logits_last, vocab] of the last rows when the shard
-        has an LM head and logits_last > 0.
+        has an LM head and logits_last > 0. `ids` ([n]): the token ids of x's rows, which a shard without the
+        embedding whose layers take per-layer inputs needs (`needs_ids`), ignored elsewhere.
         """
         if cache.length != start_pos:
             raise ValueError(f"cache holds {cache.length} positions, round starts at {start_pos}")
         n = x.shape[0]
         if isinstance(cache, RecurrentCache):
             cache.begin(x, start_pos)
-        out = self.run(x, cache.positions(start_pos, n, x.device), cache, logits_last)
+        out = self.run(x, cache.positions(start_pos, n, x.device), cache, logits_last, ids)
         if isinstance(cache, StaticKVCache):
             cache.advance(start_pos + n)
         elif isinstance(cache, RecurrentCache):
             cache.end(n)
         return out
+
+    @property
+    def needs_ids(self) -> bool:
+        """Whether a forward must be given its rows' token ids beside hidden states (Gemma 4's per-layer inputs)."""
+        return self.embed is None and self.layer_inputs is not None and self.layer_inputs.needs_ids
+
+    @property
+    def dynamic_reason(self) -> str | None:
+        """Why this shard runs only dynamic caches, without graphs (workers/engine/sizing.py), or None."""
+        if self.recurrent:  # states roll back by replay, one sequence at a time (workers/engine/recurrent.py)
+            return "layers with a recurrent state (linear attention) run dynamic caches, without graphs"
+        return DYNAMIC_ONLY.format(self.config.model_type) if self.layer_inputs is not None else None
 
     @property
     def recurrent(self) -> bool:
@@ -119,27 +138,43 @@ class Shard(nn.Module):
         linear = linear_layers(self.layers)
         return RecurrentCache(linear, lambda x, start, cache: self.forward(x, start, cache)) if linear else KVCache()
 
-    def run(self, x: torch.Tensor, pos: torch.Tensor, cache: Cache, logits_last: int = 0) -> torch.Tensor:
+    def run(
+        self, x: torch.Tensor, pos: torch.Tensor, cache: Cache, logits_last: int = 0, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The forward itself, over device positions `pos`; no host syncs, so it can be graph-captured."""
         h = self._embed(x)[None] if self.embed is not None else x[None]
-        h = self._layers(h, pos[None], self._masks(cache, pos), cache)[0]
+        extra = self._extra(x[None], h, ids[None] if ids is not None else None)
+        h = self._layers(h, pos[None], self._masks(cache, pos), cache, extra)[0]
         if self.lm_head is None or logits_last <= 0:
             return h
         return self._logits(h[-logits_last:])
 
     def run_batch(
-        self, x: torch.Tensor, pos: torch.Tensor, view: BatchView, pick: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        view: BatchView,
+        pick: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """B sequences at once: x is [B, T] token ids (or [B, T, h] hidden states), pos [B, T].
+        """B sequences at once: x is [B, T] token ids (or [B, T, h] hidden states, with their ids [B, T] where
+        `needs_ids`), pos [B, T].
 
         Returns hidden states [B, T, h], or with `pick` ([B, P] row indices) and an LM head the
         logits [B, P, vocab] of those rows. No host syncs: graph-capturable."""
         h = self._embed(x) if self.embed is not None else x
-        h = self._layers(h, pos, self._masks(view, pos), view)
+        h = self._layers(h, pos, self._masks(view, pos), view, self._extra(x, h, ids))
         if pick is None or self.lm_head is None:
             return h
         rows = torch.arange(h.shape[0], device=h.device)[:, None]
         return self._logits(h[rows, pick])
+
+    def _extra(self, x: torch.Tensor, h: torch.Tensor, ids: torch.Tensor | None) -> list[dict[str, object]] | None:
+        """Each layer's keyword arguments beyond the hidden states (workers/engine/per_layer.py), None for most
+        families: from x and its embeddings h where the shard embeds, else from the ids given."""
+        if self.layer_inputs is None:
+            return None
+        return self.layer_inputs(x, h) if self.embed is not None else self.layer_inputs(ids, None)
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         """Token embeddings, scaled as the model's own forward scales them (Granite's `embedding_multiplier`)."""
@@ -193,7 +228,12 @@ class Shard(nn.Module):
         return h.shape[0] * self.fused.heads * h.shape[1] * positions * 4 <= FUSED_MAX_SCORE_BYTES
 
     def _layers(
-        self, h: torch.Tensor, pos: torch.Tensor, masks: list[torch.Tensor | None], cache: object
+        self,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        masks: list[torch.Tensor | None],
+        cache: object,
+        extra: list[dict[str, object]] | None = None,
     ) -> torch.Tensor:
         rotary_pos = pos[None].expand(3, *pos.shape) if hasattr(self.rotary, "mrope_section") else pos  # Qwen3.5
         if self.layer_types is None:
@@ -206,7 +246,7 @@ class Shard(nn.Module):
             by_layer = [made[t] for t in self.layer_types]
             if self.fused is not None and self._fused_fits(h, masks, cache):
                 return self.fused(h, by_layer, masks, cache)
-        for layer, mask, cos_sin in zip(self.layers, masks, by_layer, strict=True):
+        for j, (layer, mask, cos_sin) in enumerate(zip(self.layers, masks, by_layer, strict=True)):
             h = layer(
                 h,
                 attention_mask=mask if hasattr(layer, "self_attn") else None,  # a linear layer: no padding here
@@ -214,46 +254,9 @@ class Shard(nn.Module):
                 position_ids=pos,
                 past_key_values=cache,
                 use_cache=True,
+                **(extra[j] if extra is not None else {}),
             )
         return h
-
-
-def refuse_layout(model: nn.Module) -> None:
-    """ModelLoadError for a model whose decoder lacks the parts a shard runs (layers, rotary, final norm, embedding)."""
-    if not all(hasattr(model.get_decoder(), a) for a in ("layers", "rotary_emb", "norm", "embed_tokens")):
-        raise ModelLoadError(f"{type(model).__name__} is not laid out like Qwen2/Llama")
-
-
-def refuse_windows(config: PretrainedConfig) -> None:
-    """ModelLoadError for sliding windows of a family whose windows do not run here (`windows.WINDOWED`)."""
-    window = sliding_window(config)
-    if window is not None and config.model_type not in WINDOWED:
-        raise ModelLoadError(f"sliding-window attention ({window} positions) is not supported for {config.model_type}")
-
-
-# families whose activations pass float16's range in their released weights (Gemma's scaled embeddings and
-# unnormalised residual stream: HF's own Gemma 2/3 docs run them in bfloat16)
-HALF_UNSAFE = {"gemma2", "gemma3_text"}
-
-
-def refuse_half(config: PretrainedConfig, dtype: torch.dtype) -> None:
-    """ModelLoadError for float16 where the family is known to overflow it, saying what to run instead."""
-    if dtype == torch.float16 and config.model_type in HALF_UNSAFE:
-        raise ModelLoadError(
-            f"{config.model_type} overflows float16 (its activations pass 65504): run it with --dtype bfloat16, "
-            "or float32 on a GPU without bfloat16 (a T4)"
-        )
-
-
-def refuse_layers(config: PretrainedConfig, layers: nn.ModuleList | list, first: int = 0) -> None:
-    """ModelLoadError, naming the first, for layers that keep a state a shard cannot roll back (Mamba-style mixers,
-    short convolutions: any layer without attention outside the linear-attention families of `recurrent.py`)."""
-    for i, layer in enumerate(layers, start=first):
-        if not hasattr(layer, "self_attn") and config.model_type not in RECURRENT:
-            raise ModelLoadError(
-                f"{config.model_type}: layer {i} ({type(layer).__name__}) keeps a recurrent state rather than a KV "
-                "cache (linear attention); such layers are not supported yet"
-            )
 
 
 def blank_input(shard: Shard, b: int, t: int) -> torch.Tensor:
@@ -304,6 +307,7 @@ def load_shard(
     a, b = layers if layers is not None else (0, n_layers)
     if not 0 <= a < b <= n_layers:
         raise ModelLoadError(f"layers {a}:{b} outside the model's 0:{n_layers}")
+    refuse_split(config, (a, b))  # Gemma 4: a KV-shared layer runs beside its source (workers/engine/per_layer.py)
     if stored != "none":  # the skeleton is a plain model; its linears get the stored codes below
         config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
     with parameters_on_meta():
@@ -329,7 +333,7 @@ def load_shard(
     refuse_layout(skeleton)
     kept = nn.ModuleList(base.layers[a:b])
     refuse_layers(config, kept, a)
-    fuse = fused and can_fuse(kept, config)
+    fuse = fused and can_fuse(kept, config) and not takes_layer_inputs(config)
     parts, scheme = [], stored if stored != "none" else check_scheme(quant)
     for layer in kept:
         prefix = prefix_of(skeleton, layer)
@@ -359,6 +363,12 @@ def load_shard(
             materialise(head_mod, "", weights, dtype, device, {"weight": src})
     rotary = type(base.rotary_emb)(config=config).to(device)
     shard = Shard(config, (a, b), kept, rotary, embed_mod, norm_mod, head_mod).eval()
+    if takes_layer_inputs(config):  # its ids' per-layer inputs, its own slices of their weights (per_layer.py)
+        tied_head = head_mod if head and bool(getattr(full, "tie_word_embeddings", False)) else None
+        shard.layer_inputs = load_layer_inputs(
+            skeleton, config, (a, b), tokens=embed_mod, tied_head=tied_head, files=files, aliases=aliases,
+            weights=weights, dtype=dtype, device=device,
+        )  # fmt: skip
     for mod in shard.modules():  # the buffers the skeleton computed, on the shard's device
         for name, buf in list(mod._buffers.items()):
             if buf is not None and not buf.is_meta and buf.device != torch.device(device):

@@ -11,6 +11,7 @@ import torch
 
 from schemas.settings import EngineSettings, Settings
 from workers.engine.kvcache import BatchView, KVPool
+from workers.engine.per_layer import takes_layer_inputs, widest_kv
 from workers.engine.quant_experts import dequantized_bytes
 from workers.engine.shard import FUSED_MAX_SCORE_BYTES, Shard, blank_input
 
@@ -22,9 +23,9 @@ def cache_modes(shard: Shard, engine: EngineSettings) -> tuple[bool, bool]:
     rounds of the sequences in flight run as one batched forward: on a CPU too, where 8 sequences' rounds cost
     about 3x one's, where growing caches cost 8x) and CUDA graphs on a CUDA device."""
     static, graphs, cuda = engine.static, engine.graphs, shard.device.type == "cuda"
-    if shard.recurrent:  # states roll back by replay, one sequence at a time (workers/engine/recurrent.py)
+    if (why := shard.dynamic_reason) is not None:  # recurrent states, Gemma 4's layer inputs: one sequence at a time
         if static or graphs:
-            raise ValueError("layers with a recurrent state (linear attention) run dynamic caches, without graphs")
+            raise ValueError(why)
         return False, False
     graphs = cuda if graphs is None else graphs
     if graphs and not cuda:
@@ -128,8 +129,11 @@ def workspace_bytes(config: object, dtype_bytes: int, settings: Settings) -> int
     of prefill_tokens tokens (one layer's activations, and the fused attention's score budget) and allocator
     slack. On a small card this is more than graph_reserve's share."""
     heads = config.num_attention_heads  # type: ignore[attr-defined]
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
+    if takes_layer_inputs(config):  # type: ignore[arg-type]  # Gemma 4: dims per layer type, its widest layer's
+        kv, head_dim, _ = widest_kv(config)  # type: ignore[arg-type]
+    else:
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
     width = (heads + 2 * kv) * head_dim + 2 * config.intermediate_size + 4 * config.hidden_size  # type: ignore[attr-defined]
     return settings.engine.prefill_tokens * width * dtype_bytes + FUSED_MAX_SCORE_BYTES + ALLOCATOR_SLACK
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 # families whose windowed layers run here: their layers attend through the masks a shard builds
-WINDOWED = {"qwen2", "qwen3", "mistral", "ministral", "gemma2", "gemma3_text", "olmo3", "cohere2", "gpt_oss"}
+WINDOWED = {
+    "qwen2", "qwen3", "mistral", "ministral", "gemma2", "gemma3_text", "gemma4_text", "olmo3", "cohere2", "gpt_oss",
+}  # fmt: skip
 
 
 def layer_windows(config: PretrainedConfig) -> list[int | None]:

@@ -105,6 +105,13 @@ def forward_inputs(
     return [b.sess.cache for b in batch], upload([b.hidden for b in batch]), [p.start_pos for p in rounds], wants
 
 
+def round_ids(batch: list[Prepared], device: torch.device) -> list[torch.Tensor]:
+    """Each round's token ids, the ids of its hidden rows ([input_ids, draft_ids]), on the device: a shard whose
+    layers take per-layer inputs from them (Gemma 4, workers/engine/per_layer.py) is given them beside the rows."""
+    rounds = [b.packet for b in batch]
+    return [torch.tensor([*p.input_ids, *p.draft_ids], dtype=torch.long).to(device) for p in rounds]
+
+
 def _entry_ms(entry_id: bytes | str) -> int | None:
     """The millisecond time in a stream entry's id (None for an id that carries none)."""
     ms = (entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)).partition("-")[0]

@@ -63,6 +63,7 @@ from workers.tail.rounds import (
     read_ms,
     reason_of,
     rewind,
+    round_ids,
 )
 from workers.tail.sessions import TAIL_ID, SessionStore, TailSession, default_tail_id
 
@@ -342,7 +343,8 @@ class TailWorker:
         clock = BatchClock(self.shard.device)
         warp_rows = self.settings.engine.verify_warp_rows
         plan = plan_rounds(batch, self.shard.device, warp_rows)  # its ids copy during the forward
-        logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch, self.upload)))
+        ids = round_ids(batch, self.shard.device) if self.shard.needs_ids else None  # Gemma 4's per-layer inputs
+        logits = clock.forward_done(self.engine.forward_many(*forward_inputs(batch, self.upload), ids=ids))
         judged = plan.run(logits, lambda: non_finite_error("logits", self.shard.layer_range, self.shard.dtype))
         timings = dict(zip(("tail_forward_ms", "verify_ms"), clock.split(), strict=True)) | {"batch": len(batch)}
         timings |= {"queue_ms": self._queue_ms, "taken_at_ms": self._taken_at_ms, "prepare_ms": self._prepare_ms}

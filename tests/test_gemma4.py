@@ -1,0 +1,150 @@
+"""Gemma 4's text layers (workers/engine/per_layer.py), built from transformers' own Gemma4TextConfig
+(workers/tiny_models.py GEMMA4): per-layer inputs each shard computes from the token ids, the last two layers reading
+the keys and values of layers 3 (sliding) and 2 (full), wider full-attention heads with keys as values, double-wide
+MLPs, a window shorter than the prompts, the final soft cap; and a mixture-of-experts variant. Shards' logits equal
+the model's at every split that keeps each shared layer beside its source, through prompts, rounds and a rejected
+draft's rollback; the other splits are refused at load and by the plan, naming the layer; a split generation with a
+real tail process equals HF `generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from schemas.errors import ModelLoadError
+from schemas.requests import DraftSettings, GenerationRequest
+from schemas.settings import Settings
+from tests.conftest import PROMPTS
+from workers.engine.kvcache import KVCache
+from workers.engine.per_layer import kv_sources
+from workers.engine.plan import GiB, kv_bytes, model_shape, plan_split, shard_weights
+from workers.engine.runner import Engine
+from workers.engine.shard import load_shard
+from workers.head.runtime import HeadRuntime, generate
+from workers.tiny_models import GEMMA4, save_tiny_model, save_tiny_wrapper
+
+NEW = 16
+LONG = PROMPTS[16]  # 18 words: longer than the window of 8
+SLIDING, FULL = "sliding_attention", "full_attention"
+MOE = {**GEMMA4, "layers": 4, "layer_types": [SLIDING, FULL] * 2, "num_kv_shared_layers": 1}  # layer 3 reads layer 1's
+MOE |= {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+MOE |= {"hidden_size_per_layer_input": 0}  # no per-layer inputs (as the larger Gemma 4s): a tail needs no ids
+MODELS = {"gemma4": (GEMMA4, (1, 2)), "gemma4_moe": (MOE, (1,))}  # config, the splits that keep shared layers whole
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory, tokenizers):
+    root, tok = tmp_path_factory.mktemp("gemma4"), tokenizers["qwen2"]
+    made = {name: save_tiny_model(root / name, "gemma4_text", tokenizer=tok, **kw) for name, (kw, _) in MODELS.items()}
+    return made | {"wrapper": save_tiny_wrapper(root / "wrapper", "gemma4", tokenizer=tok)}
+
+
+def _hf(target):
+    auto = AutoModelForImageTextToText if "wrapper" in str(target) else AutoModelForCausalLM
+    return auto.from_pretrained(target, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _bytes(shard) -> int:
+    return sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in shard.parameters()}.values())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_shards_logits_equal_the_models_at_every_legal_split(name, gemma4, tokenizers):
+    """A whole shard, then head + tail at each legal split: a prompt, a round of 4 whose last 2 are rejected (both
+    caches cropped), and the rest; the tail embeds the ids it is given. Each loads only its part: its layers'
+    slices of the per-layer weights, the tail's embedding its tied LM head (what the plan counts). The mixture of
+    experts' variant has no per-layer inputs: its tail takes no ids."""
+    target, tok = gemma4[name], tokenizers["qwen2"]
+    ids = torch.tensor(tok.encode(LONG))
+    n = AutoConfig.from_pretrained(target).num_hidden_layers
+    shape = model_shape(AutoConfig.from_pretrained(target), torch.float32)
+    assert ids.shape[0] > 2 * GEMMA4["sliding_window"]  # type: ignore[operator]
+    with torch.inference_mode():
+        want = _hf(target)(ids[None]).logits[0]
+        whole = load_shard(target, None, embed=True, head=True)
+        torch.testing.assert_close(whole.forward(ids, 0, KVCache(), logits_last=len(ids)), want, rtol=1e-4, atol=1e-4)
+        for split in MODELS[name][1]:
+            head = load_shard(target, (0, split), embed=True, head=False)
+            tail = load_shard(target, (split, n), embed=False, head=True)
+            assert _bytes(head) == shard_weights(shape, (0, split), embed=True, head=False)
+            assert _bytes(tail) == shard_weights(shape, (split, n), embed=False, head=True)
+            per_layer = tail.layer_inputs.per_layer  # the tail's embedding: its tied LM head's weight
+            assert tail.needs_ids == (per_layer is not None) and not head.needs_ids
+            assert per_layer is None or per_layer.tokens.weight is tail.lm_head.weight
+            caches, parts, at = (KVCache(), KVCache()), [], 0
+            for size, keep in ((ids.shape[0] - 12, None), (4, 2), (10, None)):
+                h = head.forward(ids[at : at + size], at, caches[0])
+                got = tail.forward(h, at, caches[1], logits_last=size, ids=ids[at : at + size])
+                at += size if keep is None else keep
+                parts.append(got[:keep])
+                for c in caches:
+                    c.crop(at)
+            torch.testing.assert_close(torch.cat(parts), want, rtol=1e-4, atol=1e-4, msg=f"{name} split {split}")
+            shared = kv_sources(AutoConfig.from_pretrained(target))  # their keys live once, in their sources' caches
+            assert sorted(caches[1].keys) == [i for i in range(split, n) if i not in shared] and shared
+
+
+def test_the_multimodal_wrappers_text_shards_equal_its_forward(gemma4, tokenizers):
+    """Gemma4ForConditionalGeneration: its text layers and per-layer weights read under the wrapper's names
+    (`model.language_model.`), the vision tower never; split 2/4 equals the wrapper's own forward on text."""
+    target, tok = gemma4["wrapper"], tokenizers["qwen2"]
+    ids = torch.tensor(tok.encode(LONG))
+    with torch.inference_mode():
+        want = _hf(target)(input_ids=ids[None]).logits[0]
+        head = load_shard(target, (0, 2), embed=True, head=False)
+        tail = load_shard(target, (2, 6), embed=False, head=True)
+        got = tail.forward(head.forward(ids, 0, KVCache()), 0, KVCache(), logits_last=len(ids), ids=ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    names = [n for n, _ in head.named_parameters()] + [n for n, _ in tail.named_parameters()]
+    assert not any("vision" in n or "embed_vision" in n for n in names)
+
+
+def test_a_split_that_parts_a_shared_layer_is_refused_and_the_plan_avoids_it(gemma4):
+    """Layers 4 and 5 read the keys and values of layers 3 and 2: a cut at 3, 4 or 5 parts a pair; both sides of
+    such a split refuse to load, naming the layer, and the plan picks a cut that keeps them (or refuses one named)."""
+    target = gemma4["gemma4"]
+    config = AutoConfig.from_pretrained(target)
+    for split, (i, j) in ((3, (5, 2)), (4, (4, 3)), (5, (5, 2))):
+        line = rf"gemma4_text: layer {i} attends over the keys and values layer {j} computes .* at layer 1, 2\)$"
+        with pytest.raises(ModelLoadError, match=line):
+            load_shard(target, (split, 6), embed=False, head=True)
+        with pytest.raises(ModelLoadError, match=r"layer \d attends over the keys and values layer \d"):
+            load_shard(target, (0, split), embed=True, head=False)
+    plan = plan_split(config, [GiB, GiB], dtype=torch.float32, settings=Settings(engine={"cuda_context_gib": 0}))
+    assert plan.workers[0].layers[1] in (1, 2) and plan.in_flight > 0
+    with pytest.raises(ModelLoadError, match=r"layer 4 attends over the keys and values layer 3"):
+        plan_split(config, [GiB, GiB], dtype=torch.float32, split=4)
+    shape = model_shape(config, torch.float32)  # shared layers cache nothing; full layers 1 head of 32 (keys, values)
+    assert shape.kv_layer == (256, 256, 256, 256, 0, 0) and shape.window_layer == (None,) * 6
+    assert kv_bytes(shape, (2, 6), 100, 0) == 2 * 256 * 100
+
+
+def test_gemma4_shards_run_dynamic_caches_and_refuse_float16(gemma4):
+    target = gemma4["gemma4"]
+    shard = load_shard(target, (2, 6), embed=False, head=True)
+    with pytest.raises(ValueError, match=r"gemma4_text's layers \(per-layer inputs .* dynamic caches, without graphs"):
+        Engine(shard, Settings(engine={"static": True}))
+    assert isinstance(Engine(shard).acquire(), KVCache)  # the default for this shard: dynamic
+    with pytest.raises(ModelLoadError, match="gemma4_text overflows float16"):
+        load_shard(target, (0, 2), embed=True, head=False, dtype=torch.float16)
+    with pytest.raises(ValueError, match="pass the token ids"), torch.inference_mode():
+        shard.forward(torch.zeros(3, 64), 0, KVCache(), logits_last=1)
+
+
+@pytest.mark.parametrize("name", ["gemma4", pytest.param("wrapper", marks=pytest.mark.slow)])
+def test_split_generation_equals_generate(name, gemma4, tokenizers, tails, redis_client):
+    """Greedy, model drafts (the model itself) and n-gram drafts, split 2/4 through a real tail process (which
+    embeds each round's ids for its per-layer inputs), prompts short and longer than the window."""
+    target, tok = gemma4[name], tokenizers["qwen2"]
+    hf, names = _hf(target), tails.get(target, 2, 6)
+    runtime = HeadRuntime.load(target, (0, 2), draft=str(target))
+    for prompt in (PROMPTS[1], LONG):
+        ids = torch.tensor([tok.encode(prompt)])
+        want = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW)
+        for kind, k in (("model", 4), ("ngram", 3)):
+            req = GenerationRequest(
+                prompt=prompt, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(kind=kind, k=k)
+            )
+            got = generate(req, runtime, redis_client, names=names).token_ids
+            assert got == want[0, ids.shape[1] :].tolist(), (prompt, kind)
