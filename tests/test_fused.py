@@ -291,14 +291,15 @@ def test_capture_takes_every_bucket_and_length_up_front(models, monkeypatch):
     assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 24 and engine.capture([(3, 0, 0)]) == 0
     want = [(b, t, p, s, n) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)) for n in (512, 1024, 2048)]
     assert sorted(made) == sorted(want)
-    # attending in place, every batch reads its rows' own lengths: one graph per bucket and shape, any length
+    # attending in place, every batch reads its rows' own lengths: one graph per bucket and shape up to LONG_REACH
+    # (1,024) captured up front, one past it (keys read in chunks) at first use
     made.clear()
     in_place = Settings(engine={"static": True, "max_len": 3000, "attention": "in_place"})
     engine = Engine(shard, in_place, slots=6, step_tokens=3, max_draft=5)
     engine.graphs = True
-    assert [engine.attended(engine.pool, n) for n in (1, 2049)] == [full, full]
+    assert [engine.attended(engine.pool, n) for n in (1, 1024, 1025, 2049)] == [1024, 1024, full, full]
     assert engine.capture([(3, 0, 0), (1, 1, 4)]) == 8
-    assert sorted(made) == sorted((b, t, p, s, full) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)))
+    assert sorted(made) == sorted((b, t, p, s, 1024) for b in (1, 2, 4, 6) for t, p, s in ((3, 0, 0), (1, 1, 4)))
 
 
 @torch.inference_mode()

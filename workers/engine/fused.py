@@ -184,8 +184,8 @@ class FusedLayers:
         ropes = [made[id(cs)] for cs in per_layer]
         g = self.heads // self.kv_heads
         if self.attends_in_place(cache):
-            pool, rows, last = cache.in_place()  # type: ignore[attr-defined]
-            lay = pool_attention.layout(rows, last, t, self.kv_heads, g, pool.index.shape[0])
+            pool, rows, last, reach = cache.in_place()  # type: ignore[attr-defined]
+            lay = pool_attention.layout(rows, last, t, self.kv_heads, g, pool.index.shape[0], reach, pool.padding)
             in_place = partial(pool_attention.attend, lay=lay, scale=self.scale, kernel=self.kernel)
             for layer, rope in zip(self.layers, ropes, strict=True):
                 h = self._layer(layer, h, rope, partial(_in_place, cache, in_place))

@@ -131,6 +131,7 @@ class KVPool:
         # where a ring keeps a layer: its scratch positions wrap onto live ones (p mod R), so it has a pad slot too.
         padded = slots > 1 or bool(self.rings)
         self.pad_slot = slots if padded else 0
+        self.padding = self.pad_slot if padded else None  # the slot only padding rows use, if there is one
         rows = slots + padded
 
         def zeros(i: int, width: int) -> torch.Tensor:
@@ -262,10 +263,10 @@ class StaticKVCache:
         self.update(key_states, value_states, layer_idx)
         return self.pool.keys[layer_idx], self.pool.values[layer_idx]
 
-    def in_place(self) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
+    def in_place(self) -> tuple[KVPool, torch.Tensor, torch.Tensor, int]:
         """As `BatchView.in_place`, for this one sequence (its positions: those of the step being run)."""
         assert self.pos is not None, "mask(pos) first"
-        return self.pool, self.slot_row, self.pos[-1:]
+        return self.pool, self.slot_row, self.pos[-1:], self.pool.index.shape[0]
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return self._length
@@ -353,10 +354,10 @@ class BatchView:
         v[slots, :, self.pos] = value_states.transpose(1, 2)
         return k, v
 
-    def in_place(self) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
-        """(pool, slot of each row, position of each row's last token): what attention over the pool in place
-        reads (workers/engine/pool_attention.py)."""
-        return self.pool, self.rows, self.pos[:, -1]
+    def in_place(self) -> tuple[KVPool, torch.Tensor, torch.Tensor, int]:
+        """(pool, slot of each row, position of each row's last token, the attended length: no real row reads keys
+        past it): what attention over the pool in place reads (workers/engine/pool_attention.py)."""
+        return self.pool, self.rows, self.pos[:, -1], self.length
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return 0

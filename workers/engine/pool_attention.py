@@ -13,6 +13,11 @@ need not be increasing), float32 softmax, causal aligned to the end of each row'
   key/value head), causal; a row's tokens sit at consecutive positions ending at used[b] - 1 (padding after the
   real ones, as every batch of workers/engine/runner.py is laid out);
 - a batch's rounds: in two parts, merged (`attend`'s "split").
+Rows that may reach past `LONG_REACH` positions (the forward's `reach`: a bound on every row's keys) attend in chunks
+(split-KV): a call of few (row, head) sequences over long rows would run one thread block a sequence, each streaming
+every key alone (a 0.5B drafter's step at one sequence and 8,192 positions: 2 blocks for 132 SMs), so each sequence's
+keys are read as up to `chunk_count` sequences of their own, the query rows repeated, and the parts merged by their
+log-sum-exp. Padding rows (`pad`: the pool's padding slot) read t keys, not the slot's scratch at its end.
 Attention thus follows each row's real length (no attended-length buckets, no graph per length) and builds no
 mask. FlashAttention-2 runs on sm_80+ in float16/bfloat16 (head_dim a multiple of 8, at most 256); elsewhere
 (`supported`) the shards gather as before (workers/engine/kvcache.py `BatchView`). `reference` computes the same
@@ -37,6 +42,11 @@ Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # Rows of several tokens (rounds) from this batch size on attend in two parts (see `attend`); below it, per head.
 SPLIT_MIN_BATCH = 8
 SPLIT_MAX_TOKENS = 16  # ... for rounds of up to this many tokens a row (longer steps, prompts: per head, causal)
+# Forwards whose rows may reach past this many positions read keys in chunks (rounds in two parts at any batch size);
+# engines capture a graph for each side of it (workers/engine/runner.py `Engine.attended`)
+LONG_REACH = 1024
+CHUNK_MIN_KEYS = 256  # keys a chunk holds at least
+CHUNK_TARGET = 264  # (sequence, chunk) pairs a call aims at: two waves of an H200's 132 SMs
 
 
 @dataclass(frozen=True)
@@ -50,19 +60,49 @@ class Layout:
     max_k: int
     mode: str  # "fold" (one token), "heads" (causal, a head per query head), "split" (see `attend`)
     bias: torch.Tensor | None = None  # split: [t * g, t - 1] 0 / -inf, which of a round's later tokens a row sees
+    chunks: int = 1  # each (row, head)'s keys read as this many sequences (see the module docstring)
 
 
-def layout(rows: torch.Tensor, last: torch.Tensor, t: int, kv_heads: int, g: int, length: int) -> Layout:
+def chunk_count(sequences: int, reach: int) -> int:
+    """Chunks each of `sequences` (row, head) sequences reading up to `reach` keys is read in: enough for
+    CHUNK_TARGET in all, of CHUNK_MIN_KEYS keys at least; 1 up to LONG_REACH."""
+    if reach <= LONG_REACH:
+        return 1
+    return max(1, min(-(-CHUNK_TARGET // sequences), -(-reach // CHUNK_MIN_KEYS)))
+
+
+def layout(
+    rows: torch.Tensor,
+    last: torch.Tensor,
+    t: int,
+    kv_heads: int,
+    g: int,
+    length: int,
+    reach: int | None = None,
+    pad: int | None = None,
+) -> Layout:
     """The layout of a batch whose row b is slot rows[b] with its last token at position last[b], t tokens a
-    row, over a pool of `length` positions a slot (device ops only)."""
-    dev = rows.device
+    row, over a pool of `length` positions a slot, no row's keys past `reach` (default: length), padding rows in
+    slot `pad` (device ops only)."""
+    dev, reach = rows.device, min(reach or length, length)
     heads = torch.arange(kv_heads, device=dev, dtype=torch.int32)
     starts = ((rows.to(torch.int32)[:, None] * kv_heads + heads) * length).flatten()
+    long = reach > LONG_REACH
+    split = t <= SPLIT_MAX_TOKENS and (rows.shape[0] >= SPLIT_MIN_BATCH or long)
+    mode = "fold" if t == 1 else "split" if split else "heads"
+    seen = last.to(torch.int32) + 1 - (t - 1 if mode == "split" else 0)  # split: up to the round's first token
+    if pad is not None:  # a padding row's keys are never read: t of them are enough for every mode
+        seen = torch.where(rows == pad, seen.clamp(max=t), seen)
+    used = seen[:, None].expand(-1, kv_heads).contiguous().flatten()  # (contiguous: at one row no stride 0)
+    chunks = 1 if mode == "heads" else chunk_count(starts.shape[0], reach)
+    max_k = length
+    if chunks > 1:  # sequence i's chunk c: its keys c * size .. (c + 1) * size - 1
+        max_k = -(-reach // chunks)
+        offsets = torch.arange(chunks, device=dev, dtype=torch.int32) * max_k
+        starts = (starts[:, None] + offsets).flatten()
+        used = (used[:, None] - offsets).clamp(0, max_k).flatten()
     n = starts.shape[0]
     cu_k = torch.cat([starts, starts.new_zeros(1)])
-    mode = "fold" if t == 1 else "split" if t <= SPLIT_MAX_TOKENS and rows.shape[0] >= SPLIT_MIN_BATCH else "heads"
-    seen = last.to(torch.int32) + 1 - (t - 1 if mode == "split" else 0)  # split: up to the round's first token
-    used = seen[:, None].expand(-1, kv_heads).contiguous().flatten()  # (contiguous: at one row no stride 0)
     per = {"fold": g, "heads": t, "split": t * g}[mode]
     cu_q = torch.arange(0, (n + 1) * per, per, device=dev, dtype=torch.int32)
     bias = None
@@ -70,7 +110,27 @@ def layout(rows: torch.Tensor, last: torch.Tensor, t: int, kv_heads: int, g: int
         tok = torch.arange(t, device=dev).repeat_interleave(g)[:, None]
         later = torch.arange(1, t, device=dev)[None] > tok
         bias = torch.zeros(t * g, t - 1, device=dev).masked_fill(later, -torch.inf)
-    return Layout(cu_q, cu_k, used, per, length, mode, bias)
+    return Layout(cu_q, cu_k, used, per, max_k, mode, bias, chunks)
+
+
+def chunked(
+    kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernel` (not causal) over a layout whose sequences are read in `lay.chunks` chunks: each sequence's query
+    rows q [n * per, heads, d] repeated for its chunks, the chunks' outputs merged by their log-sum-exps (float32; a
+    chunk with no keys weighs nothing). Returns what one call over whole sequences returns."""
+    c, per, heads, d = lay.chunks, lay.max_q, q.shape[1], q.shape[2]
+    if c == 1:
+        return kernel(q, k, v, lay, scale, False)
+    n = q.shape[0] // per
+    wide = q.reshape(n, 1, per * heads * d).expand(n, c, -1).reshape(-1, heads, d)
+    out, lse = kernel(wide, k, v, lay, scale, False)
+    empty = (lay.used == 0).view(n, c, 1, 1)
+    part = lse.view(heads, n, c, per).permute(1, 2, 3, 0).masked_fill(empty, -torch.inf)  # [n, c, per, heads]
+    weight = torch.softmax(part, dim=1)
+    outs = out.view(n, c, per, heads, d).float().masked_fill(empty[..., None], 0.0)  # an empty chunk: no output
+    merged = (outs * weight[..., None]).sum(1)
+    return merged.reshape(n * per, heads, d).to(q.dtype), torch.logsumexp(part, 1).permute(2, 0, 1).reshape(heads, -1)
 
 
 def attend(
@@ -97,14 +157,14 @@ def attend(
     g = hq // hkv
     flat_k, flat_v = keys.view(-1, 1, d), values.view(-1, 1, d)
     if lay.mode == "fold":  # [B * hkv * g, 1, d]
-        return kernel(q.reshape(b * hkv * g, 1, d), flat_k, flat_v, lay, scale, False)[0].reshape(b, hq * d)
+        return chunked(kernel, q.reshape(b * hkv * g, 1, d), flat_k, flat_v, lay, scale)[0].reshape(b, hq * d)
     if lay.mode == "heads":  # [B * hkv * T, g, d]
         q2 = q.reshape(b, t, hkv, g, d).transpose(1, 2).reshape(b * hkv * t, g, d)
         out = kernel(q2, flat_k, flat_v, lay, scale, True)[0]
         return out.view(b, hkv, t, g, d).transpose(1, 2).reshape(b * t, hq * d)
     assert new is not None and lay.bias is not None
     q2 = q.reshape(b, t, hkv, g, d).transpose(1, 2).reshape(b * hkv * t * g, 1, d)
-    first, lse = kernel(q2, flat_k, flat_v, lay, scale, False)
+    first, lse = chunked(kernel, q2, flat_k, flat_v, lay, scale)
     n = b * hkv
     out = merge_later(q2.view(n, t * g, d), first.view(n, t * g, d), lse.view(n, t * g), new, lay, scale)
     return out.view(b, hkv, t, g, d).transpose(1, 2).reshape(b * t, hq * d)
@@ -193,4 +253,14 @@ def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         (o1, l1), (o2, l2) = (k(q, flat_k, flat_v, lay, head_dim**-0.5, causal) for k in (flash, reference))
         if not (torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2) and torch.allclose(l1, l2, atol=1e-2)):
             return False
-    return True
+    # keys in chunks (a row of 1,500 positions, one of 10: most of its chunks empty) against whole rows
+    n = 2 * LONG_REACH
+    keys = torch.randn(3, 2, n, head_dim, device=device, dtype=dtype, generator=gen)
+    flat_k, flat_v = keys.view(-1, 1, head_dim), keys.flip(2).reshape(-1, 1, head_dim)
+    rows, last = torch.tensor([2, 0], device=device), torch.tensor([1500, 9], device=device)
+    q = torch.randn(2 * 2 * 4, 1, head_dim, device=device, dtype=dtype, generator=gen)
+    whole, parts = (layout(rows, last, 1, 2, 4, n, reach) for reach in (LONG_REACH, n))
+    o1, l1 = chunked(flash, q, flat_k, flat_v, parts, head_dim**-0.5)
+    o2, l2 = reference(q, flat_k, flat_v, whole, head_dim**-0.5, False)
+    same = torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2) and torch.allclose(l1, l2, atol=1e-2)
+    return parts.chunks > 1 and same

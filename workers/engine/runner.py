@@ -26,6 +26,7 @@ import torch
 import torch._dynamo
 
 from schemas.settings import Settings
+from workers.engine import pool_attention
 from workers.engine.batches import pick_last, prefill_parts
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVPool, StaticKVCache
@@ -359,8 +360,8 @@ class Engine:
 
     def capture_lengths(self, pool: KVPool) -> list[int]:
         """The attended lengths graphs are captured for when the engine starts (one where attention is in place)."""
-        if self.shard.attends_in_place:
-            return [pool.index.shape[0]]
+        if self.shard.attends_in_place:  # rows below LONG_REACH; longer ones' graphs (keys in chunks) at first use
+            return [min(pool.index.shape[0], pool_attention.LONG_REACH)]
         return [n for n in attended_lengths(pool) if n <= self.capture_len] or attended_lengths(pool)[:1]
 
     def attended(self, pool: KVPool, need: int) -> int:
@@ -368,8 +369,8 @@ class Engine:
         `attended_lengths` that holds them (a few lengths, so a few graphs per shape), else `need` rounded up
         to 64 (eager batches gather and attend over no more than they use)."""
         full = pool.index.shape[0]
-        if self.shard.attends_in_place:  # each row's own length: one graph per shape
-            return full
+        if self.shard.attends_in_place:  # each row's own length; keys in chunks past LONG_REACH: two graphs a shape
+            return full if need > pool_attention.LONG_REACH else min(full, pool_attention.LONG_REACH)
         if not self.graphs:
             return min(-(-need // 64) * 64, full)
         return next((n for n in attended_lengths(pool) if n >= need), full)
