@@ -8,21 +8,27 @@ real tail process equals HF `generate`."""
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from schemas.errors import ModelLoadError
-from schemas.requests import DraftSettings, GenerationRequest
+from schemas.keys import Keys
+from schemas.packets import ErrorReply, Verdict, decode_tail_message
+from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
+from tests.relay_util import announce, sealed_round
 from workers.engine.kvcache import KVCache
 from workers.engine.per_layer import kv_sources
 from workers.engine.plan import GiB, kv_bytes, model_shape, plan_split, shard_weights
 from workers.engine.runner import Engine
 from workers.engine.shard import load_shard
 from workers.head.runtime import HeadRuntime, generate
-from workers.tiny_models import GEMMA4, save_tiny_model, save_tiny_wrapper
+from workers.tail.server import TailWorker
+from workers.tiny_models import GEMMA4, save_tiny_model, save_tiny_wrapper, tiny_config
 
 NEW = 16
 LONG = PROMPTS[16]  # 18 words: longer than the window of 8
@@ -148,3 +154,50 @@ def test_split_generation_equals_generate(name, gemma4, tokenizers, tails, redis
             )
             got = generate(req, runtime, redis_client, names=names).token_ids
             assert got == want[0, ids.shape[1] :].tolist(), (prompt, kind)
+
+
+def test_a_tail_batch_embeds_each_rounds_ids_and_refuses_ids_past_the_per_layer_table(
+    tmp_path, tokenizers, redis_client
+):
+    """Rounds of three sessions read together by a tail of split 2/6 whose per-layer table is shorter than the
+    vocabulary: the two whose ids it can embed get the whole model's greedy tokens (each round its own ids, of its
+    own hidden rows); the one with an id below the vocabulary but past the table's rows fails alone, before any
+    forward, with the reason (unchecked, transformers' lookup would index past the table: on CUDA a device-side
+    assert that takes the whole tail down), dead-lettered."""
+    tok = tokenizers["qwen2"]
+    vocab = len(tok)
+    target = save_tiny_model(
+        tmp_path / "short", "gemma4_text", tokenizer=tok, **GEMMA4, vocab_size_per_layer_input=vocab - 2
+    )
+    names = Keys(f"g4-{secrets.token_hex(4)}")
+    announce(redis_client, names)
+    head = load_shard(target, (0, 2), embed=True, head=False)
+    whole = load_shard(target, None, embed=True, head=True)
+    worker = TailWorker(load_shard(target, (2, 6), embed=False, head=True), redis_client, names=names)
+    prompts = {"a": tok.encode(LONG), "b": tok.encode(PROMPTS[1]), "bad": [5, vocab - 1, 7]}  # 316 in LONG
+    opening = dict(round_id=0, start_pos=0, draft_ids=[3, 4], sampling=SamplingParams(), eos_token_ids=[], max_new=8)
+    with torch.inference_mode():
+        packets = [
+            sealed_round(  # the head's hidden rows (its table is as short: it embeds the bad id clamped)
+                opening | {"session_id": sid, "input_ids": ids, "q_kind": "none"},
+                {"hidden": head.forward(torch.tensor([*ids, 3, 4]).clamp(max=vocab - 3), 0, KVCache())},
+            )
+            for sid, ids in prompts.items()
+        ]
+        replies = [decode_tail_message(r.fields) for r in worker.handle_many(packets) if r is not None]
+        for sid in ("a", "b"):
+            logits = whole.forward(torch.tensor([*prompts[sid], 3, 4]), 0, KVCache(), logits_last=3)
+            want, accepted = logits.argmax(-1).tolist(), 0
+            while accepted < 2 and want[accepted] == [3, 4][accepted]:
+                accepted += 1
+            got = next(r for r in replies if r.session_id == sid)
+            assert isinstance(got, Verdict) and got.tokens == [3, 4][:accepted] + [want[accepted]], sid
+    bad = next(r for r in replies if r.session_id == "bad")
+    assert isinstance(bad, ErrorReply) and bad.error == f"token ids must be below the vocabulary size {vocab - 2}"
+    assert [d.session_id for d in worker.take_dead_letters()] == ["bad"]
+
+
+def test_a_shared_layer_without_a_source_of_its_type_is_refused_by_name(tokenizers):
+    config = tiny_config("gemma4_text", len(tokenizers["qwen2"]), **GEMMA4 | {"layer_types": [SLIDING] * 5 + [FULL]})
+    with pytest.raises(ModelLoadError, match=r"layer 5 shares the keys and values of an earlier full_attention layer"):
+        kv_sources(config)

@@ -52,15 +52,32 @@ def per_layer_width(config: PretrainedConfig) -> int:
     return int(getattr(config, "hidden_size_per_layer_input", 0) or 0) if takes_layer_inputs(config) else 0
 
 
+def id_limit(config: PretrainedConfig) -> int:
+    """The token ids a shard of this model takes are below this: its vocabulary, and the rows of its per-layer table
+    where it has one (`vocab_size_per_layer_input`, which transformers indexes unchecked: an id past it is an
+    IndexError on a CPU, and on CUDA a device-side assert that takes the whole process down)."""
+    if not per_layer_width(config):
+        return config.vocab_size
+    return min(config.vocab_size, config.vocab_size_per_layer_input)
+
+
 def kv_sources(config: PretrainedConfig) -> dict[int, int]:
     """Each KV-shared layer -> the layer whose keys and values it attends over: the last layer of its type before
-    the shared ones (as transformers' Gemma 4 attention marks it `store_full_length_kv`)."""
+    the shared ones (as transformers' Gemma 4 attention marks it `store_full_length_kv`); ModelLoadError, naming
+    it, for a shared layer no earlier layer of its type feeds."""
     n = config.num_hidden_layers
     first = n - (getattr(config, "num_kv_shared_layers", 0) or 0)
     if not takes_layer_inputs(config) or not 0 < first < n:
         return {}
-    types = config.layer_types
-    return {i: max(j for j in range(first) if types[j] == types[i]) for i in range(first, n)}
+    types, out = config.layer_types, {}
+    for i in range(first, n):
+        if (j := max((j for j in range(first) if types[j] == types[i]), default=None)) is None:
+            raise ModelLoadError(
+                f"{config.model_type}: layer {i} shares the keys and values of an earlier {types[i]} layer, and "
+                f"layers 0:{first} have none"
+            )
+        out[i] = j
+    return out
 
 
 def parted(config: PretrainedConfig, layers: tuple[int, int]) -> tuple[int, int] | None:

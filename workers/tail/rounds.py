@@ -109,7 +109,8 @@ def round_ids(batch: list[Prepared], device: torch.device) -> list[torch.Tensor]
     """Each round's token ids, the ids of its hidden rows ([input_ids, draft_ids]), on the device: a shard whose
     layers take per-layer inputs from them (Gemma 4, workers/engine/per_layer.py) is given them beside the rows."""
     rounds = [b.packet for b in batch]
-    return [torch.tensor([*p.input_ids, *p.draft_ids], dtype=torch.long).to(device) for p in rounds]
+    flat = torch.tensor([t for p in rounds for t in (*p.input_ids, *p.draft_ids)], dtype=torch.long)
+    return list(flat.to(device).split([len(p.input_ids) + len(p.draft_ids) for p in rounds]))  # one copy
 
 
 def _entry_ms(entry_id: bytes | str) -> int | None:

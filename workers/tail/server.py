@@ -42,6 +42,7 @@ from schemas.peek import peek_reply_to, peek_session, peek_version
 from schemas.settings import Settings
 from workers.engine.isolate import run_isolated
 from workers.engine.numerics import non_finite_error
+from workers.engine.per_layer import id_limit
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.engine.sizing import linger_s
@@ -89,6 +90,7 @@ class TailWorker:
             raise ValueError("a tail shard needs the final norm and LM head")
         self.settings = cfg = settings or Settings()
         self.shard, self.r, self.max_packet_bytes = shard, r, cfg.relay.max_packet_bytes
+        self.id_limit = id_limit(shard.config)  # the vocabulary (and Gemma 4's per-layer table: its ids index it)
         self.engine = engine or Engine(shard, settings=cfg, label="tail")
         self.names = names or Keys()
         self.tail_id = tail_id or default_tail_id()
@@ -298,9 +300,8 @@ class TailWorker:
         if isinstance(msg, ClosePacket) or key is None:
             self.sessions.drop(msg.session_id)
             return None
-        vocab = self.shard.config.vocab_size
-        if max(msg.input_ids + msg.draft_ids) >= vocab:
-            raise PacketError(f"token ids must be below the vocabulary size {vocab}")
+        if max(msg.input_ids + msg.draft_ids) >= self.id_limit:  # the vocabulary's, or Gemma 4's per-layer table's
+            raise PacketError(f"token ids must be below the vocabulary size {self.id_limit}")
         try:
             sess = self._session_for(msg, key)
         except TailBusy as e:  # the head waits and sends the round again: nothing to dead-letter
