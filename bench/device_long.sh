@@ -18,7 +18,7 @@ IFS=',' read -ra ctxs <<< "${CTXS:-8192}"
 for c in "${ctxs[@]}"; do
   args=(--device cuda:0 --b 1,16 --ctx "$c" --max-len $((c + 256)) --iters 10 --no-reference)
   timeout 200 python3 -m bench.stages "${args[@]}" --out /tmp/o/c$c 2>&1 | quiet | grep -E "^B=|\|" > "$OUT/stages-$c.log"
-  [ -n "${WHOLE:-1}" ] && timeout 200 "${whole[@]}" "${args[@]}" --out /tmp/o/w$c 2>&1 | quiet | grep -E "^B=|\|" > "$OUT/stages-$c-whole.log"
+  [ -n "${WHOLE-1}" ] && timeout 200 "${whole[@]}" "${args[@]}" --out /tmp/o/w$c 2>&1 | quiet | grep -E "^B=|\|" > "$OUT/stages-$c-whole.log"
   tail -n 3 "$OUT"/stages-"$c"*.log
 done
 timeout 200 python3 -m bench.stages --device cuda:0 --b "${BS:-1,16,128}" --iters 10 --no-reference --out /tmp/o/s256 \
