@@ -13,13 +13,11 @@ need not be increasing), float32 softmax, causal aligned to the end of each row'
   key/value head), causal; a row's tokens sit at consecutive positions ending at used[b] - 1 (padding after the
   real ones, as every batch of workers/engine/runner.py is laid out);
 - a batch's rounds: in two parts, merged (`attend`'s "split").
-A batch's rounds whose rows may reach past `LONG_REACH` positions (the forward's `reach`: a bound on every row's keys)
-read the pool in chunks (split-KV): each (row, head) sequence's keys as up to `chunk_count` sequences of their own,
-the query rows repeated, the parts merged by their log-sum-exp, so a few dozen sequences of thousands of keys do not
-each stream them in one thread block. On an H200 at 8,192 positions this took a 7B half's round at 16 sequences from
-12.3 to 11.1 ms, and cost one sequence's rounds and a drafter's steps more than it saved (their ten merge kernels a
-layer against 25 us of attention; docs/benchmarks.md, run 83): they read whole rows. Padding rows (`pad`: the pool's
-padding slot) read t keys, not the slot's scratch at its end.
+Rows that may reach past `LONG_REACH` positions (the forward's `reach`: a bound on every row's keys) attend in chunks
+(split-KV): a call of few (row, head) sequences over long rows would run one thread block a sequence, each streaming
+every key alone (a 0.5B drafter's step at one sequence and 8,192 positions: 2 blocks for 132 SMs), so each sequence's
+keys are read as up to `chunk_count` sequences of their own, the query rows repeated, and the parts merged by their
+log-sum-exp. Padding rows (`pad`: the pool's padding slot) read t keys, not the slot's scratch at its end.
 Attention thus follows each row's real length (no attended-length buckets, no graph per length) and builds no
 mask. FlashAttention-2 runs on sm_80+ in float16/bfloat16 (head_dim a multiple of 8, at most 256); elsewhere
 (`supported`) the shards gather as before (workers/engine/kvcache.py `BatchView`). `reference` computes the same
@@ -44,8 +42,8 @@ Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # Rows of several tokens (rounds) from this batch size on attend in two parts (see `attend`); below it, per head.
 SPLIT_MIN_BATCH = 8
 SPLIT_MAX_TOKENS = 16  # ... for rounds of up to this many tokens a row (longer steps, prompts: per head, causal)
-# Rounds of a batch whose rows may reach past this many positions read keys in chunks; engines capture a graph for
-# each side of it (workers/engine/runner.py `Engine.attended`)
+# Forwards whose rows may reach past this many positions read keys in chunks (rounds in two parts at any batch size);
+# engines capture a graph for each side of it (workers/engine/runner.py `Engine.attended`)
 LONG_REACH = 1024
 CHUNK_MIN_KEYS = 256  # keys a chunk holds at least
 CHUNK_TARGET = 264  # (sequence, chunk) pairs a call aims at: two waves of an H200's 132 SMs
@@ -89,13 +87,14 @@ def layout(
     dev, reach = rows.device, min(reach or length, length)
     heads = torch.arange(kv_heads, device=dev, dtype=torch.int32)
     starts = ((rows.to(torch.int32)[:, None] * kv_heads + heads) * length).flatten()
-    split = t <= SPLIT_MAX_TOKENS and rows.shape[0] >= SPLIT_MIN_BATCH
+    long = reach > LONG_REACH
+    split = t <= SPLIT_MAX_TOKENS and (rows.shape[0] >= SPLIT_MIN_BATCH or long)
     mode = "fold" if t == 1 else "split" if split else "heads"
     seen = last.to(torch.int32) + 1 - (t - 1 if mode == "split" else 0)  # split: up to the round's first token
     if pad is not None:  # a padding row's keys are never read: t of them are enough for every mode
         seen = torch.where(rows == pad, seen.clamp(max=t), seen)
     used = seen[:, None].expand(-1, kv_heads).contiguous().flatten()  # (contiguous: at one row no stride 0)
-    chunks = chunk_count(starts.shape[0], reach) if mode == "split" else 1
+    chunks = 1 if mode == "heads" else chunk_count(starts.shape[0], reach)
     max_k = length
     if chunks > 1:  # sequence i's chunk c: its keys c * size .. (c + 1) * size - 1
         max_k = -(-reach // chunks)
@@ -254,14 +253,13 @@ def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         (o1, l1), (o2, l2) = (k(q, flat_k, flat_v, lay, head_dim**-0.5, causal) for k in (flash, reference))
         if not (torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2) and torch.allclose(l1, l2, atol=1e-2)):
             return False
-    # a batch's rounds with keys in chunks (rows of 1,500 and 9 positions: most chunks empty) against whole rows
-    n, b = 2 * LONG_REACH, SPLIT_MIN_BATCH
+    # keys in chunks (a row of 1,500 positions, one of 10: most of its chunks empty) against whole rows
+    n = 2 * LONG_REACH
     keys = torch.randn(3, 2, n, head_dim, device=device, dtype=dtype, generator=gen)
     flat_k, flat_v = keys.view(-1, 1, head_dim), keys.flip(2).reshape(-1, 1, head_dim)
-    rows = torch.arange(b, device=device) % 3
-    last = torch.tensor([1500, 9], device=device).repeat(b // 2)
-    q = torch.randn(b * 2 * 2 * 4, 1, head_dim, device=device, dtype=dtype, generator=gen)
-    whole, parts = (layout(rows, last, 2, 2, 4, n, reach) for reach in (LONG_REACH, n))
+    rows, last = torch.tensor([2, 0], device=device), torch.tensor([1500, 9], device=device)
+    q = torch.randn(2 * 2 * 4, 1, head_dim, device=device, dtype=dtype, generator=gen)
+    whole, parts = (layout(rows, last, 1, 2, 4, n, reach) for reach in (LONG_REACH, n))
     o1, l1 = chunked(flash, q, flat_k, flat_v, parts, head_dim**-0.5)
     o2, l2 = reference(q, flat_k, flat_v, whole, head_dim**-0.5, False)
     same = torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2) and torch.allclose(l1, l2, atol=1e-2)
