@@ -71,6 +71,7 @@ def test_long_rows_read_in_chunks_equal_gathered_attention(t, monkeypatch):
     torch.testing.assert_close(got.view(4, t, -1)[:3], want.view(4, t, -1)[:3], rtol=1e-5, atol=1e-5)
     short = pool_attention.layout(rows, last, t, hkv, g, length, reach=16)
     assert short.chunks == 1 and short.mode == ("fold" if t == 1 else "heads")
+    assert pool_attention.chunks_agree(pool_attention.reference, torch.device("cpu"), torch.float32, d)  # the probe's
 
 
 def _shards(models):
