@@ -46,11 +46,12 @@ def test_reference_layout_equals_gathered_attention(t, split, monkeypatch):
 
 @pytest.mark.parametrize("t", [1, 3, 9])
 def test_long_rows_read_in_chunks_equal_gathered_attention(t, monkeypatch):
-    """Rows that may reach past LONG_REACH read their keys in chunks merged by log-sum-exp (split-KV; rounds in two
-    parts at any batch size): equal to a gather of the rows' slots, rows of a few keys to all of them (chunks left
-    empty), a padding row reading t keys rather than its slot's scratch."""
+    """A batch's rounds whose rows may reach past LONG_REACH read their keys in chunks merged by log-sum-exp
+    (split-KV): equal to a gather of the rows' slots, rows of a few keys to all of them (chunks left empty), a padding
+    row reading t keys rather than its slot's scratch; draft steps read whole rows."""
     monkeypatch.setattr(pool_attention, "LONG_REACH", 16)
     monkeypatch.setattr(pool_attention, "CHUNK_MIN_KEYS", 5)
+    monkeypatch.setattr(pool_attention, "SPLIT_MIN_BATCH", 4)
     torch.manual_seed(2)
     slots, hkv, g, d, length = 4, 2, 3, 16, 64
     keys = torch.randn(slots + 1, hkv, length, d)
@@ -59,8 +60,9 @@ def test_long_rows_read_in_chunks_equal_gathered_attention(t, monkeypatch):
     last = torch.tensor([t + 2, 60, 33, length - 1])
     q = torch.randn(4, t, hkv * g, d)
     lay = pool_attention.layout(rows, last, t, hkv, g, length, reach=62, pad=slots)
-    assert lay.mode == ("fold" if t == 1 else "split") and lay.chunks == 13 and lay.max_k == 5
-    assert lay.used.view(4, hkv, 13)[3].sum(-1).tolist() == [t] * hkv  # the padding row: t keys
+    chunks = 1 if t == 1 else 13
+    assert lay.mode == ("fold" if t == 1 else "split") and lay.chunks == chunks
+    assert lay.used.view(4, hkv, chunks)[3].sum(-1).tolist() == [t] * hkv  # the padding row: t keys
     pos = last[:, None] - t + 1 + torch.arange(t)
     new = tuple(c[rows[:, None], :, pos].transpose(1, 2) for c in (keys, values))
     got = pool_attention.attend(q, keys, values, lay, 0.25, pool_attention.reference, new)
@@ -69,8 +71,7 @@ def test_long_rows_read_in_chunks_equal_gathered_attention(t, monkeypatch):
     full = bias[:, :, None].expand(4, hkv, g, t, length).reshape(-1, g * t, length)
     want = gathered_attend(q, keys[rows], values[rows], full, 0.25)
     torch.testing.assert_close(got.view(4, t, -1)[:3], want.view(4, t, -1)[:3], rtol=1e-5, atol=1e-5)
-    short = pool_attention.layout(rows, last, t, hkv, g, length, reach=16)
-    assert short.chunks == 1 and short.mode == ("fold" if t == 1 else "heads")
+    assert pool_attention.layout(rows, last, t, hkv, g, length, reach=16).chunks == 1
     assert pool_attention.chunks_agree(pool_attention.reference, torch.device("cpu"), torch.float32, d)  # the probe's
 
 

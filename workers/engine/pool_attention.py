@@ -13,13 +13,14 @@ need not be increasing), float32 softmax, causal aligned to the end of each row'
   key/value head), causal; a row's tokens sit at consecutive positions ending at used[b] - 1 (padding after the
   real ones, as every batch of workers/engine/runner.py is laid out);
 - a batch's rounds: in two parts, merged (`attend`'s "split").
-Rows that may reach past `LONG_REACH` positions (the forward's `reach`: a bound on every row's keys) attend in chunks
-(split-KV): a call of few (row, head) sequences over long rows would run one thread block a sequence, each streaming
-every key alone (a 0.5B drafter's step at one sequence and 8,192 positions: 2 blocks for 132 SMs), so each sequence's
-keys are read as up to `chunk_count` sequences of their own, the query rows repeated, and the parts merged by their
-log-sum-exp (on an H200 at 8,192 positions: a 0.5B drafter's 8 steps at one sequence 39.7 -> 23.7 ms, at 16 56.3 ->
-38.7; a 7B half's round at one sequence 6.7 -> 5.3 ms; docs/benchmarks.md, run 83). Padding rows (`pad`: the pool's
-padding slot) read t keys, not the slot's scratch at its end.
+A batch's rounds (8 rows and more) whose rows may reach past `LONG_REACH` positions (the forward's `reach`: a bound
+on every row's keys) read the pool in chunks (split-KV): each (row, head) sequence's keys as up to `chunk_count`
+sequences of their own, the query rows repeated, the parts merged by their log-sum-exp, so a few dozen sequences of
+thousands of keys do not each stream them in one thread block. Draft steps and one sequence's rounds read whole rows:
+chunked, their kernels alone were faster (at 8,192 positions on an H200, a 0.5B drafter's 8 steps at one sequence 40.3
+-> 23.6 ms), but the merge's ten kernels a layer cost more than that beside the other role's work on a shared GPU (the
+job path with 4,000-token prompts: one job 16.9 tok/s and 8 jobs 82 chunked, 18.9 and 98 not; docs/benchmarks.md,
+runs 82-84). Padding rows (`pad`: the pool's padding slot) read t keys, not the slot's scratch at its end.
 Attention thus follows each row's real length (no attended-length buckets, no graph per length) and builds no
 mask. FlashAttention-2 runs on sm_80+ in float16/bfloat16 (head_dim a multiple of 8, at most 256); elsewhere
 (`supported`) the shards gather as before (workers/engine/kvcache.py `BatchView`). `reference` computes the same
@@ -44,8 +45,8 @@ Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # Rows of several tokens (rounds) from this batch size on attend in two parts (see `attend`); below it, per head.
 SPLIT_MIN_BATCH = 8
 SPLIT_MAX_TOKENS = 16  # ... for rounds of up to this many tokens a row (longer steps, prompts: per head, causal)
-# Forwards whose rows may reach past this many positions read keys in chunks (rounds in two parts at any batch size);
-# engines capture a graph for each side of it (workers/engine/runner.py `Engine.attended`)
+# A batch's rounds whose rows may reach past this many positions read keys in chunks; engines capture a graph for
+# each side of it (workers/engine/runner.py `Engine.attended`)
 LONG_REACH = 1024
 CHUNK_MIN_KEYS = 256  # keys a chunk holds at least
 CHUNK_TARGET = 264  # (sequence, chunk) pairs a call aims at: two waves of an H200's 132 SMs
@@ -90,15 +91,14 @@ def layout(
     dev, reach = rows.device, min(reach or length, length)
     heads = torch.arange(kv_heads, device=dev, dtype=torch.int32)
     starts = ((rows.to(torch.int32)[:, None] * kv_heads + heads) * length).flatten()
-    long = reach > LONG_REACH
-    split = t <= SPLIT_MAX_TOKENS and (rows.shape[0] >= SPLIT_MIN_BATCH or long)
+    split = t <= SPLIT_MAX_TOKENS and rows.shape[0] >= SPLIT_MIN_BATCH
     mode = "fold" if t == 1 else "split" if split else "heads"
     seen = last.to(torch.int32) + 1 - (t - 1 if mode == "split" else 0)  # split: up to the round's first token
     if pad is not None:  # a padding row's keys are never read: t of them are enough for every mode
         seen = torch.where(rows == pad, seen.clamp(max=t), seen)
     used = seen[:, None].expand(-1, kv_heads).contiguous().flatten()  # (contiguous: at one row no stride 0)
-    if chunks is None or mode == "heads":
-        chunks = 1 if mode == "heads" else chunk_count(starts.shape[0], reach)
+    if chunks is None or mode == "heads":  # chunks given: `chunks_agree`'s check of the merge
+        chunks = chunk_count(starts.shape[0], reach) if mode == "split" else 1
     max_k = length
     if chunks > 1:  # sequence i's chunk c: its keys c * size .. (c + 1) * size - 1
         max_k = -(-reach // chunks)
