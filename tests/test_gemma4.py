@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from schemas.errors import ModelLoadError
+from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.keys import Keys
 from schemas.packets import ErrorReply, Verdict, decode_tail_message
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
@@ -201,3 +201,16 @@ def test_a_shared_layer_without_a_source_of_its_type_is_refused_by_name(tokenize
     config = tiny_config("gemma4_text", len(tokenizers["qwen2"]), **GEMMA4 | {"layer_types": [SLIDING] * 5 + [FULL]})
     with pytest.raises(ModelLoadError, match=r"layer 5 shares the keys and values of an earlier full_attention layer"):
         kv_sources(config)
+
+
+def test_the_head_refuses_a_prompt_id_past_the_per_layer_table(tmp_path, tokenizers):
+    """A prompt of token ids is checked against the per-layer table's rows too, where they are fewer than the
+    vocabulary's: the request is refused with the reason, before the head's own lookup could index past them."""
+    vocab = len(tokenizers["qwen2"])
+    short = GEMMA4 | {"vocab_size_per_layer_input": vocab - 2}
+    target = save_tiny_model(tmp_path / "short", "gemma4_text", tokenizer=tokenizers["qwen2"], **short)
+    runtime = HeadRuntime.load(target, (0, 2))
+    ok = GenerationRequest(prompt_ids=[5, vocab - 3], max_new_tokens=2)
+    assert runtime.prompt_ids(ok) == [5, vocab - 3]
+    with pytest.raises(InvalidRequest, match=f"outside the vocabulary of {vocab - 2}"):
+        runtime.prompt_ids(GenerationRequest(prompt_ids=[5, vocab - 1], max_new_tokens=2))

@@ -27,6 +27,7 @@ from schemas.errors import InvalidRequest
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
+from workers.engine.per_layer import id_limit
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
 from workers.engine.sizing import (
@@ -178,7 +179,8 @@ class HeadRuntime:
 
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
         """Token ids of the request's prompt; raises InvalidRequest if it cannot fit the model."""
-        return encode_prompt(self.tokenizer, req, self.shard.config.vocab_size, self.context_length)
+        # the vocabulary, or a smaller per-layer table (Gemma 4) whose lookups are unchecked: `per_layer.id_limit`
+        return encode_prompt(self.tokenizer, req, id_limit(self.shard.config), self.context_length)
 
     def drafter_for(self, req: GenerationRequest, prompt_len: int) -> DraftSession | None:
         """The draft session a request asks for ('model' falls back to n-gram without a draft model)."""
