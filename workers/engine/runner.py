@@ -11,9 +11,8 @@
   tokens sit after a row's real ones, so causal masking keeps them out of every real token; padding
   rows write into the pool's pad slot. Sequences beyond the pool's slots get a one-slot pool of their
   own. A result of a graph stays valid until the engine's next replay.
-Static slots come in two lengths when sized from memory (`SlotPlan`): short ones for sequences whose
-prompt and new tokens fit, and full-length ones; each length is a pool of its own, batched apart.
-Longer steps (prompts) run as eager batches, padded to their longest, up to `prefill_tokens` tokens each.
+Static slots come in two lengths when sized from memory (`SlotPlan`), short and full-length, each a pool batched
+apart. Longer steps (prompts) run as eager batches, padded to their longest, up to `prefill_tokens` tokens each.
 """
 
 from __future__ import annotations
