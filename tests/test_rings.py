@@ -112,7 +112,31 @@ def test_a_rollback_past_the_slack_is_refused(shard):
     cache.crop(31)  # 104 - 31 = 73: the furthest back
     with pytest.raises(ValueError, match="keeps 72 positions beyond its window"):
         cache.crop(30)
-    cache.crop(0)  # emptied (a replay from position 0): always
+    cache.crop(0)  # emptied (a replay from position 0): always, and what it wrote before is never read again
+    with torch.inference_mode():
+        ring.forward(cache, torch.zeros(10, dtype=torch.long), 0, 1)
+        ring.forward(cache, torch.zeros(3, dtype=torch.long), 10, 1)
+    cache.crop(11)
+
+
+def test_padding_past_a_rows_own_end_never_reaches_its_logits(shard):
+    """Windowed layers kept at full length (no rings): a round of 5 batched beside a 60-token prompt is padded to 60
+    tokens; the batch attends over its padding too, so no padding query's window falls past the attended columns (its
+    softmax over nothing would be NaN, and the NaN keys written at the row's padding positions would reach its later
+    logits as masked 0 x NaN)."""
+    eng, alone = _engine(shard, None), _engine(shard, None)
+    vocab = shard.config.vocab_size
+    a, b, ref = eng.acquire(), eng.acquire(), alone.acquire()
+    with torch.inference_mode():
+        first = torch.randint(0, vocab, (100,))
+        eng.forward(b, first, 0, 1)
+        alone.forward(ref, first, 0, 1)
+        prompt, rnd = torch.randint(0, vocab, (60,)), torch.randint(0, vocab, (5,))
+        eng.forward_many([a, b], [prompt, rnd], [0, 100], [1, 5])
+        alone.forward(ref, rnd, 100, 5)
+        for pos in range(105, 140):
+            x = torch.randint(0, vocab, (1,))
+            torch.testing.assert_close(eng.forward(b, x, pos, 1), alone.forward(ref, x, pos, 1), rtol=1e-4, atol=1e-4)
 
 
 def test_a_long_round_beside_a_prompt_rolls_back(shard):

@@ -209,7 +209,6 @@ class KVPool:
             return
         cache.crop(0)
         cache.released = True
-        cache.high.clear()
         self.clear(cache.slot)
         self._free.append(cache.slot)
 
@@ -309,7 +308,9 @@ class StaticKVCache:
                     f"cannot roll a windowed layer's ring back from position {high} to {length}: it keeps "
                     f"{ring - window} positions beyond its window (engine.window_slack)"
                 )
-        self._length = length  # emptied (a replay from position 0), rings keep what was written: so does `high`
+        self._length = length
+        if length == 0:  # a replay from 0 rewrites 0..P in order; a slot not yet rewritten reads as a negative position
+            self.high.clear()
 
 
 class BatchView:

@@ -237,7 +237,7 @@ class Engine:
         graph = self.graphs and not eager
         t = self.step_tokens if graph and self.pad else max(sizes)
         p = (0 if max(wants) == 0 else (1 if max(wants) == 1 else t)) if graph else max(wants)
-        length = self.attended(pool, max(s + m for s, m in zip(starts, sizes, strict=True)))
+        length = self.attended(pool, max(starts) + t)  # padding too: a window past the attended columns sees none
         if min(sizes) == t:
             x = torch.stack(list(xs))
         else:
