@@ -5,9 +5,10 @@ Why that is exact. A query at position q of a layer with window W sees the keys 
 last position is P, ring slot j holds the latest position p <= P with p = j (mod R) (`held`): every position of
 (P - R, P] is there, and R >= W + T - 1 covers every query of a step of T tokens. What a slot may hold instead is
 stale: written past the sequence's committed length (a rejected draft, padding) and not yet overwritten. Such an
-entry at position s is read as s - R, one lap earlier, and stays outside every window as long as s - L <= slack for
-the sequence's length L: a cache refuses a rollback further back than `slack` from the furthest position it wrote
-(`StaticKVCache.crop`), and the engines' slack covers their longest round and whole draft.
+entry at position s is read as s - R, one lap earlier, and stays outside every window of a query at L or later as
+long as s < L + R - W + 1 for the sequence's length L: a cache refuses a rollback further back than R - W + 1 from
+the furthest position it wrote there (`StaticKVCache.crop`; a step too long for the ring writes no padding, and an
+emptied cache rewrites from position 0 in order), and the engines' slack covers their longest round and whole draft.
 
 A step longer than R - W + 1 tokens (a prompt) would overwrite keys its own first tokens see: it attends over the
 ring as it was before the step joined to the step's own keys and values (`is_long`), and then writes each row's last
