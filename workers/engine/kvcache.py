@@ -127,6 +127,7 @@ class KVPool:
         self.ring_slack = ring_slack
         self.rings = ring_sizes(windows or {}, ring_slack, max_len + scratch)  # layer -> (ring, window)
         self.ring_of = {w: r for r, w in self.rings.values()}  # window -> ring
+        self.ring_shapes = sorted(set(self.rings.values()))  # the distinct (ring, window) pairs (`StaticKVCache.high`)
         # A one-slot pool never has padding rows: warm-up and capture write its own slot's scratch positions. Not
         # where a ring keeps a layer: its scratch positions wrap onto live ones (p mod R), so it has a pad slot too.
         padded = slots > 1 or bool(self.rings)
@@ -291,7 +292,7 @@ class StaticKVCache:
         the furthest position the step wrote, padding included (default: length). A ring keeps what its step wrote
         (`high`), except the padding of a step too long for it (rings.long_writes writes real positions only)."""
         steps = max(written, length) - self._length
-        for ring, window in set(self.pool.rings.values()):
+        for ring, window in self.pool.ring_shapes:
             top = length if is_long(steps, ring, window) else max(written, length)
             self.high[ring, window] = max(self.high.get((ring, window), 0), top)
         self._length = length

@@ -97,7 +97,9 @@ def layout(
     if pad is not None:  # a padding row's keys are never read: t of them are enough for every mode
         seen = torch.where(rows == pad, seen.clamp(max=t), seen)
     used = seen[:, None].expand(-1, kv_heads).contiguous().flatten()  # (contiguous: at one row no stride 0)
-    if chunks is None or mode == "heads":  # chunks given: `chunks_agree`'s check of the merge
+    if mode == "heads":  # causal: never in chunks
+        chunks = 1
+    elif chunks is None:  # (given: `chunks_agree`'s check of the merge)
         chunks = chunk_count(starts.shape[0], reach) if mode == "split" else 1
     max_k = length
     if chunks > 1:  # sequence i's chunk c: its keys c * size .. (c + 1) * size - 1
