@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,6 +21,9 @@ from producer.options import (
     run_guarded,
     worker_settings,
 )
+
+if TYPE_CHECKING:
+    from workers.engine.plan import Plan
 
 UNITS = {"": 2**30, "gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
 
@@ -72,7 +76,7 @@ def plan(
     import torch
 
     from producer.options import EXIT_BAD_INPUT, fail
-    from workers.engine.plan import plan_split, render
+    from workers.engine.plan import plan_split
 
     registry = run_guarded(lambda: load_worker_plugins(plugins))
     config = run_guarded(lambda: registry.config(target))
@@ -101,3 +105,26 @@ def plan(
     click.echo(json.dumps(result.as_dict()) if as_json else render(result))
     if not all(w.slots for w in result.workers):
         fail("the model does not fit these GPUs", EXIT_BAD_INPUT)
+
+
+def render(plan: Plan) -> str:
+    """The plan as `shardflow plan` prints it."""
+    from workers.engine.plan import gb
+
+    short = f" + short ones of {plan.short_len}" if plan.short_len else ""
+    lines = [
+        f"{plan.model or 'model'}: {plan.dtype}, layers quantized {plan.quant}; slots of {plan.full_len} "
+        f"positions{short}; {plan.in_flight} jobs in flight at most",
+        f"{'worker':<7}{'budget GiB':>11}{'layers':>8}{'weights GiB':>12}{'slot MiB full/short':>20}"
+        f"{'slots full+short':>17}{'KV GiB':>7}{'slots GiB':>10}{'expected GiB':>13}{'+ CUDA ctx':>11}",
+    ]
+    for w in plan.workers:
+        a, b = w.layers
+        slot = f"{w.full_slot / 2**20:.1f}/{w.short_slot / 2**20:.1f}"
+        lines.append(
+            f"{w.role:<7}{gb(w.budget):>11}{f'{a}:{b}':>8}{gb(w.weights):>12}{slot:>20}{f'{w.full}+{w.short}':>17}"
+            f"{gb(w.kv):>7}{gb(w.caches):>10}{gb(w.expected):>13}{gb(w.expected + w.context):>11}"
+        )
+    if not all(w.slots for w in plan.workers):
+        lines.append("does not fit: a worker has no room for one full-length slot (quantize, or use more memory)")
+    return "\n".join(lines)

@@ -378,24 +378,3 @@ def check_worker(role: str, parts: list[Part], device: torch.device, settings: S
 
 def gb(n: float) -> str:
     return f"{n / GiB:.2f}"
-
-
-def render(plan: Plan) -> str:
-    """The plan as `shardflow plan` prints it."""
-    short = f" + short ones of {plan.short_len}" if plan.short_len else ""
-    lines = [
-        f"{plan.model or 'model'}: {plan.dtype}, layers quantized {plan.quant}; slots of {plan.full_len} "
-        f"positions{short}; {plan.in_flight} jobs in flight at most",
-        f"{'worker':<7}{'budget GiB':>11}{'layers':>8}{'weights GiB':>12}{'slot MiB full/short':>20}"
-        f"{'slots full+short':>17}{'KV GiB':>7}{'slots GiB':>10}{'expected GiB':>13}{'+ CUDA ctx':>11}",
-    ]
-    for w in plan.workers:
-        a, b = w.layers
-        slot = f"{w.full_slot / 2**20:.1f}/{w.short_slot / 2**20:.1f}"
-        lines.append(
-            f"{w.role:<7}{gb(w.budget):>11}{f'{a}:{b}':>8}{gb(w.weights):>12}{slot:>20}{f'{w.full}+{w.short}':>17}"
-            f"{gb(w.kv):>7}{gb(w.caches):>10}{gb(w.expected):>13}{gb(w.expected + w.context):>11}"
-        )
-    if not all(w.slots for w in plan.workers):
-        lines.append("does not fit: a worker has no room for one full-length slot (quantize, or use more memory)")
-    return "\n".join(lines)
