@@ -20,18 +20,15 @@ reads the group's class default (`GenerationSettings().draft_k`: no environment)
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from schemas.flat_env import ENV_PREFIX, FlatEnv
 
 Quant = Literal["none", "int8", "4bit"]
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
-ENV_PREFIX = "SHARDFLOW_"
 
 
 class _Group(BaseModel):
@@ -350,36 +347,6 @@ class ApiSettings(_Group):
     )
 
 
-def flat_names() -> Iterator[tuple[str, str, str]]:
-    """(group, field, flat name) of every setting: the name SHARDFLOW_<FLAT> sets (the 0.1 name)."""
-    for group, info in Settings.model_fields.items():
-        model: type[BaseModel] = info.annotation  # type: ignore[assignment]
-        for name, field in model.model_fields.items():
-            yield group, name, field.validation_alias if isinstance(field.validation_alias, str) else name
-
-
-def _flat_value(field: FieldInfo, raw: str) -> Any:
-    """An environment string as the field takes it: lists as JSON, the rest as pydantic parses strings."""
-    return json.loads(raw) if str(field.annotation).startswith("list") else raw
-
-
-class _FlatEnv(PydanticBaseSettingsSource):
-    """The flat SHARDFLOW_<FLAT> names of ShardFlow 0.1 (`flat_names`), below the nested ones."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # unused: __call__ reads the environment whole
-
-    def __call__(self) -> dict[str, Any]:
-        env = {k.upper(): v for k, v in os.environ.items()}
-        out: dict[str, dict[str, Any]] = {}
-        for group, name, flat in flat_names():
-            raw = env.get(f"{ENV_PREFIX}{flat.upper()}")
-            if raw is not None:
-                field = Settings.model_fields[group].annotation.model_fields[name]  # type: ignore[union-attr]
-                out.setdefault(group, {})[name] = _flat_value(field, raw)
-        return out
-
-
 class Settings(BaseSettings):
     """Configuration of one ShardFlow process, by concern (read-only once loaded; see the module's docstring)."""
 
@@ -408,7 +375,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Flags (init) over SHARDFLOW_GROUP__FIELD over the flat SHARDFLOW_<FLAT> names."""
-        return init_settings, env_settings, _FlatEnv(settings_cls), dotenv_settings, file_secret_settings
+        return init_settings, env_settings, FlatEnv(settings_cls), dotenv_settings, file_secret_settings
 
     def replace(self, **groups: dict[str, Any]) -> Settings:
         """These settings with some fields of some groups changed (validated; no environment read again):

@@ -13,9 +13,10 @@ import torch
 
 from producer import options
 from producer.local import wait_for_tails
+from schemas.flat_env import flat_names
 from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
-from schemas.settings import EngineSettings, GenerationSettings, Settings, flat_names
+from schemas.settings import EngineSettings, GenerationSettings, Settings
 from tests.conftest import PROMPTS
 from workers.engine.runner import Engine
 from workers.engine.shard import load_shard
@@ -76,8 +77,8 @@ def test_flat_names_of_0_1_still_work_below_nested_ones_and_flags_win(clean_env)
 
 
 def test_every_old_flat_name_maps_to_one_field():
-    flat = {name: (group, field) for group, field, name in flat_names()}
-    assert len(flat) == len(list(flat_names())), "two fields answer to one flat name"
+    flat = {name: (group, field) for group, field, name in flat_names(Settings)}
+    assert len(flat) == len(list(flat_names(Settings))), "two fields answer to one flat name"
     assert not [n for n in OLD_NAMES if n not in flat]
     assert flat["redis_url"] == ("redis", "url") and flat["static_cache_len"] == ("engine", "max_len")
 
