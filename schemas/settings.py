@@ -100,6 +100,11 @@ class EngineSettings(_Group):
     draft_device: str | None = Field(None, description="Torch device of a head's draft model (None: device).")
     draft_quant: Quant = Field("none", description="Weight-only quantization of the draft model's layers.")
     compile_draft: bool = Field(False, description="Run the draft model through torch.compile.")
+    draft_kernels: bool = Field(
+        True,
+        description="A draft model's one-token steps of a few sequences (a lone job's drafts) run each layer as five "
+        "Triton kernels where Triton and CUDA are present (workers/engine/decode_kernels.py); off: the fused forward.",
+    )
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (None: torch's).")
     static: bool | None = Field(
         None, description="Preallocated KV caches rolled back in place, run batched (None: on; graphs need them)."

@@ -31,6 +31,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton's kernels run interpreted (tests/test_decode_kernels.py): before its import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from producer.local import wait_for_tails

@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from workers.engine import pool_attention
+from workers.engine.decode_kernels import DecodeLayers
 from workers.engine.fused_ops import (
     attend,
     attend_sdpa,
@@ -163,6 +164,7 @@ class FusedLayers:
         self.kernel: pool_attention.Kernel | None = (
             pool_attention.flash if pool_attention.supported(w.device, w.dtype, head_dim) and not self.sinks else None
         )
+        self.decode: DecodeLayers | None = None  # one-token steps of a few rows as Triton kernels (drafters: `Shard`)
 
     def attends_in_place(self, cache: object) -> bool:
         """Whether a forward over `cache` reads its pool in place (no gathered copy, no mask, any length)."""
@@ -179,6 +181,10 @@ class FusedLayers:
         bases: layers of one type share one object), each layer's mask bool [B|1, 1, T, L] or None (layers with one
         window share one mask object, so one bias)."""
         b, t, _ = h.shape
+        if self.decode is not None and self.attends_in_place(cache) and not isinstance(cos_sin, list):
+            pool, rows, last, reach = cache.in_place()  # type: ignore[attr-defined]
+            if self.decode.applies(pool, b, t, reach, cos_sin[0]):
+                return self.decode(h, *cos_sin, pool, rows, last)
         per_layer = cos_sin if isinstance(cos_sin, list) else [cos_sin] * len(self.layers)
         made = {id(cs): self._rope(full_width(cs, self.head_dim)) for cs in per_layer}
         ropes = [made[id(cs)] for cs in per_layer]

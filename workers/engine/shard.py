@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
-from workers.engine import attention, pool_attention
+from workers.engine import attention, decode_kernels, pool_attention
 from workers.engine.checkpoint import (
     Source,
     materialise,
@@ -32,6 +32,7 @@ from workers.engine.checkpoint import (
     weight_files,
 )
 from workers.engine.convert import converted_names, converting_source
+from workers.engine.decode_kernels import DecodeLayers
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.per_layer import DYNAMIC_ONLY, LayerInputs, load_layer_inputs, refuse_split, takes_layer_inputs
@@ -214,6 +215,15 @@ class Shard(nn.Module):
             self.fused.kernel = None
         elif self.fused.kernel is None:
             self.fused.kernel = pool_attention.reference
+
+    def set_decode_kernels(self, on: bool) -> bool:
+        """EngineSettings.draft_kernels on a drafter's fused layers: one-token steps of a few rows as Triton kernels
+        (workers/engine/decode_kernels.py) where they run and every layer qualifies; whether they are on."""
+        fused = self.fused
+        if fused is None or fused.kernel is None or self.windowed:
+            return False
+        fused.decode = DecodeLayers.for_layers(fused) if on and decode_kernels.available(self.device) else None
+        return fused.decode is not None
 
     def _masks(self, cache: object, pos: torch.Tensor) -> list[torch.Tensor | None]:
         """Each layer's attention mask over `cache` (one per distinct window, shared by its layers)."""

@@ -1,0 +1,87 @@
+"""A drafter's one-token steps as Triton kernels (workers/engine/decode_kernels.py), run on this CPU through Triton's
+interpreter: a whole greedy draft with them proposes what the fused forward in place proposes and leaves the same
+keys and values in the pool (Qwen2: q/k/v bias; Qwen3: per-head q/k norms), and the shard takes them only where
+every layer qualifies. Skipped where Triton is not installed (CI's CPU image); the GPU runs them in every draft of a
+lone job (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from workers.engine import decode_kernels
+from workers.engine.graphs import greedy_steps
+from workers.engine.kvcache import BatchView, KVPool
+from workers.engine.shard import load_shard
+from workers.tiny_models import build_tokenizer, save_tiny_model
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton was imported uninterpreted")
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory):
+    root, tok = tmp_path_factory.mktemp("decode"), build_tokenizer()
+    return {f: save_tiny_model(root / f, f, tokenizer=tok) for f in ("qwen2", "qwen3")}
+
+
+def _pair(path):
+    a, b = load_shard(path, None, embed=True, head=True), load_shard(path, None, embed=True, head=True)
+    for s in (a, b):
+        s.set_attention("in_place")
+    assert a.set_decode_kernels(True) and not b.set_decode_kernels(False)
+    return a, b
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@torch.inference_mode()
+def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family):
+    a, b = _pair(drafters[family])
+    torch.manual_seed(3)
+    pools = [KVPool.for_shard(s, slots=3, max_len=64, scratch=12) for s in (a, b)]
+    for s, n in ((0, 5), (2, 19)):
+        prompt = torch.randint(0, a.config.vocab_size, (1, n))
+        pos = torch.arange(n)[None]
+        for shard, pool in zip((a, b), pools, strict=True):
+            shard.run_batch(prompt, pos, BatchView(pool, torch.tensor([s]), pos))
+    rows = torch.tensor([0, 2, pools[0].pad_slot])
+    pos = torch.tensor([[5, 6], [19, 20], pools[0].index[-2:].tolist()])
+    x = torch.tensor([[7, 9], [3, 0], [0, 0]])
+    pick = torch.tensor([[1], [0], [1]])
+    got = greedy_steps(a.run_batch, pools[0], rows, x, pos, pick, 6, None, in_place=True)
+    want = greedy_steps(b.run_batch, pools[1], rows, x, pos, pick, 6, None, in_place=True)
+    assert torch.equal(got[:2], want[:2])
+    for i in pools[0].keys:
+        for slot, n in ((0, 5 + 2 + 5), (2, 19 + 1 + 6)):  # prompt, feed, drafts written
+            torch.testing.assert_close(pools[0].keys[i][slot, :, :n], pools[1].keys[i][slot, :, :n])
+            torch.testing.assert_close(pools[0].values[i][slot, :, :n], pools[1].values[i][slot, :, :n])
+
+
+@torch.inference_mode()
+def test_steps_the_kernels_do_not_take_run_the_fused_forward(drafters, monkeypatch):
+    """More rows than MAX_ROWS, or a reach past MAX_REACH: the fused forward runs (the kernels are never called)."""
+    a, _ = _pair(drafters["qwen2"])
+    calls = []
+    monkeypatch.setattr(decode_kernels.DecodeLayers, "__call__", lambda *args: calls.append(1))
+    pool = KVPool.for_shard(a, slots=6, max_len=32, scratch=4)
+    rows = torch.arange(5)
+    pos = torch.full((5, 1), 3)
+    a.run_batch(torch.ones(5, 1, dtype=torch.long), pos, BatchView(pool, rows, pos))
+    monkeypatch.setattr(decode_kernels, "MAX_REACH", 8)
+    a.run_batch(torch.ones(2, 1, dtype=torch.long), pos[:2], BatchView(pool, rows[:2], pos[:2]))
+    assert not calls
+    monkeypatch.setattr(decode_kernels, "MAX_REACH", 1024)
+    a.run_batch(torch.ones(2, 1, dtype=torch.long), pos[:2], BatchView(pool, rows[:2], pos[:2]))
+    assert calls
+
+
+def test_a_layer_the_kernels_cannot_run_keeps_them_off(drafters):
+    """A layer with its q/k/v apart (a CPU load keeps them so), or no attention in place: not taken."""
+    a = load_shard(drafters["qwen2"], None, embed=True, head=True)
+    assert not a.set_decode_kernels(True)  # attention gathers on this CPU unless set in place
+    a.set_attention("in_place")
+    a.fused.layers[0].act = "gelu_pytorch_tanh"
+    assert not a.set_decode_kernels(True)

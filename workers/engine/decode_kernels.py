@@ -1,0 +1,145 @@
+"""A drafter's one-token steps as five Triton kernels a layer: a draft step at one sequence is launch-bound.
+
+On an H200 a 0.5B drafter's step ran about 17 kernels a layer in the fused forward (workers/engine/fused.py: norms,
+GEMMs of one row, rotary, key/value writes, attention, activation), about 1.5 ms a step for 24 layers against a
+weight read of 0.25 ms. For steps of one token and a few rows over a pool that attention reads in place, each layer
+here is:
+
+1. `_qkv`: RMSNorm, the q/k/v GEMV (+ bias), Qwen3's per-head q/k norm, rotary, and the new key and value written
+   into the pool at each row's slot and position (a program per head and row);
+2. `_attend`: one query row per (head, row) over its slot's keys up to its position, softmax in float32;
+3. `_gemv_residual`: the output projection added to the residual stream;
+4. `_gate_up`: RMSNorm, gate and up GEMVs and SiLU(gate) * up;
+5. `_gemv_residual`: the down projection added to the residual stream.
+
+Numerics follow the fused forward's roundings (half-precision GEMM outputs, float32 accumulation and softmax) but not
+bit for bit: only drafters run this, and a draft's rounding can change which tokens are proposed, never the output
+(the target verifies every token). `DecodeLayers.for_layers` says whether a stack qualifies (Llama/Qwen2/Mistral/
+Qwen3 layouts with concatenated weights, SiLU, full-width rotary, no windows, sinks or experts); `available()` whether
+Triton runs here (CUDA; tests run the kernels on the CPU through Triton's interpreter, TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MAX_ROWS = 4  # rows (sequences, padding included) a step may have to run here: a lone job's draft, a few
+MAX_REACH = 1024  # positions a row may attend over: one program walks a row's keys (longer: split-KV flash)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device`: Triton installed, and CUDA (or the interpreter, on the CPU)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels() -> Any:
+    """The Triton kernels, defined at first use (Triton is imported only where it runs)."""
+    global _K
+    if _K is None:
+        from workers.engine import decode_triton
+
+        _K = decode_triton
+    return _K
+
+
+_K: Any = None
+
+
+@dataclass
+class DecodeLayer:
+    """One layer's weights as the kernels read them (views of the fused layer's)."""
+
+    w_qkv: torch.Tensor  # [(hq + 2 hkv) d, width]
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor  # [width, hq d]
+    w_gate_up: torch.Tensor  # [2 inter, width]
+    w_down: torch.Tensor  # [width, inter]
+    idx: int
+    ln1: torch.Tensor
+    eps1: float
+    ln2: torch.Tensor
+    eps2: float
+    qk_norm: torch.Tensor | None  # [hq + hkv, d] (Qwen3)
+    eps_qk: float
+
+
+def _joined(parts: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A fused layer's linears (one concatenated (weight, bias), or several apart: a CPU load's) as one, or None for
+    quantized ones."""
+    if not parts or not all(isinstance(p, tuple) for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    biases = [b for _, b in parts]
+    bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[arg-type]
+    return torch.cat([w for w, _ in parts]), bias
+
+
+class DecodeLayers:
+    """A fused stack's layers run as the kernels above, for one-token steps of at most MAX_ROWS rows."""
+
+    def __init__(self, layers: list[DecodeLayer], heads: int, kv_heads: int, head_dim: int, scale: float) -> None:
+        self.layers, self.heads, self.kv_heads, self.head_dim, self.scale = layers, heads, kv_heads, head_dim, scale
+
+    @classmethod
+    def for_layers(cls, fused: Any) -> DecodeLayers | None:
+        """The stack (workers/engine/fused.py's FusedLayers) as decode layers, or None where one layer does not
+        qualify."""
+        d = fused.head_dim
+        if d & (d - 1) or d < 16 or fused.heads % fused.kv_heads:
+            return None
+        out = []
+        for p in fused.layers:
+            qkv, gate_up = _joined(p.qkv), _joined(p.gate_up)
+            plain = qkv is not None and gate_up is not None
+            plain = plain and isinstance(p.w_o, torch.Tensor) and isinstance(p.w_down, torch.Tensor)
+            special = p.b_o is not None or p.post_attn is not None or p.post_mlp is not None or p.moe is not None
+            if not plain or special or p.sinks is not None or p.act != "silu":
+                return None
+            assert qkv is not None and gate_up is not None
+            (w_qkv, b_qkv), (w_gu, _) = qkv, gate_up
+            if not all(t.is_contiguous() for t in (w_qkv, w_gu, p.w_o, p.w_down, p.ln1, p.ln2)):
+                return None
+            norms = (p.ln1, p.eps1, p.ln2, p.eps2, p.qk_norm, p.eps_qk)
+            out.append(DecodeLayer(w_qkv, b_qkv, p.w_o, w_gu, p.w_down, p.idx, *norms))
+        return cls(out, fused.heads, fused.kv_heads, d, fused.scale)
+
+    def applies(self, pool: Any, b: int, t: int, reach: int, cos: torch.Tensor) -> bool:
+        """Whether a step of b rows x t tokens reaching `reach` positions over `pool` runs here."""
+        return (
+            t == 1
+            and b <= MAX_ROWS
+            and reach <= MAX_REACH
+            and not pool.rings
+            and cos.shape[-1] == self.head_dim
+            and all(pool.keys[p.idx].is_contiguous() and pool.values[p.idx].is_contiguous() for p in self.layers)
+        )
+
+    def __call__(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """h [B, 1, width] through every layer; cos/sin [B, 1, d]; slots/pos [B]: each row's slot and position (its
+        key and value are written there, and it attends over positions 0..pos of its slot)."""
+        k = _kernels()
+        b, _, width = h.shape
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        x = h.reshape(b, width).contiguous()
+        cos, sin = cos.reshape(b, d).float().contiguous(), sin.reshape(b, d).float().contiguous()
+        slots, pos = slots.reshape(b).contiguous(), pos.reshape(b).contiguous()
+        q = torch.empty(b, hq * d, dtype=h.dtype, device=h.device)
+        o = torch.empty_like(q)
+        for p in self.layers:
+            keys, values = pool.keys[p.idx], pool.values[p.idx]
+            k.qkv(x, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)
+            k.attend(q, keys, values, slots, pos, o, self.scale, hq, hkv, d)
+            x = k.gemv_residual(o, p.w_o, x)
+            a = k.gate_up(x, p)
+            x = k.gemv_residual(a, p.w_down, x)
+        return x.view(b, 1, width)
