@@ -60,6 +60,53 @@ class Pair:
         return [d.tokens for d in got]
 
 
+def graphed_us(fn, reps: int = 50) -> float:
+    """Microseconds per call of fn, replayed as one CUDA graph of `reps` calls (launch gaps as in a draft's graph)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / (5 * reps) * 1e6
+
+
+def parts(dev: torch.device, width: int, inter: int, hq: int, hkv: int, d: int, ctx: int) -> dict[str, float]:
+    """Each kernel of one layer alone (µs a call in a graph), beside the cuBLAS GEMM of the same shape."""
+    from types import SimpleNamespace
+
+    from workers.engine import decode_triton as k
+
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    x, ln = torch.randn(1, width, **bf), torch.ones(width, **bf)
+    w_qkv, b_qkv = torch.randn((hq + 2 * hkv) * d, width, **bf) * 0.02, torch.zeros((hq + 2 * hkv) * d, **bf)
+    w_o, w_gu, w_dn = (torch.randn(*s, **bf) * 0.02 for s in ((width, hq * d), (2 * inter, width), (width, inter)))
+    keys, values = (torch.randn(2, hkv, 2048, d, **bf) for _ in range(2))
+    slots, pos = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), ctx, dtype=torch.long, device=dev)
+    cos, sin = torch.ones(1, d, device=dev), torch.zeros(1, d, device=dev)
+    q, o, a = torch.empty(1, hq * d, **bf), torch.randn(1, hq * d, **bf), torch.randn(1, inter, **bf)
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, **bf)
+    p = SimpleNamespace(qk_norm=None, eps_qk=1e-6)
+    return {
+        "qkv": graphed_us(lambda: k.normed_gemv(x, ln, 1e-6, w_qkv, b_qkv, gated=False)),
+        "qkv cuBLAS": graphed_us(lambda: torch.nn.functional.linear(x, w_qkv, b_qkv)),
+        "rope_write": graphed_us(lambda: k.rope_write(qkv, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)),
+        "attend": graphed_us(lambda: k.attend(q, keys, values, slots, pos, o, 0.1, hq, hkv, d)),
+        "o": graphed_us(lambda: k.gemv_residual(o, w_o, x)),
+        "o cuBLAS": graphed_us(lambda: torch.addmm(x, o, w_o.t())),
+        "gate_up": graphed_us(lambda: k.normed_gemv(x, ln, 1e-6, w_gu, None, gated=True)),
+        "gate_up cuBLAS": graphed_us(lambda: torch.mm(x, w_gu.t())),
+        "down": graphed_us(lambda: k.gemv_residual(a, w_dn, x)),
+        "down cuBLAS": graphed_us(lambda: torch.addmm(x, a, w_dn.t())),
+    }
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--device", default="cuda:0", show_default=True)
 @click.option("--draft", "drafts", multiple=True, default=["random:qwen2.5-0.5b"], show_default=True)
@@ -68,11 +115,16 @@ class Pair:
 @click.option("--ctx", type=int, default=256, show_default=True)
 @click.option("--checks", type=int, default=40, show_default=True, help="Drafts compared at each B.")
 @click.option("--iters", type=int, default=30, show_default=True)
+@click.option("--parts", "show_parts", is_flag=True, help="Also time each kernel of a 0.5B layer alone.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out/draft_kernels"))
-def main(device: str, drafts: tuple[str, ...], bs: str, k: int, ctx: int, checks: int, iters: int, out: Path) -> None:
+def main(device: str, drafts: tuple[str, ...], bs: str, k: int, ctx: int, checks: int, iters: int, show_parts: bool,
+         out: Path) -> None:  # fmt: skip
     """Compare and time drafts with the decode kernels on and off (see the module docstring)."""
     dev, sizes = torch.device(device), [int(x) for x in bs.split(",")]
     rows = []
+    if show_parts:
+        with torch.inference_mode():
+            click.echo(json.dumps({n: round(v, 2) for n, v in parts(dev, 896, 4864, 14, 2, 64, ctx).items()}), err=True)
     with torch.inference_mode():
         for draft in drafts:
             t0 = time.perf_counter()

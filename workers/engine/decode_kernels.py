@@ -1,16 +1,17 @@
-"""A drafter's one-token steps as five Triton kernels a layer: a draft step at one sequence is launch-bound.
+"""A drafter's one-token steps as six Triton kernels a layer: a draft step at one sequence is launch-bound.
 
 On an H200 a 0.5B drafter's step ran about 17 kernels a layer in the fused forward (workers/engine/fused.py: norms,
 GEMMs of one row, rotary, key/value writes, attention, activation), about 1.5 ms a step for 24 layers against a
 weight read of 0.25 ms. For steps of one token and a few rows over a pool that attention reads in place, each layer
-here is:
+here is (workers/engine/decode_triton.py; each GEMV program loads its weight rows whole, all loads in flight):
 
-1. `_qkv`: RMSNorm, the q/k/v GEMV (+ bias), Qwen3's per-head q/k norm, rotary, and the new key and value written
-   into the pool at each row's slot and position (a program per head and row);
-2. `_attend`: one query row per (head, row) over its slot's keys up to its position, softmax in float32;
-3. `_gemv_residual`: the output projection added to the residual stream;
-4. `_gate_up`: RMSNorm, gate and up GEMVs and SiLU(gate) * up;
-5. `_gemv_residual`: the down projection added to the residual stream.
+1. `normed_gemv`: RMSNorm and the q/k/v GEMV (+ bias);
+2. `rope_write`: Qwen3's per-head q/k norm, rotary, and the new key and value written into the pool at each row's
+   slot and position;
+3. `attend`: one query row per (head, row) over its slot's keys up to its position, softmax in float32;
+4. `gemv_residual`: the output projection added to the residual stream;
+5. `normed_gemv` (gated): RMSNorm, gate and up GEMVs and SiLU(gate) * up;
+6. `gemv_residual`: the down projection added to the residual stream.
 
 Numerics follow the fused forward's roundings (half-precision GEMM outputs, float32 accumulation and softmax) but not
 bit for bit: only drafters run this, and a draft's rounding can change which tokens are proposed, never the output
@@ -137,9 +138,10 @@ class DecodeLayers:
         o = torch.empty_like(q)
         for p in self.layers:
             keys, values = pool.keys[p.idx], pool.values[p.idx]
-            k.qkv(x, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)
+            qkv = k.normed_gemv(x, p.ln1, p.eps1, p.w_qkv, p.b_qkv, gated=False)
+            k.rope_write(qkv, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)
             k.attend(q, keys, values, slots, pos, o, self.scale, hq, hkv, d)
             x = k.gemv_residual(o, p.w_o, x)
-            a = k.gate_up(x, p)
+            a = k.normed_gemv(x, p.ln2, p.eps2, p.w_gate_up, None, gated=True)
             x = k.gemv_residual(a, p.w_down, x)
         return x.view(b, 1, width)

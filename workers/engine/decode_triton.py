@@ -10,57 +10,64 @@ import triton.language as tl
 
 
 @triton.jit
-def _qkv_kernel(
-    x_ptr, ln_ptr, w_ptr, b_ptr, qkn_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
-    width, length, eps, eps_qk,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _normed_gemv_kernel(
+    x_ptr, ln_ptr, w_ptr, b_ptr, out_ptr, width, n_out, eps,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    head, row = tl.program_id(0), tl.program_id(1)
+    """out[row] = w @ RMSNorm(x[row]) (+ b), or with GATED SiLU(gate) * up of it (gate: w's first n_out rows, up:
+    the next n_out). A row is at most BLOCK_K wide: one load each, so a program's loads are all in flight at once."""
+    pid, row = tl.program_id(0), tl.program_id(1)
     ty = x_ptr.dtype.element_ty
-    half: tl.constexpr = D // 2
-    x_row = x_ptr + row * width
-    offs = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, width, BLOCK_K):  # the row's RMS (each program reads the whole row: it is short)
-        v = tl.load(x_row + k0 + offs, mask=k0 + offs < width, other=0.0).to(tl.float32)
-        ss += v * v
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / width + eps)
-    n = tl.arange(0, half)
-    acc1 = tl.zeros([half], tl.float32)
-    acc2 = tl.zeros([half], tl.float32)
-    w1 = w_ptr + (head * D + n)[:, None] * width
-    w2 = w_ptr + (head * D + half + n)[:, None] * width
-    for k0 in range(0, width, BLOCK_K):
-        kk = k0 + offs
-        km = kk < width
-        xv = tl.load(x_row + kk, mask=km, other=0.0).to(tl.float32)
-        xv = (xv * rstd * tl.load(ln_ptr + kk, mask=km, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
-        acc1 += tl.sum(tl.load(w1 + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32) * xv[None, :], 1)
-        acc2 += tl.sum(tl.load(w2 + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32) * xv[None, :], 1)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < width
+    xv = tl.load(x_ptr + row * width + kk, mask=km, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / width + eps)
+    xv = (xv * rstd * tl.load(ln_ptr + kk, mask=km, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < n_out
+    mask = nm[:, None] & km[None, :]
+    wt = tl.load(w_ptr + n[:, None] * width + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+    acc = tl.sum(wt * xv[None, :], 1)
     if HAS_BIAS:
-        acc1 += tl.load(b_ptr + head * D + n).to(tl.float32)
-        acc2 += tl.load(b_ptr + head * D + half + n).to(tl.float32)
-    acc1 = acc1.to(ty).to(tl.float32)
-    acc2 = acc2.to(ty).to(tl.float32)
-    if head < HQ + HKV:  # q or k: Qwen3's per-head norm, then the rotary
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    acc = acc.to(ty).to(tl.float32)
+    if GATED:
+        up = tl.load(w_ptr + (n_out + n)[:, None] * width + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.sum(up * xv[None, :], 1).to(ty).to(tl.float32)
+        acc = (acc / (1.0 + tl.exp(-acc))).to(ty).to(tl.float32) * up
+    tl.store(out_ptr + row * n_out + n, acc.to(ty), mask=nm)
+
+
+@triton.jit
+def _rope_write_kernel(
+    qkv_ptr, qkn_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, length, eps_qk,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """One head of one row's q/k/v: Qwen3's per-head norm and the rotary for q and k; q to `q`, the key and value
+    into the pool at the row's slot and position."""
+    head, row = tl.program_id(0), tl.program_id(1)
+    ty = qkv_ptr.dtype.element_ty
+    half: tl.constexpr = D // 2
+    n = tl.arange(0, half)
+    src = qkv_ptr + (row * (HQ + 2 * HKV) + head) * D
+    a1 = tl.load(src + n).to(tl.float32)
+    a2 = tl.load(src + half + n).to(tl.float32)
+    if head < HQ + HKV:
         if QK_NORM:
-            r = 1.0 / tl.sqrt((tl.sum(acc1 * acc1, 0) + tl.sum(acc2 * acc2, 0)) / D + eps_qk)
-            acc1 = (acc1 * r).to(ty).to(tl.float32) * tl.load(qkn_ptr + head * D + n).to(tl.float32)
-            acc2 = (acc2 * r).to(ty).to(tl.float32) * tl.load(qkn_ptr + head * D + half + n).to(tl.float32)
+            r = 1.0 / tl.sqrt((tl.sum(a1 * a1, 0) + tl.sum(a2 * a2, 0)) / D + eps_qk)
+            a1 = (a1 * r).to(ty).to(tl.float32) * tl.load(qkn_ptr + head * D + n).to(tl.float32)
+            a2 = (a2 * r).to(ty).to(tl.float32) * tl.load(qkn_ptr + head * D + half + n).to(tl.float32)
         c1 = tl.load(cos_ptr + row * D + n)
         c2 = tl.load(cos_ptr + row * D + half + n)
         s1 = tl.load(sin_ptr + row * D + n)
         s2 = tl.load(sin_ptr + row * D + half + n)
-        o1 = acc1 * c1 - acc2 * s1
-        o2 = acc2 * c2 + acc1 * s2
+        o1 = a1 * c1 - a2 * s1
+        o2 = a2 * c2 + a1 * s2
     else:
-        o1 = acc1
-        o2 = acc2
+        o1 = a1
+        o2 = a2
     if head < HQ:
         dst = q_ptr + row * HQ * D + head * D
-        tl.store(dst + n, o1.to(ty))
-        tl.store(dst + half + n, o2.to(ty))
     else:
         slot = tl.load(slot_ptr + row)
         pos = tl.load(pos_ptr + row)
@@ -68,8 +75,8 @@ def _qkv_kernel(
             dst = k_ptr + ((slot * HKV + head - HQ) * length + pos) * D
         else:
             dst = v_ptr + ((slot * HKV + head - HQ - HKV) * length + pos) * D
-        tl.store(dst + n, o1.to(ty))
-        tl.store(dst + half + n, o2.to(ty))
+    tl.store(dst + n, o1.to(ty))
+    tl.store(dst + half + n, o2.to(ty))
 
 
 @triton.jit
@@ -108,63 +115,50 @@ def _attend_kernel(
 def _gemv_residual_kernel(
     a_ptr, w_ptr, r_ptr, out_ptr, n_out, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """out[row] = r[row] + w @ a[row] (one rounding, as an addmm)."""
+    """out[row] = r[row] + w @ a[row] (one rounding, as an addmm); rows of a at most BLOCK_K wide (one load)."""
     pid, row = tl.program_id(0), tl.program_id(1)
     ty = r_ptr.dtype.element_ty
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < n_out
-    offs = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        kk = k0 + offs
-        km = kk < k_in
-        av = tl.load(a_ptr + row * k_in + kk, mask=km, other=0.0).to(tl.float32)
-        wt = tl.load(w_ptr + n[:, None] * k_in + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        acc += tl.sum(wt.to(tl.float32) * av[None, :], 1)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < k_in
+    av = tl.load(a_ptr + row * k_in + kk, mask=km, other=0.0).to(tl.float32)
+    wt = tl.load(w_ptr + n[:, None] * k_in + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+    acc = tl.sum(wt.to(tl.float32) * av[None, :], 1)
     acc += tl.load(r_ptr + row * n_out + n, mask=nm, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_out + n, acc.to(ty), mask=nm)
 
 
-@triton.jit
-def _gate_up_kernel(
-    x_ptr, ln_ptr, w_ptr, out_ptr, width, inter, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):  # fmt: skip
-    """out[row] = silu(gate) * up of RMSNorm(x[row]) (gate: w's first `inter` rows, up: the rest)."""
-    pid, row = tl.program_id(0), tl.program_id(1)
-    ty = x_ptr.dtype.element_ty
-    x_row = x_ptr + row * width
-    offs = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, width, BLOCK_K):  # the row's RMS (each program reads the whole row: it is short)
-        v = tl.load(x_row + k0 + offs, mask=k0 + offs < width, other=0.0).to(tl.float32)
-        ss += v * v
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / width + eps)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < inter
-    g = tl.zeros([BLOCK_N], tl.float32)
-    u = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, width, BLOCK_K):
-        kk = k0 + offs
-        km = kk < width
-        xv = tl.load(x_row + kk, mask=km, other=0.0).to(tl.float32)
-        xv = (xv * rstd * tl.load(ln_ptr + kk, mask=km, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
-        mask = nm[:, None] & km[None, :]
-        wg = tl.load(w_ptr + n[:, None] * width + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        wu = tl.load(w_ptr + (inter + n)[:, None] * width + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        g += tl.sum(wg * xv[None, :], 1)
-        u += tl.sum(wu * xv[None, :], 1)
-    g = g.to(ty).to(tl.float32)
-    u = u.to(ty).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-    tl.store(out_ptr + row * inter + n, (act * u).to(ty), mask=nm)
+TILE = 4096  # weight elements a program loads at once (BLOCK_N rows x a whole input row)
 
 
-def _block_k(width: int) -> int:
-    return 128 if width >= 128 else triton.next_power_of_2(width)
+def _blocks(k_in: int) -> tuple[int, int]:
+    block_k = triton.next_power_of_2(k_in)
+    return max(1, TILE // block_k), block_k
 
 
-def qkv(
-    x: torch.Tensor,
+def _warps(block_n: int, block_k: int) -> int:
+    return 8 if block_n * block_k > TILE else 4
+
+
+def normed_gemv(
+    x: torch.Tensor, ln: torch.Tensor, eps: float, w: torch.Tensor, bias: torch.Tensor | None, gated: bool
+) -> torch.Tensor:
+    """w @ RMSNorm(x) (+ bias) for a few rows x [b, width]; gated: SiLU(gate) * up (w = [gate; up])."""
+    b, width = x.shape
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
+    out = torch.empty(b, n_out, dtype=x.dtype, device=x.device)
+    block_n, block_k = _blocks(width)
+    grid = (triton.cdiv(n_out, block_n), b)
+    _normed_gemv_kernel[grid](
+        x, ln, w, bias if bias is not None else x, out, width, n_out, eps, HAS_BIAS=bias is not None, GATED=gated,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_warps(block_n, block_k),
+    )  # fmt: skip
+    return out
+
+
+def rope_write(
+    qkv: torch.Tensor,
     p: Any,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -177,15 +171,11 @@ def qkv(
     hkv: int,
     d: int,
 ) -> None:
-    """Norm, q/k/v, rotary; q into `q`, the key and value into the pool at each row's slot and position."""
-    b, width = x.shape
-    bias = p.b_qkv if p.b_qkv is not None else x
-    qkn = p.qk_norm if p.qk_norm is not None else x
-    _qkv_kernel[(hq + 2 * hkv, b)](
-        x, p.ln1, p.w_qkv, bias, qkn, cos, sin, slots, pos, q, keys, values,
-        width, keys.shape[2], p.eps1, p.eps_qk,
-        HQ=hq, HKV=hkv, D=d, HAS_BIAS=p.b_qkv is not None, QK_NORM=p.qk_norm is not None,
-        BLOCK_K=max(16, min(_block_k(width), 8192 // d)),
+    """Per-head norm and rotary; q into `q`, the key and value into the pool at each row's slot and position."""
+    qkn = p.qk_norm if p.qk_norm is not None else qkv
+    _rope_write_kernel[(hq + 2 * hkv, qkv.shape[0])](
+        qkv, qkn, cos, sin, slots, pos, q, keys, values, keys.shape[2], p.eps_qk,
+        HQ=hq, HKV=hkv, D=d, QK_NORM=p.qk_norm is not None,
     )  # fmt: skip
 
 
@@ -211,19 +201,9 @@ def gemv_residual(a: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Te
     b, k_in = a.shape
     n_out = w.shape[0]
     out = torch.empty_like(r)
-    block_n = 8 if k_in > 2048 else 16
+    block_n, block_k = _blocks(k_in)
     grid = (triton.cdiv(n_out, block_n), b)
-    _gemv_residual_kernel[grid](a, w, r, out, n_out, k_in, BLOCK_N=block_n, BLOCK_K=_block_k(k_in) * 2)
-    return out
-
-
-def gate_up(x: torch.Tensor, p: Any) -> torch.Tensor:
-    """SiLU(gate) * up of the normed rows."""
-    b, width = x.shape
-    inter = p.w_gate_up.shape[0] // 2
-    out = torch.empty(b, inter, dtype=x.dtype, device=x.device)
-    block_n = 16
-    _gate_up_kernel[(triton.cdiv(inter, block_n), b)](
-        x, p.ln2, p.w_gate_up, out, width, inter, p.eps2, BLOCK_N=block_n, BLOCK_K=_block_k(width)
+    _gemv_residual_kernel[grid](
+        a, w, r, out, n_out, k_in, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_warps(block_n, block_k)
     )
     return out
