@@ -81,14 +81,17 @@ def _rope_write_kernel(
 
 @triton.jit
 def _attend_kernel(
-    q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, scale, length,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_ptr, scale, length,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    head, row = tl.program_id(0), tl.program_id(1)
-    ty = q_ptr.dtype.element_ty
+    """One (head, row, split): the split's share of the row's keys 0..pos, as float32 partials [acc (D), max, sum]."""
+    head, row, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kvh = head // (HQ // HKV)
     slot = tl.load(slot_ptr + row)
     n_keys = tl.load(pos_ptr + row) + 1
+    chunk = (n_keys + SPLITS - 1) // SPLITS
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_keys)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + row * HQ * D + head * D + d).to(tl.float32) * scale
     base = (slot * HKV + kvh) * length * D
@@ -96,18 +99,35 @@ def _attend_kernel(
     m = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
     total = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
     acc = tl.zeros([D], tl.float32)
-    for s in range(0, n_keys, BLOCK_N):
+    for s in range(lo, hi, BLOCK_N):
         j = s + j0
-        jm = j < n_keys
+        jm = j < hi
         kt = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
         sc = tl.where(jm, tl.sum(kt * q[None, :], 1), float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new)
-        vt = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
         total = total * alpha + tl.sum(p, 0)
         acc = acc * alpha + tl.sum(p[:, None] * vt, 0)
         m = m_new
+    dst = part_ptr + ((row * HQ + head) * SPLITS + split) * (D + 2)
+    tl.store(dst + d, acc)
+    tl.store(dst + D, m)
+    tl.store(dst + D + 1, total)
+
+
+@triton.jit
+def _attend_merge_kernel(part_ptr, o_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    """One (head, row): its splits' partials merged by their maxima (a split with no keys weighs nothing)."""
+    head, row = tl.program_id(0), tl.program_id(1)
+    ty = o_ptr.dtype.element_ty
+    sp, d = tl.arange(0, SPLITS), tl.arange(0, D)
+    src = part_ptr + (row * HQ + head) * SPLITS * (D + 2) + sp * (D + 2)
+    m = tl.load(src + D)
+    w = tl.exp(m - tl.max(m, 0))
+    total = tl.sum(w * tl.load(src + D + 1), 0)
+    acc = tl.sum(w[:, None] * tl.load(src[:, None] + d[None, :]), 0)
     tl.store(o_ptr + row * HQ * D + head * D + d, (acc / total).to(ty))
 
 
@@ -179,6 +199,10 @@ def rope_write(
     )  # fmt: skip
 
 
+SPLITS = 8  # programs a (head, row) reads its keys with (then merged): up to MAX_REACH keys, one block each
+BLOCK_KEYS = 128
+
+
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -191,9 +215,14 @@ def attend(
     hkv: int,
     d: int,
 ) -> None:
-    """Each (head, row)'s query over its slot's keys 0..pos, into `o`."""
-    grid = (hq, q.shape[0])
-    _attend_kernel[grid](q, keys, values, slots, pos, o, scale, keys.shape[2], HQ=hq, HKV=hkv, D=d, BLOCK_N=64)
+    """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in SPLITS parts, then merged."""
+    b = q.shape[0]
+    part = torch.empty(b, hq, SPLITS, d + 2, dtype=torch.float32, device=q.device)
+    _attend_kernel[(hq, b, SPLITS)](
+        q, keys, values, slots, pos, part, scale, keys.shape[2], HQ=hq, HKV=hkv, D=d, BLOCK_N=BLOCK_KEYS,
+        SPLITS=SPLITS,
+    )  # fmt: skip
+    _attend_merge_kernel[(hq, b)](part, o, HQ=hq, D=d, SPLITS=SPLITS)
 
 
 def gemv_residual(a: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
