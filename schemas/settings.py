@@ -102,8 +102,8 @@ class EngineSettings(_Group):
     compile_draft: bool = Field(False, description="Run the draft model through torch.compile.")
     draft_kernels: bool = Field(
         True,
-        description="A draft model's one-token steps of a few sequences (a lone job's drafts) run each layer as five "
-        "Triton kernels where Triton and CUDA are present (workers/engine/decode_kernels.py); off: the fused forward.",
+        description="A draft model's steps of at most 4 token rows (a lone job's drafts) run each layer as six Triton "
+        "kernels where Triton and CUDA are present (workers/engine/decode_kernels.py); off: the fused forward.",
     )
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (None: torch's).")
     static: bool | None = Field(

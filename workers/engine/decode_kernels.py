@@ -1,9 +1,10 @@
-"""A drafter's one-token steps as six Triton kernels a layer: a draft step at one sequence is launch-bound.
+"""A drafter's steps of a few tokens as six Triton kernels a layer: a draft step at one sequence is launch-bound.
 
 On an H200 a 0.5B drafter's step ran about 17 kernels a layer in the fused forward (workers/engine/fused.py: norms,
 GEMMs of one row, rotary, key/value writes, attention, activation), about 1.5 ms a step for 24 layers against a
-weight read of 0.25 ms. For steps of one token and a few rows over a pool that attention reads in place, each layer
-here is (workers/engine/decode_triton.py; each GEMV program loads its weight rows whole, all loads in flight):
+weight read of 0.25 ms. For steps of a few token rows (sequences x tokens, at most MAX_ROWS: a lone job's
+whole draft, its first step feeding the verdict's tokens included) over a pool that attention reads in place, each
+layer here is (workers/engine/decode_triton.py; each GEMV program loads its weight rows whole, all loads in flight):
 
 1. `normed_gemv`: RMSNorm and the q/k/v GEMV (+ bias);
 2. `rope_write`: Qwen3's per-head q/k norm, rotary, and the new key and value written into the pool at each row's
@@ -29,8 +30,8 @@ from typing import Any
 
 import torch
 
-MAX_ROWS = 4  # rows (sequences, padding included) a step may have to run here: a lone job's draft, a few
-MAX_REACH = 1024  # positions a row may attend over: one program walks a row's keys (longer: split-KV flash)
+MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run here: a lone job's drafts
+MAX_REACH = 1024  # positions a row may attend over: 8 splits of at most 128 keys (longer: split-KV flash)
 
 
 def available(device: torch.device) -> bool:
@@ -84,7 +85,7 @@ def _joined(parts: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 
 class DecodeLayers:
-    """A fused stack's layers run as the kernels above, for one-token steps of at most MAX_ROWS rows."""
+    """A fused stack's layers run as the kernels above, for steps of at most MAX_ROWS token rows."""
 
     def __init__(self, layers: list[DecodeLayer], heads: int, kv_heads: int, head_dim: int, scale: float) -> None:
         self.layers, self.heads, self.kv_heads, self.head_dim, self.scale = layers, heads, kv_heads, head_dim, scale
@@ -115,8 +116,7 @@ class DecodeLayers:
     def applies(self, pool: Any, b: int, t: int, reach: int, cos: torch.Tensor) -> bool:
         """Whether a step of b rows x t tokens reaching `reach` positions over `pool` runs here."""
         return (
-            t == 1
-            and b <= MAX_ROWS
+            b * t <= MAX_ROWS
             and reach <= MAX_REACH
             and not pool.rings
             and cos.shape[-1] == self.head_dim
@@ -124,17 +124,21 @@ class DecodeLayers:
         )
 
     def __call__(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor, pos: torch.Tensor
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor, last: torch.Tensor
     ) -> torch.Tensor:
-        """h [B, 1, width] through every layer; cos/sin [B, 1, d]; slots/pos [B]: each row's slot and position (its
-        key and value are written there, and it attends over positions 0..pos of its slot)."""
+        """h [B, T, width] through every layer; cos/sin [B, T, d]; slots [B]; last [B]: each row's slot and its last
+        token's position. A row's T tokens sit at consecutive positions and run as T rows of one token: each key and
+        value is written at its slot and position before any attends, and each token attends over positions 0 to
+        its own of its slot (causal within the step)."""
         k = _kernels()
-        b, _, width = h.shape
+        b, t, width = h.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        x = h.reshape(b, width).contiguous()
-        cos, sin = cos.reshape(b, d).float().contiguous(), sin.reshape(b, d).float().contiguous()
-        slots, pos = slots.reshape(b).contiguous(), pos.reshape(b).contiguous()
-        q = torch.empty(b, hq * d, dtype=h.dtype, device=h.device)
+        n = b * t
+        x = h.reshape(n, width).contiguous()
+        cos, sin = cos.reshape(n, d).float().contiguous(), sin.reshape(n, d).float().contiguous()
+        pos = (last.reshape(b, 1) - (t - 1) + torch.arange(t, device=last.device)).reshape(n).contiguous()
+        slots = slots.reshape(b).repeat_interleave(t) if t > 1 else slots.reshape(b).contiguous()
+        q = torch.empty(n, hq * d, dtype=h.dtype, device=h.device)
         o = torch.empty_like(q)
         for p in self.layers:
             keys, values = pool.keys[p.idx], pool.values[p.idx]
@@ -144,4 +148,4 @@ class DecodeLayers:
             x = k.gemv_residual(o, p.w_o, x)
             a = k.normed_gemv(x, p.ln2, p.eps2, p.w_gate_up, None, gated=True)
             x = k.gemv_residual(a, p.w_down, x)
-        return x.view(b, 1, width)
+        return x.view(b, t, width)

@@ -164,7 +164,7 @@ class FusedLayers:
         self.kernel: pool_attention.Kernel | None = (
             pool_attention.flash if pool_attention.supported(w.device, w.dtype, head_dim) and not self.sinks else None
         )
-        self.decode: DecodeLayers | None = None  # one-token steps of a few rows as Triton kernels (drafters: `Shard`)
+        self.decode: DecodeLayers | None = None  # steps of a few token rows as Triton kernels (drafters: `Shard`)
 
     def attends_in_place(self, cache: object) -> bool:
         """Whether a forward over `cache` reads its pool in place (no gathered copy, no mask, any length)."""

@@ -217,7 +217,7 @@ class Shard(nn.Module):
             self.fused.kernel = pool_attention.reference
 
     def set_decode_kernels(self, on: bool) -> bool:
-        """EngineSettings.draft_kernels on a drafter's fused layers: one-token steps of a few rows as Triton kernels
+        """EngineSettings.draft_kernels on a drafter's fused layers: steps of a few token rows as Triton kernels
         (workers/engine/decode_kernels.py) where they run and every layer qualifies; whether they are on."""
         fused = self.fused
         if fused is None or fused.kernel is None or self.windowed:
