@@ -1,8 +1,9 @@
 """A drafter's one-token steps as Triton kernels (workers/engine/decode_kernels.py), run on this CPU through Triton's
-interpreter: a whole greedy draft with them proposes what the fused forward in place proposes and leaves the same
-keys and values in the pool (Qwen2: q/k/v bias; Qwen3: per-head q/k norms), and the shard takes them only where
-every layer qualifies. Skipped where Triton is not installed (CI's CPU image); the GPU runs them in every draft of a
-lone job (docs/benchmarks.md)."""
+interpreter (Triton is a test dependency; tests/conftest.py sets TRITON_INTERPRET=1 without CUDA): a whole greedy draft
+with them proposes what the fused forward in place proposes and leaves the same keys and values in the pool (Qwen2:
+q/k/v bias; Qwen3: per-head q/k norms), and the shard takes them only where every layer qualifies. On the GPU
+bench/draft_kernels.py compares them with the fused forward, and the job path's outputs with the reference
+(docs/benchmarks.md runs 86-90)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _pair(path):
     return a, b
 
 
-@pytest.mark.parametrize(("family", "padded"), [("qwen2", True), ("qwen3", True), ("qwen2", False)])
+@pytest.mark.parametrize(("family", "padded"), [("qwen3", True), ("qwen2", False)])
 @torch.inference_mode()
 def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, padded):
     """Three rows (a padding row): the first step's 2 tokens a row run fused, the next through the kernels; two
