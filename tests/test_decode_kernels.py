@@ -70,11 +70,10 @@ def test_steps_the_kernels_do_not_take_run_the_fused_forward(drafters, monkeypat
     a, _ = _pair(drafters["qwen2"])
     calls = []
     monkeypatch.setattr(decode_kernels.DecodeLayers, "__call__", lambda *args: calls.append(1))
-    n = decode_kernels.MAX_ROWS + 1
-    pool = KVPool.for_shard(a, slots=n + 1, max_len=32, scratch=4)
-    rows = torch.arange(n)
-    pos = torch.full((n, 1), 3)
-    a.run_batch(torch.ones(n, 1, dtype=torch.long), pos, BatchView(pool, rows, pos))
+    pool = KVPool.for_shard(a, slots=6, max_len=32, scratch=4)
+    rows = torch.arange(5)
+    pos = torch.full((5, 1), 3)
+    a.run_batch(torch.ones(5, 1, dtype=torch.long), pos, BatchView(pool, rows, pos))
     monkeypatch.setattr(decode_kernels, "MAX_REACH", 8)
     a.run_batch(torch.ones(2, 1, dtype=torch.long), pos[:2], BatchView(pool, rows[:2], pos[:2]))
     assert not calls

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-MAX_ROWS = 16  # token rows (sequences x tokens, padding included) of a step run here: a small group's drafts
+MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run here: a lone job's drafts
 MAX_REACH = 1024  # positions a row may attend over: 8 splits of at most 128 keys (longer: split-KV flash)
 
 

@@ -12,36 +12,30 @@ import triton.language as tl
 @triton.jit
 def _normed_gemv_kernel(
     x_ptr, ln_ptr, w_ptr, b_ptr, out_ptr, width, n_out, eps,
-    ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out[r] = w @ RMSNorm(x[r]) (+ b) for every row r, or with GATED SiLU(gate) * up of it (gate: w's first n_out
-    rows, up: the next n_out). A program loads its BLOCK_N weight rows once, whole (a row of x is at most BLOCK_K
-    wide: every load in flight at once), and applies them to each of the ROWS rows of x."""
-    pid = tl.program_id(0)
+    """out[row] = w @ RMSNorm(x[row]) (+ b), or with GATED SiLU(gate) * up of it (gate: w's first n_out rows, up:
+    the next n_out). A row is at most BLOCK_K wide: one load each, so a program's loads are all in flight at once."""
+    pid, row = tl.program_id(0), tl.program_id(1)
     ty = x_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     km = kk < width
+    xv = tl.load(x_ptr + row * width + kk, mask=km, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / width + eps)
+    xv = (xv * rstd * tl.load(ln_ptr + kk, mask=km, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < n_out
     mask = nm[:, None] & km[None, :]
     wt = tl.load(w_ptr + n[:, None] * width + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-    if GATED:
-        wu = tl.load(w_ptr + (n_out + n)[:, None] * width + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+    acc = tl.sum(wt * xv[None, :], 1)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
-    ln = tl.load(ln_ptr + kk, mask=km, other=0.0).to(tl.float32)
-    for row in tl.static_range(ROWS):
-        xv = tl.load(x_ptr + row * width + kk, mask=km, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / width + eps)
-        xv = (xv * rstd * ln).to(ty).to(tl.float32)
-        acc = tl.sum(wt * xv[None, :], 1)
-        if HAS_BIAS:
-            acc += bias
-        acc = acc.to(ty).to(tl.float32)
-        if GATED:
-            up = tl.sum(wu * xv[None, :], 1).to(ty).to(tl.float32)
-            acc = (acc / (1.0 + tl.exp(-acc))).to(ty).to(tl.float32) * up
-        tl.store(out_ptr + row * n_out + n, acc.to(ty), mask=nm)
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    acc = acc.to(ty).to(tl.float32)
+    if GATED:
+        up = tl.load(w_ptr + (n_out + n)[:, None] * width + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.sum(up * xv[None, :], 1).to(ty).to(tl.float32)
+        acc = (acc / (1.0 + tl.exp(-acc))).to(ty).to(tl.float32) * up
+    tl.store(out_ptr + row * n_out + n, acc.to(ty), mask=nm)
 
 
 @triton.jit
@@ -139,21 +133,20 @@ def _attend_merge_kernel(part_ptr, o_ptr, HQ: tl.constexpr, D: tl.constexpr, SPL
 
 @triton.jit
 def _gemv_residual_kernel(
-    a_ptr, w_ptr, r_ptr, out_ptr, n_out, k_in, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    a_ptr, w_ptr, r_ptr, out_ptr, n_out, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """out[r] = r[r] + w @ a[r] for every row (one rounding, as an addmm); the weight rows loaded once, whole."""
-    pid = tl.program_id(0)
+    """out[row] = r[row] + w @ a[row] (one rounding, as an addmm); rows of a at most BLOCK_K wide (one load)."""
+    pid, row = tl.program_id(0), tl.program_id(1)
     ty = r_ptr.dtype.element_ty
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < n_out
     kk = tl.arange(0, BLOCK_K)
     km = kk < k_in
-    wt = tl.load(w_ptr + n[:, None] * k_in + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-    for row in tl.static_range(ROWS):
-        av = tl.load(a_ptr + row * k_in + kk, mask=km, other=0.0).to(tl.float32)
-        acc = tl.sum(wt * av[None, :], 1)
-        acc += tl.load(r_ptr + row * n_out + n, mask=nm, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_out + n, acc.to(ty), mask=nm)
+    av = tl.load(a_ptr + row * k_in + kk, mask=km, other=0.0).to(tl.float32)
+    wt = tl.load(w_ptr + n[:, None] * k_in + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+    acc = tl.sum(wt.to(tl.float32) * av[None, :], 1)
+    acc += tl.load(r_ptr + row * n_out + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_out + n, acc.to(ty), mask=nm)
 
 
 TILE = 4096  # weight elements a program loads at once (BLOCK_N rows x a whole input row)
@@ -176,9 +169,10 @@ def normed_gemv(
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty(b, n_out, dtype=x.dtype, device=x.device)
     block_n, block_k = _blocks(width)
-    _normed_gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, ln, w, bias if bias is not None else x, out, width, n_out, eps, ROWS=b, HAS_BIAS=bias is not None,
-        GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_warps(block_n, block_k),
+    grid = (triton.cdiv(n_out, block_n), b)
+    _normed_gemv_kernel[grid](
+        x, ln, w, bias if bias is not None else x, out, width, n_out, eps, HAS_BIAS=bias is not None, GATED=gated,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_warps(block_n, block_k),
     )  # fmt: skip
     return out
 
@@ -237,7 +231,8 @@ def gemv_residual(a: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Te
     n_out = w.shape[0]
     out = torch.empty_like(r)
     block_n, block_k = _blocks(k_in)
-    _gemv_residual_kernel[(triton.cdiv(n_out, block_n),)](
-        a, w, r, out, n_out, k_in, ROWS=b, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_warps(block_n, block_k)
+    grid = (triton.cdiv(n_out, block_n), b)
+    _gemv_residual_kernel[grid](
+        a, w, r, out, n_out, k_in, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_warps(block_n, block_k)
     )
     return out
