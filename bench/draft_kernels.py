@@ -24,6 +24,7 @@ from bench.stages import sync, time_ms
 from bench.synthetic import load_shard
 from schemas.requests import SamplingParams
 from schemas.settings import Settings
+from workers.engine import decode_kernels
 from workers.engine.runner import Engine
 from workers.speculative.drafters import ModelDrafter, propose_many
 
@@ -115,12 +116,15 @@ def parts(dev: torch.device, width: int, inter: int, hq: int, hkv: int, d: int, 
 @click.option("--ctx", type=int, default=256, show_default=True)
 @click.option("--checks", type=int, default=40, show_default=True, help="Drafts compared at each B.")
 @click.option("--iters", type=int, default=30, show_default=True)
+@click.option("--max-rows", type=int, default=None, help="decode_kernels.MAX_ROWS for this run (default: as shipped).")
 @click.option("--parts", "show_parts", is_flag=True, help="Also time each kernel of a 0.5B layer alone.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out/draft_kernels"))
-def main(device: str, drafts: tuple[str, ...], bs: str, k: int, ctx: int, checks: int, iters: int, show_parts: bool,
-         out: Path) -> None:  # fmt: skip
+def main(device: str, drafts: tuple[str, ...], bs: str, k: int, ctx: int, checks: int, iters: int,
+         max_rows: int | None, show_parts: bool, out: Path) -> None:  # fmt: skip
     """Compare and time drafts with the decode kernels on and off (see the module docstring)."""
     dev, sizes = torch.device(device), [int(x) for x in bs.split(",")]
+    if max_rows is not None:
+        decode_kernels.MAX_ROWS = max_rows
     rows = []
     if show_parts:
         with torch.inference_mode():
