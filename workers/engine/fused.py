@@ -7,15 +7,13 @@ experts' block is called as it is, transformers' grouped-GEMM experts, graph-saf
 as the Hugging Face layers, in about half the kernel launches (a 14-layer 7B shard: 800 -> 386 on an H200). Kernels:
 fused_ops.py.
 
-Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall
-elsewhere (the norm's weight is applied before rounding, a residual add is fused into its GEMM,
-rotary rounds once), differences of the same size as those between the K+1-row forwards of a round
-and `generate`'s one-row steps. Steps whose scores would outgrow `shard.FUSED_MAX_SCORE_BYTES` (long
-prefills) run the HF layers.
+Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall elsewhere (the
+norm's weight is applied before rounding, a residual add is fused into its GEMM, rotary rounds once), differences of
+the same size as those between the K+1-row forwards of a round and `generate`'s one-row steps. Steps whose scores
+would outgrow `shard.FUSED_MAX_SCORE_BYTES` (long prefills) run the HF layers.
 
-A lone drafter step is latency-bound: on an H200 the stock layer launched ~48 kernels per layer (7
-GEMMs, a dozen elementwise ops for RMSNorm and rotary embeddings, K/V copies per query head), ~2 µs
-each. Here each layer runs:
+A lone drafter step is latency-bound: on an H200 the stock layer launched ~48 kernels per layer (7 GEMMs, a dozen
+elementwise ops for RMSNorm and rotary embeddings, K/V copies per query head), ~2 µs each. Here each layer runs:
 - one RMSNorm kernel (`F.rms_norm`) before attention and one before the MLP;
 - one GEMM for q, k and v together (weights concatenated at load; the HF modules keep views of them,
   so no memory is duplicated) and one for gate and up;
@@ -26,10 +24,10 @@ each. Here each layer runs:
   the causal/cache mask as an additive bias built once per forward (`baddbmm`, softmax, `bmm`);
 - the output and down projections fused with their residual adds (`addmm`).
 On CUDA in half precision, round-sized steps (`SDPA_MAX_TOKENS`) of at least `SDPA_MIN_ROWS` query rows (batch x
-tokens x query heads) attend
-through torch's `scaled_dot_product_attention` instead (the same folded layout and additive bias, one fused
-kernel with float32 softmax; on an H200, bench/attn_variants.py: a 7B round's attention at 64 sequences 61 us a
-layer against 134 us, a 0.5B drafter step at 64 sequences 14.0 against 17.7 us; at one sequence the GEMMs win).
+tokens x query heads) attend through torch's `scaled_dot_product_attention` instead (the same folded layout and
+additive bias, one fused kernel with float32 softmax; on an H200, bench/attn_variants.py: a 7B round's attention at
+64 sequences 61 us a layer against 134 us, a 0.5B drafter step at 64 sequences 14.0 against 17.7 us). A drafter's
+steps of a few token rows over a pool read in place run as Triton kernels instead (`decode`: decode_kernels.py).
 Caches are the same objects (`update(k, v, layer_idx)`), so dynamic, static and batched caches work.
 `can_fuse(layers, config)` says whether a layout is known (otherwise the HF layers run); `fuse_layer`
 concatenates a loaded layer's weights, layer by layer as they load, so peak memory stays one layer up.
