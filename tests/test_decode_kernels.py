@@ -89,3 +89,26 @@ def test_a_layer_the_kernels_cannot_run_keeps_them_off(drafters):
     a.set_attention("in_place")
     a.fused.layers[0].act = "gelu_pytorch_tanh"
     assert not a.set_decode_kernels(True)
+
+
+def test_a_machine_whose_triton_cannot_build_them_keeps_the_fused_forward(drafters, monkeypatch, caplog):
+    """The load probe raising (a missing C compiler, say) or disagreeing with torch: the kernels stay off, with a
+    warning; the probe runs once per device and dtype."""
+    calls = []
+
+    def broken(device, dtype):
+        calls.append(dtype)
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(decode_kernels, "_WORKS", {})
+    monkeypatch.setattr(decode_kernels, "_agrees", broken)
+    a = load_shard(drafters["qwen2"], None, embed=True, head=True)
+    a.set_attention("in_place")
+    assert not a.set_decode_kernels(True) and not a.set_decode_kernels(True)
+    assert len(calls) == 1 and "Failed to find C compiler" in caplog.text
+    monkeypatch.setattr(decode_kernels, "_WORKS", {})
+    monkeypatch.setattr(decode_kernels, "_agrees", lambda device, dtype: False)
+    assert not a.set_decode_kernels(True)
+    monkeypatch.setattr(decode_kernels, "_WORKS", {})
+    monkeypatch.undo()
+    assert a.set_decode_kernels(True)  # the real probe agrees here

@@ -24,21 +24,62 @@ Triton runs here (CUDA; tests run the kernels on the CPU through Triton's interp
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run here: a lone job's drafts
 MAX_REACH = 1024  # positions a row may attend over: 8 splits of at most 128 keys (longer: split-KV flash)
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernels can run on `device`: Triton installed, and CUDA (or the interpreter, on the CPU)."""
+MAX_WIDTH = 16384  # the widest input row a GEMV program loads whole (hidden size, intermediate size, q heads x dim)
+_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+log = logging.getLogger("shardflow.engine")
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels run on `device` in `dtype`: Triton installed, CUDA (or the interpreter, on the CPU), and a
+    probe that builds them and checks them against torch (once per device and dtype): a machine whose Triton cannot
+    build them (no C compiler, say) keeps the fused forward, with a warning."""
     if importlib.util.find_spec("triton") is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    key = (str(device), dtype)
+    if key not in _WORKS:
+        try:
+            _WORKS[key] = _agrees(device, dtype)
+        except Exception as e:  # a build or launch failure: anything Triton's toolchain raises
+            log.warning("draft kernels off on %s: %s: %s", device, type(e).__name__, e)
+            _WORKS[key] = False
+        if not _WORKS[key]:
+            log.warning("draft kernels off on %s (%s): they do not agree with torch here", device, dtype)
+    return _WORKS[key]
+
+
+def _agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """The GEMV kernels and attention over a small case, against torch."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    x, w, ln = rand(2, 64), rand(96, 64) * 0.1, torch.ones(64, device=device, dtype=dtype)
+    tol = {"rtol": 0.05, "atol": 0.05}
+    ok = torch.allclose(k.normed_gemv(x, ln, 1e-6, w, None, gated=False), F.linear(F.rms_norm(x, (64,), ln), w), **tol)
+    r = rand(2, 32)
+    ok = ok and torch.allclose(k.gemv_residual(x, w[:32], r), r + x @ w[:32].T, **tol)
+    keys, values, q = rand(1, 1, 8, 16), rand(1, 1, 8, 16), rand(1, 16)
+    o = torch.empty_like(q)
+    slots, pos = torch.zeros(1, dtype=torch.long, device=device), torch.full((1,), 5, dtype=torch.long, device=device)
+    k.attend(q, keys, values, slots, pos, o, 0.25, 1, 1, 16)
+    want = torch.softmax((keys[0, 0, :6].float() @ q[0].float()) * 0.25, 0) @ values[0, 0, :6].float()
+    return bool(ok and torch.allclose(o[0].float(), want, **tol))
 
 
 def _kernels() -> Any:
@@ -108,6 +149,8 @@ class DecodeLayers:
             assert qkv is not None and gate_up is not None
             (w_qkv, b_qkv), (w_gu, _) = qkv, gate_up
             if not all(t.is_contiguous() for t in (w_qkv, w_gu, p.w_o, p.w_down, p.ln1, p.ln2)):
+                return None
+            if max(w_qkv.shape[1], p.w_o.shape[1], p.w_down.shape[1]) > MAX_WIDTH:
                 return None
             norms = (p.ln1, p.eps1, p.ln2, p.eps2, p.qk_norm, p.eps_qk)
             out.append(DecodeLayer(w_qkv, b_qkv, p.w_o, w_gu, p.w_down, p.idx, *norms))

@@ -222,7 +222,8 @@ class Shard(nn.Module):
         fused = self.fused
         if fused is None or fused.kernel is None or self.windowed:
             return False
-        fused.decode = DecodeLayers.for_layers(fused) if on and decode_kernels.available(self.device) else None
+        runs = on and decode_kernels.available(self.device, self.dtype)
+        fused.decode = DecodeLayers.for_layers(fused) if runs else None
         return fused.decode is not None
 
     def _masks(self, cache: object, pos: torch.Tensor) -> list[torch.Tensor | None]:
