@@ -26,7 +26,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory):
     root, tok = tmp_path_factory.mktemp("decode"), build_tokenizer()
-    return {f: save_tiny_model(root / f, f, tokenizer=tok) for f in ("qwen2", "qwen3")}
+    out = {f: save_tiny_model(root / f, f, tokenizer=tok) for f in ("qwen2", "qwen3")}
+    # widths no power of two (every kernel's masks), three query heads a key/value head
+    odd = dict(hidden=96, intermediate_size=200, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    out["odd"] = save_tiny_model(root / "odd", "qwen3", tokenizer=tok, **odd)
+    return out
 
 
 def _pair(path):
@@ -37,12 +41,15 @@ def _pair(path):
     return a, b
 
 
-@pytest.mark.parametrize(("family", "padded"), [("qwen3", True), ("qwen2", False)])
+@pytest.mark.parametrize(("family", "padded"), [("qwen3", True), ("qwen2", False), ("odd", False)])
 @torch.inference_mode()
-def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, padded):
+def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, padded, monkeypatch):
     """Three rows (a padding row): the first step's 2 tokens a row run fused, the next through the kernels; two
     rows: the first step too, as 4 rows of one token (causal within the step)."""
     a, b = _pair(drafters[family])
+    ran = []
+    call = decode_kernels.DecodeLayers.__call__
+    monkeypatch.setattr(decode_kernels.DecodeLayers, "__call__", lambda *args: ran.append(1) or call(*args))
     torch.manual_seed(3)
     pools = [KVPool.for_shard(s, slots=3, max_len=64, scratch=12) for s in (a, b)]
     for s, n in ((0, 5), (2, 19)):
@@ -57,7 +64,7 @@ def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, pa
     pick = torch.tensor([[1], [0], [1]])[:n]
     got = greedy_steps(a.run_batch, pools[0], rows, x, pos, pick, 6, None, in_place=True)
     want = greedy_steps(b.run_batch, pools[1], rows, x, pos, pick, 6, None, in_place=True)
-    assert torch.equal(got[:2], want[:2])
+    assert torch.equal(got[:2], want[:2]) and len(ran) >= 5  # every one-token step went through the kernels
     for i in pools[0].keys:
         for slot, n in ((0, 5 + 2 + 5), (2, 19 + 1 + 6)):  # prompt, feed, drafts written
             for got_kv, want_kv in ((pools[0].keys[i], pools[1].keys[i]), (pools[0].values[i], pools[1].values[i])):
@@ -92,23 +99,22 @@ def test_a_layer_the_kernels_cannot_run_keeps_them_off(drafters):
 
 
 def test_a_machine_whose_triton_cannot_build_them_keeps_the_fused_forward(drafters, monkeypatch, caplog):
-    """The load probe raising (a missing C compiler, say) or disagreeing with torch: the kernels stay off, with a
-    warning; the probe runs once per device and dtype."""
-    calls = []
+    """At load a step through the kernels is checked against the fused forward on the shard's own layers: a build or
+    launch failure (a missing C compiler, say) or a disagreement keeps them off, with a warning."""
+    from workers.engine import decode_triton
 
-    def broken(device, dtype):
-        calls.append(dtype)
-        raise RuntimeError("Failed to find C compiler")
-
-    monkeypatch.setattr(decode_kernels, "_WORKS", {})
-    monkeypatch.setattr(decode_kernels, "_agrees", broken)
     a = load_shard(drafters["qwen2"], None, embed=True, head=True)
     a.set_attention("in_place")
-    assert not a.set_decode_kernels(True) and not a.set_decode_kernels(True)
-    assert len(calls) == 1 and "Failed to find C compiler" in caplog.text
-    monkeypatch.setattr(decode_kernels, "_WORKS", {})
-    monkeypatch.setattr(decode_kernels, "_agrees", lambda device, dtype: False)
-    assert not a.set_decode_kernels(True)
-    monkeypatch.setattr(decode_kernels, "_WORKS", {})
+    assert a.set_decode_kernels(True) and a.fused.decode is not None
+    assert not a.set_decode_kernels(False) and a.fused.decode is None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(decode_triton, "rope_write", broken)
+    assert not a.set_decode_kernels(True) and a.fused.decode is None
+    assert "Failed to find C compiler" in caplog.text
     monkeypatch.undo()
-    assert a.set_decode_kernels(True)  # the real probe agrees here
+    real = decode_triton.gemv_residual
+    monkeypatch.setattr(decode_triton, "gemv_residual", lambda a_, w, r: real(a_, w, r) * 2)
+    assert not a.set_decode_kernels(True) and "does not agree" in caplog.text

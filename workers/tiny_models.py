@@ -138,7 +138,7 @@ def tiny_config(
 ):
     """A Qwen2-, Qwen3- or Mistral-shaped (untied head), Llama-shaped (tied embeddings), OTHER_FAMILIES or
     MOE_FAMILIES tiny config;
-    `extra` sets more of the config's own fields (a sliding window, say)."""
+    `extra` sets more of the config's own fields (a sliding window, say), or overrides these (widths, heads)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -153,13 +153,13 @@ def tiny_config(
         pad_token_id=0,
     )
     if family == "qwen2":
-        return Qwen2Config(**common, **{"tie_word_embeddings": False, "use_sliding_window": False} | extra)
+        return Qwen2Config(**common | {"tie_word_embeddings": False, "use_sliding_window": False} | extra)
     if family == "llama":
-        return LlamaConfig(**common, **{"tie_word_embeddings": True} | extra)
+        return LlamaConfig(**common | {"tie_word_embeddings": True} | extra)
     if family == "qwen3":  # per-head q/k norms
-        return Qwen3Config(**common, **{"tie_word_embeddings": False, "use_sliding_window": False} | extra)
+        return Qwen3Config(**common | {"tie_word_embeddings": False, "use_sliding_window": False} | extra)
     if family == "mistral":
-        return MistralConfig(**common, **{"tie_word_embeddings": False, "sliding_window": None} | extra)
+        return MistralConfig(**common | {"tie_word_embeddings": False, "sliding_window": None} | extra)
     if (
         family in OTHER_FAMILIES or family in DENSE_FAMILIES
     ):  # their own config class, at these sizes (head_dim: their defaults are wide)

@@ -23,6 +23,7 @@ Triton runs here (CUDA; tests run the kernels on the CPU through Triton's interp
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -30,56 +31,56 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn import functional as F
+
+from workers.engine.kvcache import BatchView, KVPool
 
 MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run here: a lone job's drafts
 MAX_REACH = 1024  # positions a row may attend over: 8 splits of at most 128 keys (longer: split-KV flash)
 
 
 MAX_WIDTH = 16384  # the widest input row a GEMV program loads whole (hidden size, intermediate size, q heads x dim)
-_WORKS: dict[tuple[str, torch.dtype], bool] = {}
 log = logging.getLogger("shardflow.engine")
 
 
-def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernels run on `device` in `dtype`: Triton installed, CUDA (or the interpreter, on the CPU), and a
-    probe that builds them and checks them against torch (once per device and dtype): a machine whose Triton cannot
-    build them (no C compiler, say) keeps the fused forward, with a warning."""
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device`: Triton installed, and CUDA (or the interpreter, on the CPU)."""
     if importlib.util.find_spec("triton") is None:
         return False
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: a drafter on another GPU (--draft-device) makes its own current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def agrees(shard: Any, decode: DecodeLayers) -> bool:
+    """One draft step through the kernels against the fused forward, on the shard's own layers over a scratch pool
+    (so every kernel variant it will run is built now, at load): a build or launch failure (a machine whose Triton
+    has no C compiler, say), a non-finite result or a disagreement keeps the kernels off, with a warning."""
+    fused, dev = shard.fused, shard.device
+    try:
+        with _on(dev), torch.inference_mode():
+            ids = torch.randint(0, shard.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)).to(dev)
+            pos, rows = torch.arange(9, device=dev)[None], torch.zeros(1, dtype=torch.long, device=dev)
+            outs = []
+            for kernels in (None, decode):
+                pool = KVPool.for_shard(shard, slots=1, max_len=32, scratch=8)
+                fused.decode = None
+                shard.run_batch(ids[:, :8], pos[:, :8], BatchView(pool, rows, pos[:, :8]))
+                fused.decode = kernels
+                outs.append(shard.run_batch(ids[:, 8:], pos[:, 8:], BatchView(pool, rows, pos[:, 8:])).float())
+            want, got = outs
+            scale = float(want.abs().max())
+            ok = bool(torch.isfinite(got).all()) and torch.allclose(got, want, rtol=0.05, atol=0.05 * scale)
+    except Exception as e:  # anything Triton's toolchain or a launch raises
+        log.warning("draft kernels off on %s: %s: %s", dev, type(e).__name__, e)
         return False
-    key = (str(device), dtype)
-    if key not in _WORKS:
-        try:
-            _WORKS[key] = _agrees(device, dtype)
-        except Exception as e:  # a build or launch failure: anything Triton's toolchain raises
-            log.warning("draft kernels off on %s: %s: %s", device, type(e).__name__, e)
-            _WORKS[key] = False
-        if not _WORKS[key]:
-            log.warning("draft kernels off on %s (%s): they do not agree with torch here", device, dtype)
-    return _WORKS[key]
-
-
-def _agrees(device: torch.device, dtype: torch.dtype) -> bool:
-    """The GEMV kernels and attention over a small case, against torch."""
-    k = _kernels()
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device, dtype)
-
-    x, w, ln = rand(2, 64), rand(96, 64) * 0.1, torch.ones(64, device=device, dtype=dtype)
-    tol = {"rtol": 0.05, "atol": 0.05}
-    ok = torch.allclose(k.normed_gemv(x, ln, 1e-6, w, None, gated=False), F.linear(F.rms_norm(x, (64,), ln), w), **tol)
-    r = rand(2, 32)
-    ok = ok and torch.allclose(k.gemv_residual(x, w[:32], r), r + x @ w[:32].T, **tol)
-    keys, values, q = rand(1, 1, 8, 16), rand(1, 1, 8, 16), rand(1, 16)
-    o = torch.empty_like(q)
-    slots, pos = torch.zeros(1, dtype=torch.long, device=device), torch.full((1,), 5, dtype=torch.long, device=device)
-    k.attend(q, keys, values, slots, pos, o, 0.25, 1, 1, 16)
-    want = torch.softmax((keys[0, 0, :6].float() @ q[0].float()) * 0.25, 0) @ values[0, 0, :6].float()
-    return bool(ok and torch.allclose(o[0].float(), want, **tol))
+    finally:
+        fused.decode = None
+    if not ok:
+        log.warning("draft kernels off on %s: a step through them does not agree with the fused forward", dev)
+    return ok
 
 
 def _kernels() -> Any:
@@ -173,7 +174,13 @@ class DecodeLayers:
         token's position. A row's T tokens sit at consecutive positions and run as T rows of one token: each key and
         value is written at its slot and position before any attends, and each token attends over positions 0 to
         its own of its slot (causal within the step)."""
-        k = _kernels()
+        with _on(h.device):
+            return self._run(_kernels(), h, cos, sin, pool, slots, last)
+
+    def _run(
+        self, k: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor,
+        last: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
         b, t, width = h.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         n = b * t
@@ -183,11 +190,12 @@ class DecodeLayers:
         slots = slots.reshape(b).repeat_interleave(t) if t > 1 else slots.reshape(b).contiguous()
         q = torch.empty(n, hq * d, dtype=h.dtype, device=h.device)
         o = torch.empty_like(q)
+        pad = pool.padding if pool.padding is not None else -1  # its rows read one key
         for p in self.layers:
             keys, values = pool.keys[p.idx], pool.values[p.idx]
             qkv = k.normed_gemv(x, p.ln1, p.eps1, p.w_qkv, p.b_qkv, gated=False)
             k.rope_write(qkv, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)
-            k.attend(q, keys, values, slots, pos, o, self.scale, hq, hkv, d)
+            k.attend(q, keys, values, slots, pos, o, self.scale, hq, hkv, d, pad)
             x = k.gemv_residual(o, p.w_o, x)
             a = k.normed_gemv(x, p.ln2, p.eps2, p.w_gate_up, None, gated=True)
             x = k.gemv_residual(a, p.w_down, x)

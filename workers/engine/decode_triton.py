@@ -81,14 +81,15 @@ def _rope_write_kernel(
 
 @triton.jit
 def _attend_kernel(
-    q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_ptr, scale, length,
+    q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_ptr, scale, length, pad_slot,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """One (head, row, split): the split's share of the row's keys 0..pos, as float32 partials [acc (D), max, sum]."""
+    """One (head, row, split): the split's share of the row's keys 0..pos, as float32 partials [acc (D), max, sum]. A
+    padding row (in the pool's pad slot, at scratch positions near its end) reads one key: its output is unused."""
     head, row, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kvh = head // (HQ // HKV)
     slot = tl.load(slot_ptr + row)
-    n_keys = tl.load(pos_ptr + row) + 1
+    n_keys = tl.where(slot == pad_slot, 1, tl.load(pos_ptr + row) + 1)
     chunk = (n_keys + SPLITS - 1) // SPLITS
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_keys)
@@ -214,12 +215,14 @@ def attend(
     hq: int,
     hkv: int,
     d: int,
+    pad_slot: int = -1,
 ) -> None:
-    """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in SPLITS parts, then merged."""
+    """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in SPLITS parts, then merged. Rows in
+    `pad_slot` (-1: none) read one key."""
     b = q.shape[0]
     part = torch.empty(b, hq, SPLITS, d + 2, dtype=torch.float32, device=q.device)
     _attend_kernel[(hq, b, SPLITS)](
-        q, keys, values, slots, pos, part, scale, keys.shape[2], HQ=hq, HKV=hkv, D=d, BLOCK_N=BLOCK_KEYS,
+        q, keys, values, slots, pos, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, BLOCK_N=BLOCK_KEYS,
         SPLITS=SPLITS,
     )  # fmt: skip
     _attend_merge_kernel[(hq, b)](part, o, HQ=hq, D=d, SPLITS=SPLITS)

@@ -218,12 +218,16 @@ class Shard(nn.Module):
 
     def set_decode_kernels(self, on: bool) -> bool:
         """EngineSettings.draft_kernels on a drafter's fused layers: steps of a few token rows as Triton kernels
-        (workers/engine/decode_kernels.py) where they run and every layer qualifies; whether they are on."""
+        (workers/engine/decode_kernels.py) where they run, every layer qualifies and a step through them agrees with
+        the fused forward (checked now); whether they are on."""
         fused = self.fused
-        if fused is None or fused.kernel is None or self.windowed:
+        if fused is None:
             return False
-        runs = on and decode_kernels.available(self.device, self.dtype)
-        fused.decode = DecodeLayers.for_layers(fused) if runs else None
+        fused.decode = None
+        if not on or fused.kernel is None or self.windowed or not decode_kernels.available(self.device):
+            return False
+        decode = DecodeLayers.for_layers(fused)
+        fused.decode = decode if decode is not None and decode_kernels.agrees(self, decode) else None
         return fused.decode is not None
 
     def _masks(self, cache: object, pos: torch.Tensor) -> list[torch.Tensor | None]:
