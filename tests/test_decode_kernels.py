@@ -103,6 +103,9 @@ def test_a_machine_whose_triton_cannot_build_them_keeps_the_fused_forward(drafte
     launch failure (a missing C compiler, say) or a disagreement keeps them off, with a warning."""
     from workers.engine import decode_triton
 
+    half = load_shard(drafters["qwen2"], None, embed=True, head=True, dtype=torch.bfloat16)
+    half.set_attention("in_place")
+    assert half.set_decode_kernels(True)  # bfloat16's roundings differ from the fused forward's: still agreed
     a = load_shard(drafters["qwen2"], None, embed=True, head=True)
     a.set_attention("in_place")
     assert a.set_decode_kernels(True) and a.fused.decode is not None
