@@ -17,15 +17,14 @@ outputs against Hugging Face `generate`.
 Workers run with their default flags plus --head-args / --tail-args and a variant's own (`--variant NAME=HEAD ARGS[ |
 TAIL ARGS]`, repeatable; each variant starts its own pair of workers, which serve every N in order after a warm-up
 job). The head reaches Redis through the delay proxy (it is the far machine); the tail and the producer connect
-directly. Writes jobs.json, jobs.md and (with matplotlib) jobs.png to --out, worker logs to --out/logs; progress goes
-to stderr, the table to stdout.
+directly. Writes jobs.json, jobs.md and (with matplotlib) jobs.png to --out, worker logs to --out/logs; progress to
+stderr, the table to stdout.
 
 Each job has its own sampling seed by default (job i of every N the same one), so the synthetic drafter's accept/reject
 pattern differs from job to job as real traffic's would (`--same-seed`: none, every job rejects the same positions and
 a batch steps in lockstep; greedy outputs do not depend on the seed). For each N the bench samples, while the batch
 runs (bench/usage.py), GPU utilization (nvidia-smi every 200 ms: mean and share of samples >= 50%; skipped with a note
-without nvidia-smi or CUDA workers) and the head's and tail's thread counts (/proc/PID/status; max).
-"""
+without nvidia-smi or CUDA workers) and the head's and tail's thread counts (/proc/PID/status; max)."""
 
 from __future__ import annotations
 

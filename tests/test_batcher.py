@@ -35,13 +35,8 @@ SLOTS = 4
 WAIT_S = 20.0  # a generous bound on any one wait (a stuck thread fails the test instead of hanging it)
 
 # Token ids of committed contexts (the tiny tokenizer has a few hundred): repeats give the n-gram drafter matches.
-CTX = [
-    (5, 6, 7, 5, 6, 7, 5, 6),
-    (40, 41, 42, 43, 44, 45),
-    (9, 10, 11, 12, 9, 10, 11, 12, 9, 10),
-    (100, 3, 100, 3, 100),
-    (70, 71, 72, 73, 74, 75, 76),
-]
+CTX = [(5, 6, 7, 5, 6, 7, 5, 6), (40, 41, 42, 43, 44, 45), (9, 10, 11, 12, 9, 10, 11, 12, 9, 10), (100, 3, 100, 3, 100)]
+CTX.append((70, 71, 72, 73, 74, 75, 76))
 STATIC = pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
 
 
@@ -280,6 +275,15 @@ def assert_same_round(got: HeadWork, want: HeadWork, static: bool) -> None:
     assert got.cache.length == want.cache.length == got.start + got.hidden.shape[0]
 
 
+@pytest.fixture(autouse=True)
+def _no_stray_threads() -> Iterator[None]:
+    """Every test joins the threads it starts."""
+    before = set(threading.enumerate())
+    yield
+    stray = [t for t in threading.enumerate() if t not in before and isinstance(t, Submitter) and t.is_alive()]
+    assert not stray, stray
+
+
 # --- one batch, exactly as alone ----------------------------------------------------------------------------------
 
 MIXED = [
@@ -393,15 +397,3 @@ def test_model_drafts_in_a_batch_equal_drafts_one_at_a_time(tiny: Tiny, static: 
                 gen = torch.Generator().manual_seed(rnd + 1)
                 out.append(HeadWork(old.drafter, ctx, old.k, GREEDY, gen, old.cache, ctx[-1:], len(ctx) - 1))
         works, alone = nxt_works, nxt_alone
-
-
-# --- failures -----------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _no_stray_threads() -> Iterator[None]:
-    """Every test joins the threads it starts."""
-    before = set(threading.enumerate())
-    yield
-    stray = [t for t in threading.enumerate() if t not in before and isinstance(t, Submitter) and t.is_alive()]
-    assert not stray, stray

@@ -1,5 +1,4 @@
-"""One generation's state on the head, stepped by the head's loop (workers/head/loop.py; entry point:
-`generate` in workers/head/runtime.py)."""
+"""One generation's state on the head, stepped by the head's loop (workers/head/loop.py; entry: runtime.generate)."""
 
 from __future__ import annotations
 
@@ -73,9 +72,9 @@ class OpenRound:
 
 
 class RoundLoop:
-    """State of one generation on the head: caches, committed tokens, stats. The head's step loop
-    (workers/head/loop.py) drives it: `next_work` (batched with other generations' by the loop), `packet`,
-    `sent`, then `take` for each entry of its reply stream (or `timed_out`)."""
+    """State of one generation on the head: caches, committed tokens, stats. The head's step loop (workers/head/loop.py)
+    drives it: `next_work` (batched with other generations'), `packet`, `sent`, then `take` for each entry of its
+    reply stream (or `timed_out`)."""
 
     def __init__(
         self,
@@ -130,8 +129,8 @@ class RoundLoop:
         return self.finish
 
     def next_work(self) -> HeadWork:
-        """This round's drafting and lower-shard work (round ids continue past a checkpoint: each round
-        commits a token, so sampled rounds of a resumed job never reuse an earlier attempt's seeds)."""
+        """This round's drafting and lower-shard work (round ids go on past a checkpoint: sampled rounds of a resumed
+        job never reuse an earlier attempt's seeds)."""
         rid = self.resumed + self.rounds
         remaining = self.req.max_new_tokens - len(self.generated)
         start = len(self.committed) - len(self.pending)
@@ -143,8 +142,8 @@ class RoundLoop:
         return work
 
     def prepare(self) -> None:
-        """Once the round's draft is known, while the device computes its hidden states: its header, validated
-        and serialized ahead of `packet` (which then only encodes the tensors and MACs them)."""
+        """While the device computes the round's hidden states: its header, validated and serialized ahead of
+        `packet` (which then only encodes the tensors and MACs them)."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None
         basis, fields, q_tensors = self._header_fields()
@@ -380,8 +379,7 @@ class RoundLoop:
             self.drafter.close()
 
     def goodbye(self) -> tuple[str, dict[bytes, bytes]] | None:
-        """The close packet that tells the tail to drop the session (None if the tail ended it itself: a final
-        verdict, the usual end), for the loop's sender."""
+        """For the loop's sender: the packet telling the tail to drop the session (None if a final verdict ended it)."""
         if self.tail_closed:
             return None
         return self.stream, encode_message(ClosePacket(session_id=self.sid), self.key)
