@@ -17,8 +17,9 @@ layer here is (workers/engine/decode_triton.py; each GEMV program loads its weig
 Numerics follow the fused forward's roundings (half-precision GEMM outputs, float32 accumulation and softmax) but not
 bit for bit: only drafters run this, and a draft's rounding can change which tokens are proposed, never the output
 (the target verifies every token). `DecodeLayers.for_layers` says whether a stack qualifies (Llama/Qwen2/Mistral/
-Qwen3 layouts with concatenated weights, SiLU, full-width rotary, no windows, sinks or experts); `available()` whether
-Triton runs here (CUDA; tests run the kernels on the CPU through Triton's interpreter, TRITON_INTERPRET=1).
+Qwen3 layouts, SiLU, full-width rotary, no windows, sinks, experts or quantized linears); `available()` whether Triton
+runs here (CUDA; tests run the kernels on the CPU through Triton's interpreter, TRITON_INTERPRET=1); `agrees()`, at
+load, whether one step through them on the shard's own layers agrees with the fused forward.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from workers.engine.kvcache import BatchView, KVPool
 
 MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run here: a lone job's drafts
 MAX_REACH = 1024  # positions a row may attend over: 8 splits of at most 128 keys (longer: split-KV flash)
-
-
 AGREE = 0.2  # the load check's largest relative (L2) difference between a step's logits through the kernels and fused
 MAX_WIDTH = 16384  # the widest input row a GEMV program loads whole (hidden size, intermediate size, q heads x dim)
 log = logging.getLogger("shardflow.engine")
