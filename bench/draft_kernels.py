@@ -1,9 +1,11 @@
-"""A drafter's whole greedy drafts with and without its one-token steps as Triton kernels
+"""A drafter's whole greedy drafts with and without its steps of a few token rows as Triton kernels
 (workers/engine/decode_kernels.py, `engine.draft_kernels`): the tokens each proposes, and ms per draft at a few
 sequences, through the engine's real path (static caches, CUDA graphs, `propose_many`).
 
     # GPU: the Qwen2.5-0.5B and Qwen3-0.6B shapes (bench/synthetic.py), bf16, K = 8, 256 positions cached
     python -m bench.draft_kernels --device cuda:0 --draft random:qwen2.5-0.5b --draft random:qwen3-0.6b
+    # each kernel of a 0.5B layer alone beside cuBLAS; another row limit than decode_kernels.MAX_ROWS
+    python -m bench.draft_kernels --parts --b 1;  python -m bench.draft_kernels --max-rows 8 --b 4,6,8
 
 For each drafter, two engines of the same weights (kernels on and off) draft from the same contexts, each call
 feeding one new token per sequence as after a rejection: the share of drafts whose tokens are all equal (random
