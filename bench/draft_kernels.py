@@ -35,13 +35,13 @@ class Pair:
     """One drafter preset loaded twice (kernels on, off), sessions prefilled with the same contexts."""
 
     def __init__(self, draft: str, dev: torch.device, dtype: torch.dtype, k: int, ctx: int, bmax: int) -> None:
-        settings = Settings(engine={"static": True, "max_len": 2048, "graph_k": k})
         self.k, self.ctx = k, ctx
         self.drafters, self.on = [], []
         for kernels in (True, False):
+            settings = Settings(engine={"static": True, "max_len": 2048, "graph_k": k, "draft_kernels": kernels})
             shard = load_shard(draft, None, embed=True, head=True, device=str(dev), dtype=dtype)
-            self.on.append(shard.set_decode_kernels(kernels))
             engine = Engine(shard, settings, step_tokens=2, pad=False, max_draft=k, slots=bmax, label="draft")
+            self.on.append(shard.fused is not None and shard.fused.decode is not None)
             self.drafters.append(ModelDrafter(shard, engine))
         vocab = self.drafters[0].shard.config.vocab_size
         gen = torch.Generator().manual_seed(0)
@@ -94,13 +94,13 @@ def parts(dev: torch.device, width: int, inter: int, hq: int, hkv: int, d: int, 
     slots, pos = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), ctx, dtype=torch.long, device=dev)
     cos, sin = torch.ones(1, d, device=dev), torch.zeros(1, d, device=dev)
     q, o, a = torch.empty(1, hq * d, **bf), torch.randn(1, hq * d, **bf), torch.randn(1, inter, **bf)
-    qkv = torch.randn(1, (hq + 2 * hkv) * d, **bf)
+    qkv, part = torch.randn(1, (hq + 2 * hkv) * d, **bf), k.attend_partials(1, hq, d, dev)
     p = SimpleNamespace(qk_norm=None, eps_qk=1e-6)
     return {
         "qkv": graphed_us(lambda: k.normed_gemv(x, ln, 1e-6, w_qkv, b_qkv, gated=False)),
         "qkv cuBLAS": graphed_us(lambda: torch.nn.functional.linear(x, w_qkv, b_qkv)),
         "rope_write": graphed_us(lambda: k.rope_write(qkv, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)),
-        "attend": graphed_us(lambda: k.attend(q, keys, values, slots, pos, o, 0.1, hq, hkv, d)),
+        "attend": graphed_us(lambda: k.attend(q, keys, values, slots, pos, o, part, 0.1, hq, hkv, d)),
         "o": graphed_us(lambda: k.gemv_residual(o, w_o, x)),
         "o cuBLAS": graphed_us(lambda: torch.addmm(x, o, w_o.t())),
         "gate_up": graphed_us(lambda: k.normed_gemv(x, ln, 1e-6, w_gu, None, gated=True)),

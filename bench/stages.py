@@ -102,7 +102,6 @@ class Rig:
         settings = Settings(engine=engine)
         self.head = Engine(shards["head"], settings, slots=bmax, label="head")
         self.tail = Engine(shards["tail"], settings, slots=bmax, label="tail")
-        shards["draft"].set_decode_kernels(settings.engine.draft_kernels and not compile_draft)  # as a head does
         dengine = Engine(
             shards["draft"], settings, step_tokens=2, pad=False, max_draft=k, slots=bmax, compile=compile_draft,
             label="draft",

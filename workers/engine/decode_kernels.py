@@ -159,14 +159,9 @@ class DecodeLayers:
         return cls(out, fused.heads, fused.kv_heads, d, fused.scale)
 
     def applies(self, pool: Any, b: int, t: int, reach: int, cos: torch.Tensor) -> bool:
-        """Whether a step of b rows x t tokens reaching `reach` positions over `pool` runs here."""
-        return (
-            b * t <= MAX_ROWS
-            and reach <= MAX_REACH
-            and not pool.rings
-            and cos.shape[-1] == self.head_dim
-            and all(pool.keys[p.idx].is_contiguous() and pool.values[p.idx].is_contiguous() for p in self.layers)
-        )
+        """Whether a step of b rows x t tokens reaching `reach` positions over `pool` runs here (a pool's tensors are
+        contiguous as KVPool makes them)."""
+        return b * t <= MAX_ROWS and reach <= MAX_REACH and not pool.rings and cos.shape[-1] == self.head_dim
 
     def __call__(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor, last: torch.Tensor
@@ -192,11 +187,12 @@ class DecodeLayers:
         q = torch.empty(n, hq * d, dtype=h.dtype, device=h.device)
         o = torch.empty_like(q)
         pad = pool.padding if pool.padding is not None else -1  # its rows read one key
+        part = k.attend_partials(n, hq, d, h.device)  # one buffer for every layer's attention splits
         for p in self.layers:
             keys, values = pool.keys[p.idx], pool.values[p.idx]
             qkv = k.normed_gemv(x, p.ln1, p.eps1, p.w_qkv, p.b_qkv, gated=False)
             k.rope_write(qkv, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)
-            k.attend(q, keys, values, slots, pos, o, self.scale, hq, hkv, d, pad)
+            k.attend(q, keys, values, slots, pos, o, part, self.scale, hq, hkv, d, pad)
             x = k.gemv_residual(o, p.w_o, x)
             a = k.normed_gemv(x, p.ln2, p.eps2, p.w_gate_up, None, gated=True)
             x = k.gemv_residual(a, p.w_down, x)

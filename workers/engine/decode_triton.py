@@ -204,6 +204,11 @@ SPLITS = 8  # programs a (head, row) reads its keys with (then merged): up to MA
 BLOCK_KEYS = 128
 
 
+def attend_partials(rows: int, hq: int, d: int, device: torch.device) -> torch.Tensor:
+    """The float32 partials `attend` writes (each split's [acc, max, sum] of each head and row)."""
+    return torch.empty(rows, hq, SPLITS, d + 2, dtype=torch.float32, device=device)
+
+
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -211,16 +216,16 @@ def attend(
     slots: torch.Tensor,
     pos: torch.Tensor,
     o: torch.Tensor,
+    part: torch.Tensor,
     scale: float,
     hq: int,
     hkv: int,
     d: int,
     pad_slot: int = -1,
 ) -> None:
-    """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in SPLITS parts, then merged. Rows in
-    `pad_slot` (-1: none) read one key."""
+    """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in SPLITS parts (into `part`,
+    `attend_partials`), then merged. Rows in `pad_slot` (-1: none) read one key."""
     b = q.shape[0]
-    part = torch.empty(b, hq, SPLITS, d + 2, dtype=torch.float32, device=q.device)
     _attend_kernel[(hq, b, SPLITS)](
         q, keys, values, slots, pos, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, BLOCK_N=BLOCK_KEYS,
         SPLITS=SPLITS,

@@ -7,12 +7,12 @@
   token each) as one batched forward over their slots;
 - static + graphs (default on CUDA): each batched step replays a CUDA graph captured once per
   (pool, batch bucket, step size), with inputs padded to the bucket (rows) and to `step_tokens`
-  (with pad=False: one graph per step size, as the drafter uses; workers/engine/graphs.py). Padded
-  tokens sit after a row's real ones, so causal masking keeps them out of every real token; padding
-  rows write into the pool's pad slot. Sequences beyond the pool's slots get a one-slot pool of their
-  own. A result of a graph stays valid until the engine's next replay.
-Static slots come in two lengths when sized from memory (`SlotPlan`), short and full-length, each a pool batched
-apart. Longer steps (prompts) run as eager batches, padded to their longest, up to `prefill_tokens` tokens each.
+  (with pad=False: one graph per step size, as the drafter uses; workers/engine/graphs.py). Padded tokens sit
+  after a row's real ones, so causal masking keeps them out of every real token; padding rows write into the
+  pool's pad slot. Sequences beyond the pool's slots get a one-slot pool of their own. A result of a graph stays
+  valid until the engine's next replay.
+Static slots come in two lengths when sized from memory (`SlotPlan`), each a pool batched apart. Longer steps
+(prompts) run as eager batches, padded to their longest, up to `prefill_tokens` tokens each.
 """
 
 from __future__ import annotations
@@ -63,18 +63,19 @@ class Engine:
         max_draft: int = 0,
         label: str = "shard",
     ) -> None:
-        """`settings.engine` (default: Settings()'s) says how: static caches and graphs, positions a static cache
-        holds (max_len, capped by the model's limit), slots, prefill and capture sizes. This engine's own shape:
-        step_tokens (default engine.graph_k + 1, never a request's k): tokens a round feeds per sequence
-        through the graphs (longer steps run eagerly); slots: sequences of full length, or a `SlotPlan` with
-        short slots too (default: engine.slots, else what the device's memory holds, `memory_plan`, or
-        engine.cpu_slots); max_draft: longest whole-draft graph; label: the engine's name in its memory log
-        lines ("head", "draft", "tail")."""
+        """`settings.engine` (default: Settings()'s) says how: static caches and graphs, positions a static cache holds
+        (max_len, capped by the model's limit), slots, prefill and capture sizes. This engine's own shape: step_tokens
+        (default engine.graph_k + 1, never a request's k): tokens a round feeds per sequence through the graphs
+        (longer steps run eagerly); slots: sequences of full length, or a `SlotPlan` with short slots too (default:
+        engine.slots, else what the device's memory holds, `memory_plan`, or engine.cpu_slots); max_draft: longest
+        whole-draft graph (a drafter's engine); label: its name in memory log lines ("head", "draft", "tail")."""
         settings = settings or Settings()
         self.label = label
         step_tokens = settings.engine.graph_k + 1 if step_tokens is None else step_tokens
         self.shard = shard
         shard.set_attention(settings.engine.attention)
+        if max_draft and shard.device.type == "cuda":  # a drafter's lone drafts as Triton kernels: decode_kernels.py
+            shard.set_decode_kernels(settings.engine.draft_kernels and not compile)  # (the CPU's interpreter: tests)
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -278,9 +279,8 @@ class Engine:
         for all inputs. Caches then hold feed + the first k-1 drafts of their own k.
         None (nothing run) where this does not apply: dynamic caches, several pools, long feeds or drafts.
         Without graphs (static caches on CPU, say) the same steps run eagerly."""
-        # every whole draft is max_draft long (rows keep their own k): adaptive K changes k from round to round,
-        # and a graph per (batch, feed, k) would mean a capture in most of a job's first rounds and a private
-        # memory pool per k (a few spare draft steps cost far less)
+        # every whole draft is max_draft long (rows keep their own k): adaptive K changes k from round to round, and a
+        # graph per (batch, feed, k) would mean a capture in most of a job's first rounds and a memory pool per k
         k = self.max_draft
         pool = getattr(caches[0], "pool", None)
         sizes = [len(f) for f in feeds]

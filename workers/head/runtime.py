@@ -128,7 +128,6 @@ class HeadRuntime:
         drafter = None
         if dshard is not None:
             compile_draft = settings.engine.compile_draft
-            dshard.set_decode_kernels(settings.engine.draft_kernels and not compile_draft)
             dengine = Engine(
                 dshard,
                 settings,
