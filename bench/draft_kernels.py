@@ -1,11 +1,15 @@
-"""A drafter's whole greedy drafts with and without its steps of a few token rows as Triton kernels
-(workers/engine/decode_kernels.py, `engine.draft_kernels`): the tokens each proposes, and ms per draft at a few
-sequences, through the engine's real path (static caches, CUDA graphs, `propose_many`).
+"""A drafter's whole greedy drafts with and without its steps as Triton kernels (workers/engine/decode_kernels.py,
+`engine.draft_kernels`: GEMV kernels up to MAX_ROWS token rows, cuBLAS GEMMs between kernels up to
+`engine.draft_kernel_rows`): the
+tokens each proposes, and ms per draft at B sequences, through the engine's real path (static caches, CUDA graphs,
+`propose_many`).
 
     # GPU: the Qwen2.5-0.5B and Qwen3-0.6B shapes (bench/synthetic.py), bf16, K = 8, 256 positions cached
     python -m bench.draft_kernels --device cuda:0 --draft random:qwen2.5-0.5b --draft random:qwen3-0.6b
     # each kernel of a 0.5B layer alone beside cuBLAS; another row limit than decode_kernels.MAX_ROWS
     python -m bench.draft_kernels --parts --b 1;  python -m bench.draft_kernels --max-rows 8 --b 4,6,8
+    # batches of drafts (GEMMs between the kernels), and the same with that path off (--wide-rows 0)
+    python -m bench.draft_kernels --b 8,16,64,128,256 [--wide-rows 0]
 
 For each drafter, two engines of the same weights (kernels on and off) draft from the same contexts, each call
 feeding one new token per sequence as after a rejection: the share of drafts whose tokens are all equal (random
@@ -34,11 +38,14 @@ from workers.speculative.drafters import ModelDrafter, propose_many
 class Pair:
     """One drafter preset loaded twice (kernels on, off), sessions prefilled with the same contexts."""
 
-    def __init__(self, draft: str, dev: torch.device, dtype: torch.dtype, k: int, ctx: int, bmax: int) -> None:
+    def __init__(
+        self, draft: str, dev: torch.device, dtype: torch.dtype, k: int, ctx: int, bmax: int, rows: int | None = None
+    ) -> None:
         self.k, self.ctx = k, ctx
         self.drafters, self.on = [], []
         for kernels in (True, False):
-            settings = Settings(engine={"static": True, "max_len": 2048, "graph_k": k, "draft_kernels": kernels})
+            opts = {"static": True, "max_len": 2048, "graph_k": k, "draft_kernels": kernels}
+            settings = Settings(engine=opts if rows is None else {**opts, "draft_kernel_rows": rows})
             shard = load_shard(draft, None, embed=True, head=True, device=str(dev), dtype=dtype)
             engine = Engine(shard, settings, step_tokens=2, pad=False, max_draft=k, slots=bmax, label="draft")
             self.on.append(shard.fused is not None and shard.fused.decode is not None)
@@ -119,10 +126,11 @@ def parts(dev: torch.device, width: int, inter: int, hq: int, hkv: int, d: int, 
 @click.option("--checks", type=int, default=40, show_default=True, help="Drafts compared at each B.")
 @click.option("--iters", type=int, default=30, show_default=True)
 @click.option("--max-rows", type=int, default=None, help="decode_kernels.MAX_ROWS for this run (default: as shipped).")
+@click.option("--wide-rows", type=int, default=None, help="engine.draft_kernel_rows (default: as shipped).")
 @click.option("--parts", "show_parts", is_flag=True, help="Also time each kernel of a 0.5B layer alone.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out/draft_kernels"))
 def main(device: str, drafts: tuple[str, ...], bs: str, k: int, ctx: int, checks: int, iters: int,
-         max_rows: int | None, show_parts: bool, out: Path) -> None:  # fmt: skip
+         max_rows: int | None, wide_rows: int | None, show_parts: bool, out: Path) -> None:  # fmt: skip
     """Compare and time drafts with the decode kernels on and off (see the module docstring)."""
     dev, sizes = torch.device(device), [int(x) for x in bs.split(",")]
     if max_rows is not None:
@@ -134,7 +142,7 @@ def main(device: str, drafts: tuple[str, ...], bs: str, k: int, ctx: int, checks
     with torch.inference_mode():
         for draft in drafts:
             t0 = time.perf_counter()
-            pair = Pair(draft, dev, torch.bfloat16, k, ctx, max(sizes))
+            pair = Pair(draft, dev, torch.bfloat16, k, ctx, max(sizes), wide_rows)
             click.echo(f"{draft}: loaded in {time.perf_counter() - t0:.0f} s, kernels on: {pair.on}", err=True)
             for b in sizes:
                 same = sum(pair.draft(0, b) == pair.draft(1, b) for _ in range(checks))

@@ -102,8 +102,12 @@ class EngineSettings(_Group):
     compile_draft: bool = Field(False, description="Run the draft model through torch.compile.")
     draft_kernels: bool = Field(
         True,
-        description="A draft model's steps of at most 4 token rows (a lone job's drafts) run each layer as six Triton "
-        "kernels where Triton and CUDA are present (workers/engine/decode_kernels.py); off: the fused forward.",
+        description="A draft model's steps run each layer as a few Triton kernels where Triton and CUDA are present "
+        "(workers/engine/decode_kernels.py): six with GEMV kernels up to 4 token rows (a lone job's drafts), ten with "
+        "cuBLAS GEMMs between them up to draft_kernel_rows; off: the fused forward.",
+    )
+    draft_kernel_rows: int = Field(
+        1024, ge=0, description="Most token rows (sequences x tokens) of a draft step run through the kernels."
     )
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (None: torch's).")
     static: bool | None = Field(

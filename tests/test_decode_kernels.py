@@ -41,40 +41,45 @@ def _pair(path):
     return a, b
 
 
-@pytest.mark.parametrize(("family", "padded"), [("qwen3", True), ("qwen2", False), ("odd", False)])
+@pytest.mark.parametrize(("family", "n"), [("qwen3", 3), ("qwen2", 6), ("odd", 2)])
 @torch.inference_mode()
-def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, padded, monkeypatch):
-    """Three rows (a padding row): the first step's 2 tokens a row run fused, the next through the kernels; two
-    rows: the first step too, as 4 rows of one token (causal within the step)."""
+def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, n, monkeypatch):
+    """Two rows: every step through the GEMV kernels, the first step's 2 tokens a row as 4 rows of one token (causal
+    within the step); three, one of them padding: the first step's 6 rows through the GEMMs between the kernels, the
+    next through the GEMVs; six: every step through the GEMMs."""
     a, b = _pair(drafters[family])
     ran = []
     call = decode_kernels.DecodeLayers.__call__
     monkeypatch.setattr(decode_kernels.DecodeLayers, "__call__", lambda *args: ran.append(1) or call(*args))
     torch.manual_seed(3)
-    pools = [KVPool.for_shard(s, slots=3, max_len=64, scratch=12) for s in (a, b)]
-    for s, n in ((0, 5), (2, 19)):
-        prompt = torch.randint(0, a.config.vocab_size, (1, n))
-        pos = torch.arange(n)[None]
+    pools = [KVPool.for_shard(s, slots=6, max_len=64, scratch=12) for s in (a, b)]
+    lens = {0: 5, 2: 19} if n < 6 else {0: 5, 1: 9, 2: 19, 3: 3, 4: 12, 5: 7}
+    for s, length in lens.items():
+        prompt = torch.randint(0, a.config.vocab_size, (1, length))
+        pos = torch.arange(length)[None]
         for shard, pool in zip((a, b), pools, strict=True):
             shard.run_batch(prompt, pos, BatchView(pool, torch.tensor([s]), pos))
-    n = 3 if padded else 2
-    rows = torch.tensor([0, 2, pools[0].pad_slot])[:n]
-    pos = torch.tensor([[5, 6], [19, 20], pools[0].index[-2:].tolist()])[:n]
-    x = torch.tensor([[7, 9], [3, 0], [0, 0]])[:n]
-    pick = torch.tensor([[1], [0], [1]])[:n]
+    real = list(lens)[: min(n, 6)]
+    rows = torch.tensor(real + [pools[0].pad_slot] * (n - len(real)))
+    pos = torch.tensor([[lens[s], lens[s] + 1] for s in real] + [pools[0].index[-2:].tolist()] * (n - len(real)))
+    x = torch.randint(0, a.config.vocab_size, (n, 2))
+    pick = torch.tensor([[i % 2] for i in range(n)])  # rows feeding one token or two
     got = greedy_steps(a.run_batch, pools[0], rows, x, pos, pick, 6, None, in_place=True)
     want = greedy_steps(b.run_batch, pools[1], rows, x, pos, pick, 6, None, in_place=True)
-    assert torch.equal(got[:2], want[:2]) and len(ran) >= 5  # every one-token step went through the kernels
+    assert torch.equal(got[: len(real)], want[: len(real)]) and len(ran) >= 5  # every one-token step: the kernels
     for i in pools[0].keys:
-        for slot, n in ((0, 5 + 2 + 5), (2, 19 + 1 + 6)):  # prompt, feed, drafts written
+        for j, slot in enumerate(real):  # prompt, feed, drafts written
+            m = lens[slot] + 1 + int(pick[j]) + 5
             for got_kv, want_kv in ((pools[0].keys[i], pools[1].keys[i]), (pools[0].values[i], pools[1].values[i])):
-                torch.testing.assert_close(got_kv[slot, :, :n], want_kv[slot, :, :n], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(got_kv[slot, :, :m], want_kv[slot, :, :m], rtol=1e-4, atol=1e-4)
 
 
 @torch.inference_mode()
 def test_steps_the_kernels_do_not_take_run_the_fused_forward(drafters, monkeypatch):
-    """More rows than MAX_ROWS, or a reach past MAX_REACH: the fused forward runs (the kernels are never called)."""
+    """More rows than draft_kernel_rows, or a reach past MAX_REACH: the fused forward runs (the kernels are never
+    called)."""
     a, _ = _pair(drafters["qwen2"])
+    assert a.set_decode_kernels(True, rows=decode_kernels.MAX_ROWS)
     calls = []
     monkeypatch.setattr(decode_kernels.DecodeLayers, "__call__", lambda *args: calls.append(1))
     pool = KVPool.for_shard(a, slots=6, max_len=32, scratch=4)

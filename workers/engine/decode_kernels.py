@@ -1,18 +1,23 @@
-"""A drafter's steps of a few tokens as six Triton kernels a layer: a draft step at one sequence is launch-bound.
+"""A drafter's steps as a few Triton kernels a layer (the fused forward runs about 17): a draft step is launch-bound.
 
 On an H200 a 0.5B drafter's step ran about 17 kernels a layer in the fused forward (workers/engine/fused.py: norms,
-GEMMs of one row, rotary, key/value writes, attention, activation), about 1.5 ms a step for 24 layers against a
-weight read of 0.25 ms. For steps of a few token rows (sequences x tokens, at most MAX_ROWS: a lone job's
-whole draft, its first step feeding the verdict's tokens included) over a pool that attention reads in place, each
-layer here is (workers/engine/decode_triton.py; each GEMV program loads its weight rows whole, all loads in flight):
+GEMMs, rotary, key/value writes, attention, activation), about 1.5 ms a step for 24 layers against a weight read of
+0.25 ms. Over a pool that attention reads in place, a step of at most MAX_ROWS token rows (sequences x tokens,
+padding included: a lone job's whole draft, its first step feeding the verdict's tokens too) runs each layer as six
+kernels (workers/engine/decode_triton.py; each GEMV program loads its weight rows whole, all loads in flight):
 
 1. `normed_gemv`: RMSNorm and the q/k/v GEMV (+ bias);
 2. `rope_write`: Qwen3's per-head q/k norm, rotary, and the new key and value written into the pool at each row's
    slot and position;
-3. `attend`: one query row per (head, row) over its slot's keys up to its position, softmax in float32;
+3. `attend`: one query row per (head, row) over its slot's keys up to its position, in splits merged by their
+   maxima, softmax in float32;
 4. `gemv_residual`: the output projection added to the residual stream;
 5. `normed_gemv` (gated): RMSNorm, gate and up GEMVs and SiLU(gate) * up;
 6. `gemv_residual`: the down projection added to the residual stream.
+
+A step of more rows, up to `EngineSettings.draft_kernel_rows` (a batch of jobs' drafts), runs the GEMMs through
+cuBLAS instead: `rms_norm`, q/k/v GEMM, `rope_write`, `attend`, output GEMM + residual, `rms_norm`, gate/up GEMM,
+`silu_mul`, down GEMM + residual: 10 kernels a layer.
 
 Numerics follow the fused forward's roundings (half-precision GEMM outputs, float32 accumulation and softmax) but not
 bit for bit: only drafters run this, and a draft's rounding can change which tokens are proposed, never the output
@@ -35,8 +40,8 @@ import torch
 
 from workers.engine.kvcache import BatchView, KVPool
 
-MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run here: a lone job's drafts
-MAX_REACH = 1024  # positions a row may attend over: 8 splits of at most 128 keys (longer: split-KV flash)
+MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run with GEMV kernels: a lone job's drafts
+MAX_REACH = 1024  # positions a row may attend over (longer: the fused forward's split-KV flash attention)
 AGREE = 0.2  # the load check's largest relative (L2) difference between a step's logits through the kernels and fused
 MAX_WIDTH = 16384  # the widest input row a GEMV program loads whole (hidden size, intermediate size, q heads x dim)
 log = logging.getLogger("shardflow.engine")
@@ -55,25 +60,31 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def agrees(shard: Any, decode: DecodeLayers) -> bool:
-    """One draft step through the kernels against the fused forward, on the shard's own layers over a scratch pool
-    (so every kernel variant it will run is built now, at load): a build or launch failure (a machine whose Triton
-    has no C compiler, say), a non-finite result or a disagreement keeps the kernels off, with a warning."""
+    """Draft steps through the kernels against the fused forward, on the shard's own layers over a scratch pool (so
+    every kernel variant it will run is built now, at load): one row of one token (GEMVs), then two rows of three
+    (GEMMs between the kernels). A build or launch failure (a machine whose Triton has no C compiler, say), a
+    non-finite result or a disagreement keeps the kernels off, with a warning."""
     fused, dev = shard.fused, shard.device
     try:
         with _on(dev), torch.inference_mode():
-            ids = torch.randint(0, shard.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)).to(dev)
-            pos, rows = torch.arange(9, device=dev)[None], torch.zeros(1, dtype=torch.long, device=dev)
-            outs = []
+            ids = torch.randint(0, shard.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(dev)
+            pos = torch.arange(12, device=dev).repeat(2, 1)
+            rows = torch.arange(2, device=dev)
+            wide = torch.tensor([[9, 10, 11], [8, 9, 10]], device=dev)  # row 1 goes on from its prefill's end
+            steps = ((rows[:1], pos[:1, 8:9].contiguous()), (rows, wide))
+            outs: list[list[torch.Tensor]] = []
             for kernels in (None, decode):
-                pool = KVPool.for_shard(shard, slots=1, max_len=32, scratch=8)
+                pool = KVPool.for_shard(shard, slots=2, max_len=32, scratch=8)
                 fused.decode = None
                 shard.run_batch(ids[:, :8], pos[:, :8], BatchView(pool, rows, pos[:, :8]))
                 fused.decode = kernels
-                outs.append(shard.run_batch(ids[:, 8:], pos[:, 8:], BatchView(pool, rows, pos[:, 8:])).float())
-            want, got = outs
+                outs.append([shard.run_batch(ids[r[:, None], p], p, BatchView(pool, r, p)).float() for r, p in steps])
             # half-precision roundings part two right implementations by a few percent over a few layers (float32:
             # 1e-6); a wrong index or a broken build by about the logits' own size
-            ok = bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp_min(1e-6)) <= AGREE
+            ok = all(
+                bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp_min(1e-6)) <= AGREE
+                for want, got in zip(*outs, strict=True)
+            )
     except Exception as e:  # anything Triton's toolchain or a launch raises
         log.warning("draft kernels off on %s: %s: %s", dev, type(e).__name__, e)
         return False
@@ -128,15 +139,18 @@ def _joined(parts: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 
 class DecodeLayers:
-    """A fused stack's layers run as the kernels above, for steps of at most MAX_ROWS token rows."""
+    """A fused stack's layers run as the kernels above, for steps of at most `rows` token rows."""
 
-    def __init__(self, layers: list[DecodeLayer], heads: int, kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, layers: list[DecodeLayer], heads: int, kv_heads: int, head_dim: int, scale: float, rows: int
+    ) -> None:
         self.layers, self.heads, self.kv_heads, self.head_dim, self.scale = layers, heads, kv_heads, head_dim, scale
+        self.rows = rows  # most token rows of a step run here (GEMVs up to MAX_ROWS, GEMMs between kernels past it)
 
     @classmethod
-    def for_layers(cls, fused: Any) -> DecodeLayers | None:
-        """The stack (workers/engine/fused.py's FusedLayers) as decode layers, or None where one layer does not
-        qualify."""
+    def for_layers(cls, fused: Any, rows: int) -> DecodeLayers | None:
+        """The stack (workers/engine/fused.py's FusedLayers) as decode layers for steps of up to `rows` token rows, or
+        None where one layer does not qualify."""
         d = fused.head_dim
         if d & (d - 1) or d < 16 or fused.heads % fused.kv_heads:
             return None
@@ -156,12 +170,12 @@ class DecodeLayers:
                 return None
             norms = (p.ln1, p.eps1, p.ln2, p.eps2, p.qk_norm, p.eps_qk)
             out.append(DecodeLayer(w_qkv, b_qkv, p.w_o, w_gu, p.w_down, p.idx, *norms))
-        return cls(out, fused.heads, fused.kv_heads, d, fused.scale)
+        return cls(out, fused.heads, fused.kv_heads, d, fused.scale, rows)
 
     def applies(self, pool: Any, b: int, t: int, reach: int, cos: torch.Tensor) -> bool:
         """Whether a step of b rows x t tokens reaching `reach` positions over `pool` runs here (a pool's tensors are
         contiguous as KVPool makes them)."""
-        return b * t <= MAX_ROWS and reach <= MAX_REACH and not pool.rings and cos.shape[-1] == self.head_dim
+        return b * t <= self.rows and reach <= MAX_REACH and not pool.rings and cos.shape[-1] == self.head_dim
 
     def __call__(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor, last: torch.Tensor
@@ -188,12 +202,43 @@ class DecodeLayers:
         o = torch.empty_like(q)
         pad = pool.padding if pool.padding is not None else -1  # its rows read one key
         part = k.attend_partials(n, hq, d, h.device)  # one buffer for every layer's attention splits
+        ops = _Gemv(k) if n <= MAX_ROWS else _Gemm(k)
         for p in self.layers:
             keys, values = pool.keys[p.idx], pool.values[p.idx]
-            qkv = k.normed_gemv(x, p.ln1, p.eps1, p.w_qkv, p.b_qkv, gated=False)
+            qkv = ops.normed(x, p.ln1, p.eps1, p.w_qkv, p.b_qkv)
             k.rope_write(qkv, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)
             k.attend(q, keys, values, slots, pos, o, part, self.scale, hq, hkv, d, pad)
-            x = k.gemv_residual(o, p.w_o, x)
-            a = k.normed_gemv(x, p.ln2, p.eps2, p.w_gate_up, None, gated=True)
-            x = k.gemv_residual(a, p.w_down, x)
+            x = ops.residual(o, p.w_o, x)
+            x = ops.residual(ops.gated(x, p.ln2, p.eps2, p.w_gate_up), p.w_down, x)
         return x.view(b, t, width)
+
+
+class _Gemv:
+    """A step of a few rows: RMSNorm fused into GEMV programs that each load whole weight rows."""
+
+    def __init__(self, k: Any) -> None:
+        self.k = k
+
+    def normed(self, x: torch.Tensor, ln: torch.Tensor, eps: float, w: torch.Tensor, bias: Any) -> torch.Tensor:
+        return self.k.normed_gemv(x, ln, eps, w, bias, gated=False)
+
+    def gated(self, x: torch.Tensor, ln: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+        return self.k.normed_gemv(x, ln, eps, w, None, gated=True)
+
+    def residual(self, a: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.k.gemv_residual(a, w, r)
+
+
+class _Gemm(_Gemv):
+    """A step of many rows: cuBLAS GEMMs, a norm kernel before each and SiLU * up after gate/up (10 kernels a layer,
+    where the fused forward runs about 17)."""
+
+    def normed(self, x: torch.Tensor, ln: torch.Tensor, eps: float, w: torch.Tensor, bias: Any) -> torch.Tensor:
+        xn = self.k.rms_norm(x, ln, eps)
+        return torch.mm(xn, w.t()) if bias is None else torch.addmm(bias, xn, w.t())
+
+    def gated(self, x: torch.Tensor, ln: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+        return self.k.silu_mul(torch.mm(self.k.rms_norm(x, ln, eps), w.t()))
+
+    def residual(self, a: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(r, a, w.t())

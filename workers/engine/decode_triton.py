@@ -150,6 +150,30 @@ def _gemv_residual_kernel(
     tl.store(out_ptr + row * n_out + n, acc.to(ty), mask=nm)
 
 
+@triton.jit
+def _rms_norm_kernel(x_ptr, ln_ptr, out_ptr, width, eps, BLOCK_K: tl.constexpr):
+    """out[row] = RMSNorm(x[row]) * ln, rounded once (as `normed_gemv` feeds its GEMV)."""
+    row = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < width
+    xv = tl.load(x_ptr + row * width + kk, mask=km, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / width + eps)
+    out = xv * rstd * tl.load(ln_ptr + kk, mask=km, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * width + kk, out.to(out_ptr.dtype.element_ty), mask=km)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    """out[row] = SiLU(gate) * up of gu[row] = [gate, up] (inter each), rounded as `normed_gemv` (gated) rounds."""
+    pid, row = tl.program_id(0), tl.program_id(1)
+    ty = out_ptr.dtype.element_ty
+    n = pid * BLOCK + tl.arange(0, BLOCK)
+    nm = n < inter
+    g = tl.load(gu_ptr + row * 2 * inter + n, mask=nm, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * inter + n, ((g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32) * u).to(ty), mask=nm)
+
+
 TILE = 4096  # weight elements a program loads at once (BLOCK_N rows x a whole input row)
 
 
@@ -178,6 +202,24 @@ def normed_gemv(
     return out
 
 
+def rms_norm(x: torch.Tensor, ln: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * ln for rows x [n, width] (one program a row)."""
+    n, width = x.shape
+    out = torch.empty_like(x)
+    block_k = triton.next_power_of_2(width)
+    _rms_norm_kernel[(n,)](x, ln, out, width, eps, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
+    return out
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for rows gu [n, 2 inter] = [gate, up]."""
+    n, inter = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(n, inter, dtype=gu.dtype, device=gu.device)
+    block = 1024
+    _silu_mul_kernel[(triton.cdiv(inter, block), n)](gu, out, inter, BLOCK=block, num_warps=4)
+    return out
+
+
 def rope_write(
     qkv: torch.Tensor,
     p: Any,
@@ -201,12 +243,18 @@ def rope_write(
 
 
 SPLITS = 8  # programs a (head, row) reads its keys with (then merged): up to MAX_REACH keys, one block each
+WIDE_SPLITS = 2  # the same for steps of many rows (rows x heads x 2 programs fill the device; a smaller buffer)
 BLOCK_KEYS = 128
+
+
+def splits_for(rows: int) -> int:
+    """Programs a (head, row) reads its keys with: SPLITS for a few rows, WIDE_SPLITS for many."""
+    return SPLITS if rows <= 8 else WIDE_SPLITS
 
 
 def attend_partials(rows: int, hq: int, d: int, device: torch.device) -> torch.Tensor:
     """The float32 partials `attend` writes (each split's [acc, max, sum] of each head and row)."""
-    return torch.empty(rows, hq, SPLITS, d + 2, dtype=torch.float32, device=device)
+    return torch.empty(rows, hq, splits_for(rows), d + 2, dtype=torch.float32, device=device)
 
 
 def attend(
@@ -225,12 +273,12 @@ def attend(
 ) -> None:
     """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in SPLITS parts (into `part`,
     `attend_partials`), then merged. Rows in `pad_slot` (-1: none) read one key."""
-    b = q.shape[0]
-    _attend_kernel[(hq, b, SPLITS)](
+    b, splits = q.shape[0], part.shape[2]
+    _attend_kernel[(hq, b, splits)](
         q, keys, values, slots, pos, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, BLOCK_N=BLOCK_KEYS,
-        SPLITS=SPLITS,
+        SPLITS=splits,
     )  # fmt: skip
-    _attend_merge_kernel[(hq, b)](part, o, HQ=hq, D=d, SPLITS=SPLITS)
+    _attend_merge_kernel[(hq, b)](part, o, HQ=hq, D=d, SPLITS=splits)
 
 
 def gemv_residual(a: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,8 @@ class Engine:
         self.shard = shard
         shard.set_attention(settings.engine.attention)
         if max_draft and shard.device.type == "cuda":  # a drafter's lone drafts as Triton kernels: decode_kernels.py
-            shard.set_decode_kernels(settings.engine.draft_kernels and not compile)  # (the CPU's interpreter: tests)
+            kernels = settings.engine.draft_kernels and not compile  # (on the CPU, Triton's interpreter: tests)
+            shard.set_decode_kernels(kernels, settings.engine.draft_kernel_rows)
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
+from schemas.settings import EngineSettings
 from workers.engine import attention, decode_kernels, pool_attention
 from workers.engine.checkpoint import (
     Source,
@@ -216,17 +217,18 @@ class Shard(nn.Module):
         elif self.fused.kernel is None:
             self.fused.kernel = pool_attention.reference
 
-    def set_decode_kernels(self, on: bool) -> bool:
-        """EngineSettings.draft_kernels on a drafter's fused layers: steps of a few token rows as Triton kernels
-        (workers/engine/decode_kernels.py) where they run, every layer qualifies and a step through them agrees with
-        the fused forward (checked now); whether they are on."""
+    def set_decode_kernels(self, on: bool, rows: int | None = None) -> bool:
+        """EngineSettings.draft_kernels on a drafter's fused layers: steps of up to `rows` token rows
+        (draft_kernel_rows; None: its default) as Triton kernels (workers/engine/decode_kernels.py) where they run,
+        every layer qualifies and steps through them agree with the fused forward (checked now); whether they are on."""
         fused = self.fused
         if fused is None:
             return False
         fused.decode = None
         if not on or fused.kernel is None or self.windowed or not decode_kernels.available(self.device):
             return False
-        decode = DecodeLayers.for_layers(fused)
+        rows = EngineSettings().draft_kernel_rows if rows is None else rows
+        decode = DecodeLayers.for_layers(fused, rows)
         fused.decode = decode if decode is not None and decode_kernels.agrees(self, decode) else None
         return fused.decode is not None
 
