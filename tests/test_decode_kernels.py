@@ -126,3 +126,25 @@ def test_a_machine_whose_triton_cannot_build_them_keeps_the_fused_forward(drafte
     real = decode_triton.gemv_residual
     monkeypatch.setattr(decode_triton, "gemv_residual", lambda a_, w, r: real(a_, w, r) * 2)
     assert not a.set_decode_kernels(True) and "does not agree" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [6, 40])
+def test_attention_grouped_by_key_value_head_equals_a_program_a_query_head(dtype, rows):
+    """Steps of many rows attend with a program a key/value head (its keys read once for the query heads sharing them,
+    matrix products of float32 operands): the same as a program a query head, at 8 splits and at 2, a padding row
+    included (bfloat16 too: Triton's interpreter multiplies half-precision operands wrongly, so the kernel never does)."""
+    from workers.engine import decode_triton as k
+
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d = 6, 2, 16
+    q = torch.randn(rows, hq * d, generator=gen).to(dtype)
+    keys, values = (torch.randn(3, hkv, 300, d, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.arange(rows) % 3
+    pos = torch.randint(0, 290, (rows,), generator=gen)
+    outs = []
+    for grouped in (False, True):
+        o, part = torch.empty_like(q), k.attend_partials(rows, hq, d, q.device)
+        k.attend(q, keys, values, slots, pos, o, part, 0.25, hq, hkv, d, pad_slot=2, grouped=grouped)
+        outs.append(o.float())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -194,7 +194,8 @@ class DecodeLayers:
         b, t, width = h.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         n = b * t
-        x = h.reshape(n, width).contiguous()
+        ops = _Gemv(k) if n <= MAX_ROWS else _Gemm(k)
+        x = ops.stream(h.reshape(n, width))
         cos, sin = cos.reshape(n, d).float().contiguous(), sin.reshape(n, d).float().contiguous()
         pos = (last.reshape(b, 1) - (t - 1) + torch.arange(t, device=last.device)).reshape(n).contiguous()
         slots = slots.reshape(b).repeat_interleave(t) if t > 1 else slots.reshape(b).contiguous()
@@ -202,12 +203,11 @@ class DecodeLayers:
         o = torch.empty_like(q)
         pad = pool.padding if pool.padding is not None else -1  # its rows read one key
         part = k.attend_partials(n, hq, d, h.device)  # one buffer for every layer's attention splits
-        ops = _Gemv(k) if n <= MAX_ROWS else _Gemm(k)
         for p in self.layers:
             keys, values = pool.keys[p.idx], pool.values[p.idx]
             qkv = ops.normed(x, p.ln1, p.eps1, p.w_qkv, p.b_qkv)
             k.rope_write(qkv, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)
-            k.attend(q, keys, values, slots, pos, o, part, self.scale, hq, hkv, d, pad)
+            k.attend(q, keys, values, slots, pos, o, part, self.scale, hq, hkv, d, pad, grouped=ops.grouped)
             x = ops.residual(o, p.w_o, x)
             x = ops.residual(ops.gated(x, p.ln2, p.eps2, p.w_gate_up), p.w_down, x)
         return x.view(b, t, width)
@@ -216,8 +216,14 @@ class DecodeLayers:
 class _Gemv:
     """A step of a few rows: RMSNorm fused into GEMV programs that each load whole weight rows."""
 
+    grouped = False  # attention: a program a query head (few rows: more programs to fill the device)
+
     def __init__(self, k: Any) -> None:
         self.k = k
+
+    def stream(self, h: torch.Tensor) -> torch.Tensor:
+        """The step's residual stream [rows, width] from its input."""
+        return h.contiguous()
 
     def normed(self, x: torch.Tensor, ln: torch.Tensor, eps: float, w: torch.Tensor, bias: Any) -> torch.Tensor:
         return self.k.normed_gemv(x, ln, eps, w, bias, gated=False)
@@ -233,6 +239,11 @@ class _Gemm(_Gemv):
     """A step of many rows: cuBLAS GEMMs, a norm kernel before each and SiLU * up after gate/up (10 kernels a layer,
     where the fused forward runs about 17)."""
 
+    grouped = True  # attention: a program a key/value head, its keys read once for every query head sharing them
+
+    def stream(self, h: torch.Tensor) -> torch.Tensor:
+        return h.clone(memory_format=torch.contiguous_format)  # the residual adds update it in place
+
     def normed(self, x: torch.Tensor, ln: torch.Tensor, eps: float, w: torch.Tensor, bias: Any) -> torch.Tensor:
         xn = self.k.rms_norm(x, ln, eps)
         return torch.mm(xn, w.t()) if bias is None else torch.addmm(bias, xn, w.t())
@@ -241,4 +252,4 @@ class _Gemm(_Gemv):
         return self.k.silu_mul(torch.mm(self.k.rms_norm(x, ln, eps), w.t()))
 
     def residual(self, a: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(r, a, w.t())
+        return r.addmm_(a, w.t())  # in place: the stream is the step's own copy (`_run`), no copy a layer

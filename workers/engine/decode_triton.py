@@ -119,6 +119,48 @@ def _attend_kernel(
 
 
 @triton.jit
+def _attend_group_kernel(
+    q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_ptr, scale, length, pad_slot,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """`_attend_kernel` for one (key/value head, row, split) and the G query heads that share it: each block of keys
+    and values is read once for all of them, scores and sums as matrix products (G padded to GP >= 16 rows) of
+    float32 operands: TF32 holds half-precision values exactly (PREC "tf32"; "ieee" for float32 weights)."""
+    kvh, row, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slot_ptr + row)
+    n_keys = tl.where(slot == pad_slot, 1, tl.load(pos_ptr + row) + 1)
+    chunk = (n_keys + SPLITS - 1) // SPLITS
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_keys)
+    g, d, j0 = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, BLOCK_N)
+    gm = g < G
+    heads = kvh * G + g
+    q = tl.load(q_ptr + row * HQ * D + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    base = (slot * HKV + kvh) * length * D
+    m = tl.full([GP], float("-inf"), tl.float32)
+    total = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for s in range(lo, hi, BLOCK_N):
+        j = s + j0
+        jm = j < hi
+        kt = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
+        vt = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
+        sc = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision=PREC) * scale
+        sc = tl.where(jm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision=PREC)
+        m = m_new
+    dst = part_ptr + ((row * HQ + heads) * SPLITS + split) * (D + 2)
+    tl.store(dst[:, None] + d[None, :], acc, mask=gm[:, None])
+    tl.store(dst + D, m, mask=gm)
+    tl.store(dst + D + 1, total, mask=gm)
+
+
+@triton.jit
 def _attend_merge_kernel(part_ptr, o_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
     """One (head, row): its splits' partials merged by their maxima (a split with no keys weighs nothing)."""
     head, row = tl.program_id(0), tl.program_id(1)
@@ -245,11 +287,12 @@ def rope_write(
 SPLITS = 8  # programs a (head, row) reads its keys with (then merged): up to MAX_REACH keys, one block each
 WIDE_SPLITS = 2  # the same for steps of many rows (rows x heads x 2 programs fill the device; a smaller buffer)
 BLOCK_KEYS = 128
+GROUP_ROWS = 16  # least query rows of a matrix product (`_attend_group_kernel` pads a key/value head's group to it)
 
 
 def splits_for(rows: int) -> int:
     """Programs a (head, row) reads its keys with: SPLITS for a few rows, WIDE_SPLITS for many."""
-    return SPLITS if rows <= 8 else WIDE_SPLITS
+    return SPLITS if rows <= 32 else WIDE_SPLITS
 
 
 def attend_partials(rows: int, hq: int, d: int, device: torch.device) -> torch.Tensor:
@@ -270,14 +313,24 @@ def attend(
     hkv: int,
     d: int,
     pad_slot: int = -1,
+    grouped: bool = False,
 ) -> None:
-    """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in SPLITS parts (into `part`,
-    `attend_partials`), then merged. Rows in `pad_slot` (-1: none) read one key."""
+    """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in splits (into `part`, `attend_partials`),
+    then merged. Rows in `pad_slot` (-1: none) read one key. grouped: a program per key/value head, for all the query
+    heads that share it (many rows: the keys read once, not once a query head)."""
     b, splits = q.shape[0], part.shape[2]
-    _attend_kernel[(hq, b, splits)](
-        q, keys, values, slots, pos, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, BLOCK_N=BLOCK_KEYS,
-        SPLITS=splits,
-    )  # fmt: skip
+    if grouped:
+        g = hq // hkv
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        _attend_group_kernel[(hkv, b, splits)](
+            q, keys, values, slots, pos, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, G=g,
+            GP=max(GROUP_ROWS, triton.next_power_of_2(g)), BLOCK_N=BLOCK_KEYS // 2, SPLITS=splits, PREC=prec,
+        )  # fmt: skip
+    else:
+        _attend_kernel[(hq, b, splits)](
+            q, keys, values, slots, pos, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, BLOCK_N=BLOCK_KEYS,
+            SPLITS=splits,
+        )  # fmt: skip
     _attend_merge_kernel[(hq, b)](part, o, HQ=hq, D=d, SPLITS=splits)
 
 
