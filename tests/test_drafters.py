@@ -216,3 +216,23 @@ def test_a_graph_round_counts_as_free_of_k(models):
     assert not _k_free(w, eager)
     eager.graphs = True  # as a CUDA engine says it (an n-gram or no drafter: only the shard's rows count)
     assert _k_free(w, eager)
+
+
+def test_common_prefix_equals_a_token_by_token_scan():
+    """A session's plan finds the cache's usable prefix by comparing slices (workers/speculative/drafters.py)."""
+    import random
+
+    from workers.speculative.drafters import common_prefix
+
+    def scan(a: list[int], b: list[int], limit: int) -> int:
+        keep = 0
+        while keep < limit and a[keep] == b[keep]:
+            keep += 1
+        return keep
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 40))]
+        b = a[: rng.randint(0, len(a))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 10))]
+        limit = rng.randint(0, min(len(a), len(b)))
+        assert common_prefix(a, b, limit) == scan(a, b, limit) == common_prefix(b, a, limit)

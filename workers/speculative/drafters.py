@@ -100,10 +100,7 @@ class ModelDraftSession:
 
     def plan(self, context: list[int]) -> tuple[list[int], int]:
         """Crop the cache to the longest prefix of context[:-1] it holds; return (tokens to feed, start)."""
-        keep = 0
-        limit = min(len(self.tokens), self.cache.length, len(context) - 1)
-        while keep < limit and self.tokens[keep] == context[keep]:
-            keep += 1
+        keep = common_prefix(self.tokens, context, min(len(self.tokens), self.cache.length, len(context) - 1))
         self.cache.crop(keep)
         self.tokens = list(context)
         return context[keep:], keep
@@ -111,6 +108,22 @@ class ModelDraftSession:
     def propose(self, context: list[int], k: int, sampling: SamplingParams, gen: torch.Generator) -> Draft:
         """Draft k tokens (greedy, or sampled from `gen`): a batch of one (`propose_many`)."""
         return propose_many([self], [context], [k], [sampling], [gen])[0]
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the longest common prefix of a and b, at most `limit`: slices compared in C, halving the span
+    that holds the first difference (a round's context differs from the last only near its end; a token at a time in
+    Python cost about 2 ms a draft of 128 sequences of 300 tokens)."""
+    if a[:limit] == b[:limit]:
+        return limit
+    lo, hi = 0, limit  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def propose_many(
