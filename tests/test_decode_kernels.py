@@ -131,9 +131,10 @@ def test_a_machine_whose_triton_cannot_build_them_keeps_the_fused_forward(drafte
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [6, 40])
 def test_attention_grouped_by_key_value_head_equals_a_program_a_query_head(dtype, rows):
-    """Steps of many rows attend with a program a key/value head (its keys read once for the query heads sharing them,
-    matrix products of float32 operands): the same as a program a query head, at 8 splits and at 2, a padding row
-    included (bfloat16 too: Triton's interpreter multiplies half-precision operands wrongly, so the kernel never does)."""
+    """Steps of many rows attend with a program a key/value head (its keys read once for the query heads sharing
+    them, matrix products of float32 operands): the same as a program a query head, at 8 splits and at 2, a padding
+    row included (bfloat16 too: Triton's interpreter multiplies half-precision operands wrongly; the kernel never
+    does)."""
     from workers.engine import decode_triton as k
 
     gen = torch.Generator().manual_seed(0)
