@@ -74,9 +74,8 @@ class Engine:
         step_tokens = settings.engine.graph_k + 1 if step_tokens is None else step_tokens
         self.shard = shard
         shard.set_attention(settings.engine.attention)
-        if max_draft and shard.device.type == "cuda":  # a drafter's lone drafts as Triton kernels: decode_kernels.py
-            kernels = settings.engine.draft_kernels and not compile  # (on the CPU, Triton's interpreter: tests)
-            shard.set_decode_kernels(kernels, settings.engine.draft_kernel_rows)
+        if max_draft and shard.device.type == "cuda":  # a drafter's steps as Triton kernels (CPU: tests interpret them)
+            shard.set_decode_kernels(settings.engine.draft_kernels and not compile, settings.engine.draft_kernel_rows)
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

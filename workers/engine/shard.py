@@ -218,9 +218,8 @@ class Shard(nn.Module):
             self.fused.kernel = pool_attention.reference
 
     def set_decode_kernels(self, on: bool, rows: int | None = None) -> bool:
-        """EngineSettings.draft_kernels on a drafter's fused layers: steps of up to `rows` token rows
-        (draft_kernel_rows; None: its default) as Triton kernels (workers/engine/decode_kernels.py) where they run,
-        every layer qualifies and steps through them agree with the fused forward (checked now); whether they are on."""
+        """EngineSettings.draft_kernels (steps of up to `rows`, draft_kernel_rows, None: its default) on a drafter's
+        fused layers where Triton runs, every layer qualifies and steps through them agree (checked now); whether on."""
         fused = self.fused
         if fused is None:
             return False
