@@ -20,6 +20,7 @@ from workers.engine.kvcache import BatchView, KVPool
 from workers.engine.shard import load_shard
 from workers.tiny_models import build_tokenizer, save_tiny_model
 
+TOL = dict(rtol=1e-4, atol=1e-4)
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton was imported uninterpreted")
 
 
@@ -72,6 +73,55 @@ def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, n,
             m = lens[slot] + 1 + int(pick[j]) + 5
             for got_kv, want_kv in ((pools[0].keys[i], pools[1].keys[i]), (pools[0].values[i], pools[1].values[i])):
                 torch.testing.assert_close(got_kv[slot, :, :m], want_kv[slot, :, :m], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "odd"])
+@torch.inference_mode()
+def test_a_targets_rounds_through_the_kernels_equal_the_fused_forward(drafters, family, monkeypatch):
+    """A target split in two (the head's layers from the embeddings, the tail's to the LM head; engine.
+    target_kernel_rows): two rounds of 9 tokens a row of a batch, a padding row among them, through the GEMMs between
+    the kernels (a round's tokens attend in one program a key/value head and sequence) give the fused forward's
+    hidden states and logits, and leave the same keys and values in the pool."""
+    path, cut = drafters[family], 1
+    n_layers = load_shard(path, (0, 1), embed=True, head=False).config.num_hidden_layers
+    ran = []
+    call = decode_kernels.DecodeLayers.__call__
+    monkeypatch.setattr(decode_kernels.DecodeLayers, "__call__", lambda *args: ran.append(args[1].shape) or call(*args))
+    torch.manual_seed(5)
+    lens = {0: 5, 2: 19, 3: 11}
+    prompts = {s: torch.randint(0, 200, (1, n)) for s, n in lens.items()}
+    rounds = [torch.randint(0, 200, (4, 9)) for _ in range(2)]
+    head_out: dict[tuple[str, int], torch.Tensor] = {}
+    for layers, embed, head in (((0, cut), True, False), ((cut, n_layers), False, True)):
+        a, b = (load_shard(path, layers, embed=embed, head=head) for _ in range(2))
+        for s in (a, b):
+            s.set_attention("in_place")
+        assert a.set_decode_kernels(True, rows=4096) and not b.set_decode_kernels(False)
+        pools = [KVPool.for_shard(s, slots=4, max_len=64, scratch=12) for s in (a, b)]
+        outs: list[list[torch.Tensor]] = [[], []]
+        for shard, pool, out in zip((a, b), pools, outs, strict=True):
+            for s, n in lens.items():
+                pos = torch.arange(n)[None]
+                x = prompts[s] if embed else head_out[("p", s)]
+                got = shard.run_batch(x, pos, BatchView(pool, torch.tensor([s]), pos))
+                out.append(got if not head else got[:, :0])
+            rows = torch.tensor([*lens, pool.pad_slot])
+            for r, ids in enumerate(rounds):
+                pos = torch.tensor([[lens[s] + 9 * r + i for i in range(9)] for s in lens] + [pool.index[-9:].tolist()])
+                x = ids if embed else head_out[("r", r)]
+                pick = torch.arange(9).expand(4, 9) if head else None
+                out.append(shard.run_batch(x, pos, BatchView(pool, rows, pos), pick)[:3])
+        for got, want in zip(*outs, strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+        if embed:  # the tail's inputs: the head's outputs
+            head_out.update({("p", s): outs[1][i] for i, s in enumerate(lens)})
+            pad = torch.zeros_like(outs[1][3][:1])  # the padding row's
+            head_out.update({("r", r): torch.cat([outs[1][3 + r], pad]) for r in range(2)})
+        for i in pools[0].keys:
+            for slot, n in lens.items():
+                for got_kv, want_kv in ((pools[0].keys[i], pools[1].keys[i]), (pools[0].values[i], pools[1].values[i])):
+                    torch.testing.assert_close(got_kv[slot, :, : n + 18], want_kv[slot, :, : n + 18], **TOL)
+    assert sum(1 for shape in ran if shape[:2] == (4, 9)) == 4  # both rounds of both shards through the kernels
 
 
 @torch.inference_mode()
@@ -129,23 +179,30 @@ def test_a_machine_whose_triton_cannot_build_them_keeps_the_fused_forward(drafte
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [6, 40])
-def test_attention_grouped_by_key_value_head_equals_a_program_a_query_head(dtype, rows):
-    """Steps of many rows attend with a program a key/value head (its keys read once for the query heads sharing
-    them, matrix products of float32 operands): the same as a program a query head, at 8 splits and at 2, a padding
-    row included (bfloat16 too: Triton's interpreter multiplies half-precision operands wrongly; the kernel never
-    does)."""
+@pytest.mark.parametrize(("rows", "t", "fill"), [(6, 1, None), (40, 1, None), (45, 3, None), (45, 9, 1)])
+def test_attention_grouped_by_key_value_head_equals_a_program_a_query_head(dtype, rows, t, fill, monkeypatch):
+    """Steps of many rows attend with a program a key/value head and sequence (its keys read once for the query heads
+    and tokens sharing them, matrix products): the same as a program a query head and row, at 8 splits, at 2 and at
+    one (programs enough to fill the device: no merge), a padding sequence included, rounds of t tokens a sequence
+    at consecutive positions (each sees the keys up to its own). bfloat16 too: on the CPU the kernel multiplies
+    float32 operands (Triton's interpreter multiplies half-precision ones wrongly)."""
     from workers.engine import decode_triton as k
 
+    if fill is not None:
+        monkeypatch.setattr(k, "FILL", fill)
     gen = torch.Generator().manual_seed(0)
     hq, hkv, d = 6, 2, 16
     q = torch.randn(rows, hq * d, generator=gen).to(dtype)
     keys, values = (torch.randn(3, hkv, 300, d, generator=gen).to(dtype) for _ in range(2))
-    slots = torch.arange(rows) % 3
-    pos = torch.randint(0, 290, (rows,), generator=gen)
+    seqs = rows // t
+    slots = (torch.arange(seqs) % 3).repeat_interleave(t)
+    last = torch.randint(t, 290, (seqs,), generator=gen)
+    pos = (last[:, None] - t + 1 + torch.arange(t)).flatten()
     outs = []
     for grouped in (False, True):
-        o, part = torch.empty_like(q), k.attend_partials(rows, hq, d, q.device)
-        k.attend(q, keys, values, slots, pos, o, part, 0.25, hq, hkv, d, pad_slot=2, grouped=grouped)
+        o = torch.empty_like(q)
+        part = k.attend_partials(rows, hq, d, q.device, *((t, hkv) if grouped else (1, 0)))
+        assert part.shape[2] == (1 if grouped and fill else 8 if rows <= 32 else 2)
+        k.attend(q, keys, values, slots, pos, o, part, 0.25, hq, hkv, d, 2, grouped, t if grouped else 1)
         outs.append(o.float())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

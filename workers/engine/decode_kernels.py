@@ -43,6 +43,7 @@ from workers.engine.kvcache import BatchView, KVPool
 MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run with GEMV kernels: a lone job's drafts
 MAX_REACH = 1024  # positions a row may attend over (longer: the fused forward's split-KV flash attention)
 AGREE = 0.2  # the load check's largest relative (L2) difference between a step's logits through the kernels and fused
+ROUND_TOKENS = 16  # tokens a row of a step attend in one program at most (a round's; longer steps: a program each)
 MAX_WIDTH = 16384  # the widest input row a GEMV program loads whole (hidden size, intermediate size, q heads x dim)
 log = logging.getLogger("shardflow.engine")
 
@@ -52,6 +53,14 @@ def available(device: torch.device) -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def wanted(engine: Any, drafter: bool, compile: bool) -> tuple[bool, int]:
+    """(on, rows) for `Shard.set_decode_kernels` from EngineSettings `engine`: a drafter's steps up to
+    draft_kernel_rows (off with draft_kernels off or a compiled drafter), a target's rounds up to target_kernel_rows."""
+    if not drafter:
+        return engine.target_kernel_rows > 0, engine.target_kernel_rows
+    return engine.draft_kernels and not compile and engine.draft_kernel_rows > 0, engine.draft_kernel_rows
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
@@ -67,7 +76,10 @@ def agrees(shard: Any, decode: DecodeLayers) -> bool:
     fused, dev = shard.fused, shard.device
     try:
         with _on(dev), torch.inference_mode():
-            ids = torch.randint(0, shard.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(dev)
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, shard.config.vocab_size, (2, 12), generator=gen).to(dev)
+            if shard.embed is None:  # a tail: hidden states of the embeddings' size in
+                ids = torch.randn(2, 12, shard.config.hidden_size, generator=gen).to(dev, shard.dtype)
             pos = torch.arange(12, device=dev).repeat(2, 1)
             rows = torch.arange(2, device=dev)
             wide = torch.tensor([[9, 10, 11], [8, 9, 10]], device=dev)  # row 1 goes on from its prefill's end
@@ -76,7 +88,7 @@ def agrees(shard: Any, decode: DecodeLayers) -> bool:
             for kernels in (None, decode):
                 pool = KVPool.for_shard(shard, slots=2, max_len=32, scratch=8)
                 fused.decode = None
-                shard.run_batch(ids[:, :8], pos[:, :8], BatchView(pool, rows, pos[:, :8]))
+                shard.run_batch(ids[:, :8].contiguous(), pos[:, :8], BatchView(pool, rows, pos[:, :8]))
                 fused.decode = kernels
                 outs.append([shard.run_batch(ids[r[:, None], p], p, BatchView(pool, r, p)).float() for r, p in steps])
             # half-precision roundings part two right implementations by a few percent over a few layers (float32:
@@ -202,12 +214,14 @@ class DecodeLayers:
         q = torch.empty(n, hq * d, dtype=h.dtype, device=h.device)
         o = torch.empty_like(q)
         pad = pool.padding if pool.padding is not None else -1  # its rows read one key
-        part = k.attend_partials(n, hq, d, h.device)  # one buffer for every layer's attention splits
+        # a program a key/value head and sequence (its t tokens; a long step's tokens apart: a program's rows)
+        grouped = ((t if t <= ROUND_TOKENS else 1), hkv) if ops.grouped else (1, 0)
+        part = k.attend_partials(n, hq, d, h.device, *grouped)  # one buffer for every layer's attention splits
         for p in self.layers:
             keys, values = pool.keys[p.idx], pool.values[p.idx]
             qkv = ops.normed(x, p.ln1, p.eps1, p.w_qkv, p.b_qkv)
             k.rope_write(qkv, p, cos, sin, slots, pos, q, keys, values, hq, hkv, d)
-            k.attend(q, keys, values, slots, pos, o, part, self.scale, hq, hkv, d, pad, grouped=ops.grouped)
+            k.attend(q, keys, values, slots, pos, o, part, self.scale, hq, hkv, d, pad, ops.grouped, grouped[0])
             x = ops.residual(o, p.w_o, x)
             x = ops.residual(ops.gated(x, p.ln2, p.eps2, p.w_gate_up), p.w_down, x)
         return x.view(b, t, width)

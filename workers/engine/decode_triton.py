@@ -120,44 +120,63 @@ def _attend_kernel(
 
 @triton.jit
 def _attend_group_kernel(
-    q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, part_ptr, scale, length, pad_slot,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PREC: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, part_ptr, scale, length, pad_slot,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, T: tl.constexpr, RP: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HALF: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """`_attend_kernel` for one (key/value head, row, split) and the G query heads that share it: each block of keys
-    and values is read once for all of them, scores and sums as matrix products (G padded to GP >= 16 rows) of
-    float32 operands: TF32 holds half-precision values exactly (PREC "tf32"; "ieee" for float32 weights)."""
-    kvh, row, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slot_ptr + row)
-    n_keys = tl.where(slot == pad_slot, 1, tl.load(pos_ptr + row) + 1)
+    """`_attend_kernel` for one (key/value head, sequence, split) and its T x G query rows (the sequence's T token rows,
+    in one slot, times the G query heads sharing this key/value head; padded to RP >= 16): each block of keys and
+    values is read once for all of them, scores and sums as matrix products, each row masked to the positions up to
+    its own (causal within a round). HALF: half-precision operands (the probabilities rounded to them, as
+    FlashAttention rounds them), else float32 ones at PREC ("tf32" holds half-precision values exactly; "ieee" for
+    float32 weights, and Triton's interpreter). One split writes `o` itself; more write partials to merge."""
+    kvh, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r, d, j0 = tl.arange(0, RP), tl.arange(0, D), tl.arange(0, BLOCK_N)
+    rm = r < T * G
+    row = seq * T + r // G
+    heads = kvh * G + r % G
+    slot = tl.load(slot_ptr + seq * T)
+    see = tl.load(pos_ptr + row, mask=rm, other=0)
+    n_keys = tl.where(slot == pad_slot, 1, tl.max(see, 0) + 1)
     chunk = (n_keys + SPLITS - 1) // SPLITS
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_keys)
-    g, d, j0 = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, BLOCK_N)
-    gm = g < G
-    heads = kvh * G + g
-    q = tl.load(q_ptr + row * HQ * D + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    ty = q_ptr.dtype.element_ty
+    q = tl.load(q_ptr + (row * HQ + heads)[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
+    if not HALF:
+        q = q.to(tl.float32)
     base = (slot * HKV + kvh) * length * D
-    m = tl.full([GP], float("-inf"), tl.float32)
-    total = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    m = tl.full([RP], float("-inf"), tl.float32)
+    total = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, D], tl.float32)
     for s in range(lo, hi, BLOCK_N):
         j = s + j0
         jm = j < hi
         kt = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
         vt = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
-        sc = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision=PREC) * scale
-        sc = tl.where(jm[None, :], sc, float("-inf"))
+        if HALF:
+            sc = tl.dot(q, tl.trans(kt)) * scale
+        else:
+            sc = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision=PREC) * scale
+        sc = tl.where(jm[None, :] & (j[None, :] <= see[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key here yet: nothing to scale
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(sc - m_use[:, None])
         total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision=PREC)
+        if HALF:
+            acc = acc * alpha[:, None] + tl.dot(p.to(ty), vt)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision=PREC)
         m = m_new
-    dst = part_ptr + ((row * HQ + heads) * SPLITS + split) * (D + 2)
-    tl.store(dst[:, None] + d[None, :], acc, mask=gm[:, None])
-    tl.store(dst + D, m, mask=gm)
-    tl.store(dst + D + 1, total, mask=gm)
+    if SPLITS == 1:  # every row sees key 0 at least: total > 0
+        dst = o_ptr + (row * HQ + heads)[:, None] * D + d[None, :]
+        tl.store(dst, (acc / total[:, None]).to(o_ptr.dtype.element_ty), mask=rm[:, None])
+    else:
+        dst = part_ptr + ((row * HQ + heads) * SPLITS + split) * (D + 2)
+        tl.store(dst[:, None] + d[None, :], acc, mask=rm[:, None])
+        tl.store(dst + D, m, mask=rm)
+        tl.store(dst + D + 1, total, mask=rm)
 
 
 @triton.jit
@@ -286,18 +305,24 @@ def rope_write(
 
 SPLITS = 8  # programs a (head, row) reads its keys with (then merged): up to MAX_REACH keys, one block each
 WIDE_SPLITS = 2  # the same for steps of many rows (rows x heads x 2 programs fill the device; a smaller buffer)
+FILL = 512  # grouped programs (key/value heads x sequences) that fill an H200 alone: keys unsplit, nothing to merge
 BLOCK_KEYS = 128
-GROUP_ROWS = 16  # least query rows of a matrix product (`_attend_group_kernel` pads a key/value head's group to it)
+GROUP_ROWS = 16  # least query rows of a matrix product (`_attend_group_kernel` pads a program's rows to it)
 
 
-def splits_for(rows: int) -> int:
-    """Programs a (head, row) reads its keys with: SPLITS for a few rows, WIDE_SPLITS for many."""
-    return SPLITS if rows <= 32 else WIDE_SPLITS
+def splits_for(rows: int, t: int = 1, hkv: int = 0) -> int:
+    """Programs a (head, row) reads its keys with, or grouped (hkv > 0) a (key/value head, sequence of t rows): SPLITS
+    for a few rows, WIDE_SPLITS for many, one where the grouped programs fill the device alone."""
+    if rows <= 32:
+        return SPLITS
+    return 1 if hkv and rows // t * hkv >= FILL else WIDE_SPLITS
 
 
-def attend_partials(rows: int, hq: int, d: int, device: torch.device) -> torch.Tensor:
-    """The float32 partials `attend` writes (each split's [acc, max, sum] of each head and row)."""
-    return torch.empty(rows, hq, splits_for(rows), d + 2, dtype=torch.float32, device=device)
+def attend_partials(rows: int, hq: int, d: int, device: torch.device, t: int = 1, hkv: int = 0) -> torch.Tensor:
+    """The float32 partials `attend` writes (each split's [acc, max, sum] of each head and row; `splits_for`'s
+    arguments), or a stand-in where one split writes the output itself."""
+    splits = splits_for(rows, t, hkv)
+    return torch.empty(rows if splits > 1 else 1, hq, splits, d + 2, dtype=torch.float32, device=device)
 
 
 def attend(
@@ -314,18 +339,24 @@ def attend(
     d: int,
     pad_slot: int = -1,
     grouped: bool = False,
+    t: int = 1,
 ) -> None:
     """Each (head, row)'s query over its slot's keys 0..pos, into `o`: in splits (into `part`, `attend_partials`),
-    then merged. Rows in `pad_slot` (-1: none) read one key. grouped: a program per key/value head, for all the query
-    heads that share it (many rows: the keys read once, not once a query head)."""
+    then merged. Rows in `pad_slot` (-1: none) read one key. grouped: a program per key/value head and sequence (t
+    consecutive rows in one slot: a round's tokens), for all its rows' query heads that share it (the keys read once,
+    not once a query head and token)."""
     b, splits = q.shape[0], part.shape[2]
     if grouped:
         g = hq // hkv
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        _attend_group_kernel[(hkv, b, splits)](
-            q, keys, values, slots, pos, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, G=g,
-            GP=max(GROUP_ROWS, triton.next_power_of_2(g)), BLOCK_N=BLOCK_KEYS // 2, SPLITS=splits, PREC=prec,
+        rows = max(GROUP_ROWS, triton.next_power_of_2(t * g))
+        half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        _attend_group_kernel[(hkv, b // t, splits)](
+            q, keys, values, slots, pos, o, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, G=g, T=t,
+            RP=rows, BLOCK_N=BLOCK_KEYS // 2, SPLITS=splits, HALF=half, PREC="ieee" if q.dtype == torch.float32 else
+            "tf32", num_warps=4 if rows * d <= 4096 else 8,
         )  # fmt: skip
+        if splits == 1:
+            return
     else:
         _attend_kernel[(hq, b, splits)](
             q, keys, values, slots, pos, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, BLOCK_N=BLOCK_KEYS,

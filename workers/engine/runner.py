@@ -25,7 +25,7 @@ import torch
 import torch._dynamo
 
 from schemas.settings import Settings
-from workers.engine import pool_attention
+from workers.engine import decode_kernels, pool_attention
 from workers.engine.batches import pick_last, prefill_parts
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVPool, StaticKVCache
@@ -74,8 +74,8 @@ class Engine:
         step_tokens = settings.engine.graph_k + 1 if step_tokens is None else step_tokens
         self.shard = shard
         shard.set_attention(settings.engine.attention)
-        if max_draft and shard.device.type == "cuda":  # a drafter's steps as Triton kernels (CPU: tests interpret them)
-            shard.set_decode_kernels(settings.engine.draft_kernels and not compile, settings.engine.draft_kernel_rows)
+        if shard.device.type == "cuda":  # steps as Triton kernels between GEMMs (CPU: tests interpret them)
+            shard.set_decode_kernels(*decode_kernels.wanted(settings.engine, drafter=bool(max_draft), compile=compile))
         self.run_batch = shard.run_batch
         if compile:  # fused kernels from torch.compile, captured in our own graphs (a few compiles)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -218,8 +218,8 @@ class Shard(nn.Module):
             self.fused.kernel = pool_attention.reference
 
     def set_decode_kernels(self, on: bool, rows: int | None = None) -> bool:
-        """EngineSettings.draft_kernels (steps of up to `rows`, draft_kernel_rows, None: its default) on a drafter's
-        fused layers where Triton runs, every layer qualifies and steps through them agree (checked now); whether on."""
+        """Steps of up to `rows` token rows (None: EngineSettings.draft_kernel_rows) through decode_kernels.py where
+        Triton runs, every fused layer qualifies and steps through them agree with the fused forward; whether on."""
         fused = self.fused
         if fused is None:
             return False
