@@ -217,7 +217,7 @@ def authentic(key: bytes, fields: dict, *, reply: bool = False) -> bool:
     got = fields.get(MAC) if isinstance(fields, dict) else None
     if not isinstance(got, bytes) or len(got) != hashlib.sha256().digest_size:
         return False
-    if not all(isinstance(k, bytes) and isinstance(v, bytes) for k, v in fields.items()):
+    if not all(isinstance(k, bytes) and isinstance(v, bytes | memoryview) for k, v in fields.items()):
         return False
     return hmac.compare_digest(got, _mac(key, _REPLY if reply else _REQUEST, fields))
 
@@ -326,12 +326,20 @@ def decode_head_header(fields: dict, *, caps: RelaySettings = CAPS, capped: bool
 
 
 def round_tensors(
-    msg: RoundPacket, fields: dict, *, caps: RelaySettings = CAPS, device: str | torch.device = "cpu"
+    msg: RoundPacket,
+    fields: dict,
+    *,
+    caps: RelaySettings = CAPS,
+    device: str | torch.device = "cpu",
+    views: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """The tensors of a round whose header `decode_head_header` accepted (each within caps.max_tensor_elements)."""
+    """The tensors of a round whose header `decode_head_header` accepted (each within caps.max_tensor_elements);
+    those named in `views` as read-only views of the fields' bytes (`decode_tensor`)."""
     n = caps.max_tensor_elements
     return {
-        name: decode_tensor(meta, fields[TENSOR_PREFIX + name.encode()], max_elements=n, device=device)
+        name: decode_tensor(
+            meta, fields[TENSOR_PREFIX + name.encode()], max_elements=n, device=device, view=name in views
+        )
         for name, meta in msg.tensors.items()
     }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from typing import Annotated, Literal
 
 import torch
@@ -70,12 +71,14 @@ def encode_tensor(t: torch.Tensor) -> tuple[TensorMeta, bytes]:
 
 def decode_tensor(
     meta: TensorMeta,
-    raw: bytes,
+    raw: bytes | memoryview,
     *,
     max_elements: int = RelaySettings().max_tensor_elements,
     device: torch.device | str = "cpu",
+    view: bool = False,
 ) -> torch.Tensor:
-    """Build the tensor `meta` describes from `raw`, after checking size and byte length."""
+    """Build the tensor `meta` describes from `raw`, after checking size and byte length. view: on the host, a
+    read-only view of `raw` itself, no copy (the caller copies it before anything could write to it)."""
     if meta.numel > max_elements:
         raise PacketError(f"tensor of {meta.numel} elements exceeds the cap of {max_elements}")
     if len(raw) != meta.nbytes:
@@ -83,5 +86,10 @@ def decode_tensor(
     dtype = DTYPES[meta.dtype]
     if meta.numel == 0:
         return torch.empty(meta.shape, dtype=dtype, device=device)
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
-    return flat.reshape(meta.shape).to(device)
+    if view:
+        with warnings.catch_warnings():  # torch warns of every read-only buffer: this one is never written
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(raw, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return flat.view(dtype).reshape(meta.shape).to(device)

@@ -42,6 +42,29 @@ def test_parts_come_back_exactly_as_sealed():
     assert unpack_group(packed, max_bytes=1 << 24) == rounds
 
 
+def test_a_parts_tensor_bytes_are_views_never_written():
+    """A part's tensors' bytes are views of the group entry's (no 8 MB copy a group of 128 7B rounds), its MAC
+    verifies over them, and its hidden rows decoded as a view reach the forward only through a copy."""
+    from schemas.packets import decode_head_header, round_tensors
+    from workers.tail.rounds import HostToDevice
+
+    keys = [session_key() for _ in range(3)]
+    packed = pack_group([_round(f"v{i}", n=2 + i, key=k) for i, k in enumerate(keys)])
+    before = bytes(packed[b"t.hidden"])
+    parts = unpack_group(packed, max_bytes=1 << 24)
+    assert all(isinstance(p[b"t.hidden"], memoryview) and isinstance(p[HEADER], bytes) for p in parts)
+    assert all(authentic(k, p) for k, p in zip(keys, parts, strict=True))
+    hs = []
+    for part in parts:
+        msg = decode_head_header(part)
+        view = round_tensors(msg, part, views=frozenset({"hidden"}))["hidden"]
+        assert torch.equal(view, round_tensors(msg, part)["hidden"])
+        hs.append(view)
+    for got in HostToDevice(torch.device("cpu"))(hs):
+        got.add_(1.0)  # the forward's own copies
+    assert packed[b"t.hidden"] == before
+
+
 @pytest.mark.parametrize(
     "spoil",
     [

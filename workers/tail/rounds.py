@@ -135,10 +135,11 @@ def read_ms(entries: list[Entry], called_ms: float, returned_ms: float) -> float
 
 
 class HostToDevice:
-    """A batch's hidden rows (host tensors of one dtype and width) to the device in one copy through a pinned
-    staging buffer, kept and grown as batches need (up to PINNED_MAX_BYTES; larger batches, prompts mostly, go
-    in one plain copy). A copy per session from pageable memory waits for the device each time: at 64 sessions a
-    batch, 12% of a tail's loop on an H200 shared with its head (py-spy, decode_tensor)."""
+    """A batch's hidden rows (host tensors of one dtype and width, maybe read-only views of their packets' bytes) to
+    the device in one copy (never the tensors given) through a pinned staging buffer, kept and grown as batches need
+    (up to PINNED_MAX_BYTES; larger batches, prompts mostly, go in one plain copy). A copy per session from pageable
+    memory waits for the device each time: at 64 sessions a batch, 12% of a tail's loop on an H200 shared with its
+    head (py-spy, decode_tensor)."""
 
     PINNED_MAX_BYTES = 64 << 20
 
@@ -148,9 +149,9 @@ class HostToDevice:
         self._done: torch.cuda.Event | None = None  # the last copy out of the buffer
 
     def __call__(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.device.type != "cuda" or not hs:
-            return [h.to(self.device) for h in hs]
         sizes = [h.shape[0] for h in hs]
+        if self.device.type != "cuda" or not hs:  # copied: the rows may be views of their packets' bytes
+            return list(torch.cat(hs).to(self.device).split(sizes)) if hs else []
         n, width, dtype = sum(sizes), hs[0].shape[1], hs[0].dtype
         if n * width * dtype.itemsize > self.PINNED_MAX_BYTES:
             return list(torch.cat(hs).to(self.device).split(sizes))

@@ -317,7 +317,8 @@ class TailWorker:
                 DeadLetter(fields, f"duplicate or late round (session at round {held})", *peek_session(fields))
             )
             return self._reply(msg, last, self.settings.relay.reply_ttl_s) if last is not None else None
-        tensors = round_tensors(msg, fields, caps=self.settings.relay)  # on the host: a batch's rows go in one copy
+        # on the host; the hidden rows uncopied (views of the entry's bytes): a batch's rows go in one copy (upload)
+        tensors = round_tensors(msg, fields, caps=self.settings.relay, views=frozenset({"hidden"}))
         hidden = tensors["hidden"]
         cfg = self.shard.config
         if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != cfg.hidden_size:
