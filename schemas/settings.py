@@ -110,11 +110,12 @@ class EngineSettings(_Group):
         1024, ge=0, description="Most token rows (sequences x tokens) of a draft step run through the kernels."
     )
     target_kernel_rows: int = Field(
-        4096,
+        0,
         ge=0,
         description="Most token rows (sequences x tokens) of a target shard's step (a batch's rounds) run as the draft "
         "steps' GEMMs between Triton kernels on CUDA (workers/engine/decode_kernels.py: a round's tokens attend in one "
-        "program a key/value head and sequence); more, or 0: the fused forward.",
+        "program a key/value head and sequence); more, or 0 (the default until the device measures it: speed and the "
+        "half-precision tie rule), the fused forward.",
     )
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (None: torch's).")
     static: bool | None = Field(

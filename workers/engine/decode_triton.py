@@ -312,10 +312,10 @@ GROUP_ROWS = 16  # least query rows of a matrix product (`_attend_group_kernel` 
 
 def splits_for(rows: int, t: int = 1, hkv: int = 0) -> int:
     """Programs a (head, row) reads its keys with, or grouped (hkv > 0) a (key/value head, sequence of t rows): SPLITS
-    for a few rows, WIDE_SPLITS for many, one where the grouped programs fill the device alone."""
+    for a few rows, WIDE_SPLITS for many, one where a round's grouped programs fill the device alone."""
     if rows <= 32:
         return SPLITS
-    return 1 if hkv and rows // t * hkv >= FILL else WIDE_SPLITS
+    return 1 if hkv and t > 1 and rows // t * hkv >= FILL else WIDE_SPLITS
 
 
 def attend_partials(rows: int, hq: int, d: int, device: torch.device, t: int = 1, hkv: int = 0) -> torch.Tensor:
@@ -349,7 +349,7 @@ def attend(
     if grouped:
         g = hq // hkv
         rows = max(GROUP_ROWS, triton.next_power_of_2(t * g))
-        half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        half = t > 1 and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)  # rounds (drafts: as measured)
         _attend_group_kernel[(hkv, b // t, splits)](
             q, keys, values, slots, pos, o, part, scale, keys.shape[2], pad_slot, HQ=hq, HKV=hkv, D=d, G=g, T=t,
             RP=rows, BLOCK_N=BLOCK_KEYS // 2, SPLITS=splits, HALF=half, PREC="ieee" if q.dtype == torch.float32 else
