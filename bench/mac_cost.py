@@ -6,7 +6,9 @@
 Defaults are the Qwen2.5-7B split at K=8 (9 rows of 3,584 in float16: 63 KiB a session). Prints, for each
 B, the milliseconds a head spends encoding B rounds (tensor codec + header + MAC), of which sealing, and a
 tail spends checking them (one core; hashlib releases the GIL, so the MACs of a group can run beside the
-step loop).
+step loop); then what a tail spends taking the B rounds out of one group entry and decoding their hidden rows,
+as it does (tensor bytes as views of the entry's, rows decoded uncopied: "views") and as it did (each part's
+bytes copied, each tensor decoded from a copy: "copies").
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import time
 
 import torch
 
-from schemas.packets import MAC, HeadRef, authentic, encode_round, seal, session_key
+from schemas.groups import pack_group, unpack_group
+from schemas.packets import MAC, HeadRef, authentic, decode_head_header, encode_round, round_tensors, seal, session_key
 from schemas.requests import SamplingParams
 
 HEAD = HeadRef(name="bench", boot="0123456789abcdef", reply_timeout_s=15.0)
@@ -73,6 +76,19 @@ def main() -> None:
         check = time_ms(lambda pairs=pairs: [authentic(k, f) for k, f, _ in pairs], reps)
         per = f"{1000 * mac / b:.1f}, {1000 * check / b:.1f}"
         print(f"{b:>5} {encode:>10.3f} {mac:>8.3f} {check:>9.3f} {per:>26}")
+        if b > 1:
+            group = pack_group(sealed)
+            views = time_ms(lambda g=group: _unpacked(g, copies=False), reps)
+            copies = time_ms(lambda g=group: _unpacked(g, copies=True), reps)
+            print(f"{b:>5} group entry unpacked, hidden rows decoded: views {views:.3f} ms, copies {copies:.3f}")
+
+
+def _unpacked(group: dict, copies: bool) -> list:
+    parts = unpack_group(group, max_bytes=1 << 31)
+    if copies:  # as the tail did before 2026-12-05
+        parts = [{k: bytes(v) for k, v in p.items()} for p in parts]
+    views = frozenset() if copies else frozenset({"hidden"})
+    return [round_tensors(decode_head_header(p), p, views=views)["hidden"] for p in parts]
 
 
 if __name__ == "__main__":
