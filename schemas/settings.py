@@ -110,13 +110,9 @@ class EngineSettings(_Group):
         1024, ge=0, description="Most token rows (sequences x tokens) of a draft step run through the kernels."
     )
     target_kernel_rows: int = Field(
-        0,
-        ge=0,
-        description="Most token rows (sequences x tokens) of a target shard's step (a batch's rounds) run as the draft "
-        "steps' GEMMs between Triton kernels on CUDA (workers/engine/decode_kernels.py: a round's tokens attend in one "
-        "program a key/value head and sequence); more, or 0 (the default until the device measures it: speed and the "
-        "half-precision tie rule), the fused forward.",
-    )
+        0, ge=0, description="Most token rows of a target shard's step (a batch's rounds) run through the draft steps' "
+        "kernels on CUDA (decode_kernels.py); 0, the default until measured on the device: the fused forward.",
+    )  # fmt: skip
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (None: torch's).")
     static: bool | None = Field(
         None, description="Preallocated KV caches rolled back in place, run batched (None: on; graphs need them)."

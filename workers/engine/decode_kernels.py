@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from schemas.settings import EngineSettings
 from workers.engine.kvcache import BatchView, KVPool
 
 MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run with GEMV kernels: a lone job's drafts
@@ -55,7 +56,7 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def wanted(engine: Any, drafter: bool, compile: bool) -> tuple[bool, int]:
+def wanted(engine: EngineSettings, drafter: bool, compile: bool) -> tuple[bool, int]:
     """(on, rows) for `Shard.set_decode_kernels` from EngineSettings `engine`: a drafter's steps up to
     draft_kernel_rows (off with draft_kernels off or a compiled drafter), a target's rounds up to target_kernel_rows."""
     if not drafter:
