@@ -1,7 +1,8 @@
 """Linear attention beside full attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: Gated DeltaNet layers with a convolution
-state and a recurrent state): a shard's caches roll a rejected draft back by restoring the states at their base and
-feeding the kept tokens again (workers/engine/recurrent.py), so a split generation equals HF `generate`. Head and tail
-in separate processes over real Redis."""
+state and a recurrent state): a shard's dynamic caches roll a rejected draft back by restoring the states at their base
+and feeding the kept tokens again (workers/engine/recurrent.py), its static ones (the default) keep the states in
+their pool (workers/engine/linear_pool.py, tests/test_linear_pool.py); either way a split generation equals HF
+`generate`. Head and tail in separate processes over real Redis."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from tests.test_sampling import DRAWS, VOCAB, chi2_pvalue, exact_distribution, sample_draws
+from workers.engine.kvcache import StaticKVCache
 from workers.engine.plan import GiB, kv_bytes, model_shape, plan_split
 from workers.engine.recurrent import RecurrentCache
 from workers.engine.runner import Engine
@@ -98,11 +100,11 @@ def test_a_rejected_draft_leaves_the_states_exactly_as_before(family, hybrid):
             cache.crop(24)
 
 
-def test_recurrent_shards_refuse_static_caches(hybrid):
+def test_recurrent_shards_run_static_caches_by_default(hybrid):
+    """Their states live in the pool (workers/engine/linear_pool.py); `--dynamic-cache` keeps the replaying cache."""
     shard = load_shard(hybrid["qwen3_5_text"], (0, 2), embed=True, head=False)
-    with pytest.raises(ValueError, match=r"recurrent state .* dynamic caches"):
-        Engine(shard, Settings(engine={"static": True}))
-    assert isinstance(Engine(shard).acquire(), RecurrentCache)  # the default: dynamic, for this shard
+    assert isinstance(Engine(shard).acquire(), StaticKVCache)
+    assert isinstance(Engine(shard, Settings(engine={"static": False})).acquire(), RecurrentCache)
 
 
 def test_the_plan_counts_states_beside_the_attention_layers_keys(hybrid, tokenizers):
@@ -120,7 +122,9 @@ def test_the_plan_counts_states_beside_the_attention_layers_keys(hybrid, tokeniz
         for i, layer in cache.layers.items()
     }
     assert shape.state_layer == tuple(held.get(i, 0) for i in range(4)) and shape.kv_layer[:3] == (0, 0, 0)
-    assert kv_bytes(shape, (0, 3), 1000, 0) == sum(held.values())  # linear layers: no keys however long
+    ring = 2 * sum(shape.state_row[:3])  # and a static pool's inputs of its last positions (scratch 0: 2 columns)
+    assert kv_bytes(shape, (0, 3), 1000, 0) == sum(held.values()) + ring  # linear layers: no keys however long
+    assert shape.state_row[3] == 0 and ring > 0
     cfg = Settings(engine={"cuda_context_gib": 0})
     assert plan_split(config, [GiB, GiB], dtype=torch.bfloat16, settings=cfg).in_flight > 0
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from workers.engine.kvcache import KVPool, causal
+from workers.engine.linear_pool import View
 from workers.engine.rings import is_long, ring_mask
 
 
@@ -70,6 +71,11 @@ class DraftStep:
         k[self.buf.batch, :, local] = key_states.transpose(1, 2)
         v[self.buf.batch, :, local] = value_states.transpose(1, 2)
         return k, v
+
+    def linear_view(self) -> View:
+        """Linear layers' states are not copied: each step reads and writes the pool's (linear_pool.py)."""
+        assert self.buf.pool.linear is not None
+        return self.buf.pool.linear, self.buf.rows, self.pos, None
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return 0

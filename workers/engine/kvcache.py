@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from workers.engine.rings import is_long, ring_mask, ring_sizes, shard_windows, write_ring
+from workers.engine.linear_pool import LinearStates, View, furthest_base, linear_modules, rollback_error
+from workers.engine.rings import attention_layers, is_long, ring_mask, ring_sizes, shard_windows, write_ring
 
 
 def kv_dims(cfg: Any, attention: Any = None) -> tuple[int, int, int]:
@@ -106,7 +107,8 @@ class KVPool:
     as one fixed-shape (graph-capturable) forward. A one-slot pool has no extra slot.
 
     With `ring_slack`, a layer of `windows` (layer -> its sliding window) keeps [slots + 1, kv_heads, R, width],
-    R = window + ring_slack rounded up (workers/engine/rings.py), where that is shorter than a slot."""
+    R = window + ring_slack rounded up (workers/engine/rings.py), where that is shorter than a slot; with `linear`
+    (layer -> its linear-attention mixer), their states and last scratch + 1 inputs (workers/engine/linear_pool.py)."""
 
     def __init__(
         self,
@@ -122,7 +124,9 @@ class KVPool:
         device: torch.device | str,
         windows: dict[int, int] | None = None,
         ring_slack: int | None = None,
+        linear: dict[int, Any] | None = None,
     ) -> None:
+        depth = scratch + 1  # how far back a linear layer's states roll
         scratch = -(-(max_len + scratch) // 16) * 16 - max_len  # total length a multiple of 16 (kernel alignment)
         self.ring_slack = ring_slack
         self.rings = ring_sizes(windows or {}, ring_slack, max_len + scratch)  # layer -> (ring, window)
@@ -130,7 +134,7 @@ class KVPool:
         self.ring_shapes = sorted(set(self.rings.values()))  # the distinct (ring, window) pairs (`StaticKVCache.high`)
         # A one-slot pool never has padding rows: warm-up and capture write its own slot's scratch positions. Not
         # where a ring keeps a layer: its scratch positions wrap onto live ones (p mod R), so it has a pad slot too.
-        padded = slots > 1 or bool(self.rings)
+        padded = slots > 1 or bool(self.rings) or bool(linear)
         self.pad_slot = slots if padded else 0
         self.padding = self.pad_slot if padded else None  # the slot only padding rows use, if there is one
         rows = slots + padded
@@ -140,6 +144,7 @@ class KVPool:
 
         self.keys = {i: zeros(i, head_dim) for i in layer_ids}
         self.values = {i: zeros(i, value_dim or head_dim) for i in layer_ids}
+        self.linear = LinearStates(linear, rows, depth, dtype, device) if linear else None
         self.slots, self.max_len, self.scratch = slots, max_len, scratch
         self.index = torch.arange(max_len + scratch, device=device)
         self._free = list(range(slots - 1, -1, -1))
@@ -167,17 +172,18 @@ class KVPool:
     @staticmethod
     def slot_bytes(shard: Any, max_len: int, scratch: int, ring_slack: int | None = None) -> int:
         """Bytes one slot of a pool for `shard` takes (keys and values of every layer; rings where windowed)."""
-        heads, key_dim, value_dim = kv_dims(shard.config, shard.layers[0].self_attn)
+        ids, attention = attention_layers(shard)
+        heads, key_dim, value_dim = kv_dims(shard.config, attention)
         length = -(-(max_len + scratch) // 16) * 16
         rings = ring_sizes(shard_windows(shard), ring_slack, length)
         size = torch.empty((), dtype=shard.dtype).element_size()
-        ids = [layer.self_attn.layer_idx for layer in shard.layers]
-        return sum(heads * (key_dim + value_dim) * rings.get(i, (length, 0))[0] * size for i in ids)
+        states = LinearStates.slot_bytes(linear_modules(shard.layers), scratch + 1, size)
+        return states + sum(heads * (key_dim + value_dim) * rings.get(i, (length, 0))[0] * size for i in ids)
 
     @classmethod
     def for_shard(cls, shard: Any, *, slots: int, max_len: int, scratch: int, ring_slack: int | None = None) -> KVPool:
-        heads, key_dim, value_dim = kv_dims(shard.config, shard.layers[0].self_attn)
-        ids = [layer.self_attn.layer_idx for layer in shard.layers]
+        ids, attention = attention_layers(shard)
+        heads, key_dim, value_dim = kv_dims(shard.config, attention)
         return cls(
             ids,
             heads,
@@ -190,6 +196,7 @@ class KVPool:
             device=shard.device,
             windows=shard_windows(shard),
             ring_slack=ring_slack,
+            linear=linear_modules(shard.layers),
         )
 
     @property
@@ -216,7 +223,8 @@ class KVPool:
     def clear(self, slot: int) -> None:
         """Zero one slot's keys and values of every layer in place (one memset each; with CUDA graphs on the
         stream they replay on, so a later replay reads the zeros)."""
-        torch._foreach_zero_([t[slot] for t in (*self.keys.values(), *self.values.values())])
+        kv = [t[slot] for t in (*self.keys.values(), *self.values.values())]
+        torch._foreach_zero_([*kv, *(self.linear.slot_tensors(slot) if self.linear is not None else [])])
 
 
 class StaticKVCache:
@@ -232,6 +240,7 @@ class StaticKVCache:
         self.released = False  # given back to the pool (`KVPool.release`)
         self.slot_row = torch.full((1,), slot, dtype=torch.long, device=pool.index.device)
         self.high: dict[tuple[int, int], int] = {}  # (ring, window) -> one past the furthest position written there
+        self.linear_base = 0  # the least length its linear layers' states roll back to (linear_pool.py)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
@@ -268,6 +277,10 @@ class StaticKVCache:
         assert self.pos is not None, "mask(pos) first"
         return self.pool, self.slot_row, self.pos[-1:], self.pool.index.shape[0]
 
+    def linear_view(self) -> View:  # what a linear layer's pooled forward reads (workers/engine/linear_pool.py)
+        assert self.pool.linear is not None and self.pos is not None, "mask(pos) first"
+        return self.pool.linear, self.slot_row, self.pos[None], None
+
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return self._length
 
@@ -295,6 +308,8 @@ class StaticKVCache:
         for ring, window in self.pool.ring_shapes:
             top = length if is_long(steps, ring, window) else max(written, length)
             self.high[ring, window] = max(self.high.get((ring, window), 0), top)
+        if self.pool.linear is not None:
+            self.linear_base = furthest_base(self.linear_base, max(written, length), self.pool.linear.depth)
         self._length = length
 
     def crop(self, length: int) -> None:
@@ -309,9 +324,15 @@ class StaticKVCache:
                     f"cannot roll a windowed layer's ring back from position {high} to {length}: it keeps "
                     f"{ring - window} positions beyond its window (engine.window_slack)"
                 )
+        linear = self.pool.linear
+        if linear is not None and 0 < length < self.linear_base:
+            raise rollback_error(length, self.linear_base, linear.depth)
         self._length = length
         if length == 0:  # a replay from 0 rewrites 0..P in order; a slot not yet rewritten reads as a negative position
             self.high.clear()
+            if linear is not None and self.linear_base:  # and linear layers start from nothing
+                linear.clear(self.slot)
+            self.linear_base = 0
 
 
 class BatchView:
@@ -360,6 +381,10 @@ class BatchView:
         """(pool, slot of each row, position of each row's last token, the attended length: no real row reads keys
         past it): what attention over the pool in place reads (workers/engine/pool_attention.py)."""
         return self.pool, self.rows, self.pos[:, -1], self.length
+
+    def linear_view(self) -> View:  # what a linear layer's pooled forward reads (workers/engine/linear_pool.py)
+        assert self.pool.linear is not None
+        return self.pool.linear, self.rows, self.pos, self.last
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         return 0

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from schemas.errors import ModelLoadError
 from schemas.settings import Settings
 from workers.engine.kvcache import kv_dims
+from workers.engine.linear_pool import ring_row_bytes
 from workers.engine.per_layer import plan_cuts, shape_fields, takes_layer_inputs, widest_kv
 from workers.engine.quant import quantized_bytes
 from workers.engine.quant_experts import EXPERT_COPIES, expert_weights
@@ -55,6 +56,7 @@ class ModelShape:
     tied: bool = False  # the LM head is the embedding (held once by a shard that has both)
     kv_layer: tuple[int, ...] = ()  # each layer's keys + values a position (0: a linear-attention layer)
     state_layer: tuple[int, ...] = ()  # each layer's fixed state a sequence (a linear-attention layer's)
+    state_row: tuple[int, ...] = ()  # what a linear layer's static pool keeps of each recent position (linear_pool.py)
     window_layer: tuple[int | None, ...] = ()  # each layer's sliding window (None: it sees every position)
     # one layer's experts dequantized at once by a forward (quantized experts: workers/engine/quant_experts.py), the
     # largest layer's: a worker's workspace holds it beside a prefill's
@@ -112,6 +114,7 @@ def model_shape(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
         head_dim=key_dim,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         state_layer=tuple(state_bytes(layer, size) for layer in base.layers),
+        state_row=tuple(ring_row_bytes(layer, size) for layer in base.layers),
         experts_scratch=max(scratch(layer) for layer in base.layers),
         **fields,  # type: ignore[arg-type]
     )
@@ -161,7 +164,8 @@ def kv_bytes(
 ) -> int:
     """What one sequence's cache holds over layers [a, b): the attention layers' keys/values of `positions` +
     `scratch` (a windowed layer's: a ring of its window and max(window_slack, scratch), where shorter, as the
-    engines keep them: workers/engine/rings.py), and the linear-attention layers' states (which do not grow)."""
+    engines keep them: workers/engine/rings.py), and the linear-attention layers' states (which do not grow) with
+    the inputs of their last scratch + 2 positions (a static pool's ring: workers/engine/linear_pool.py)."""
     a, b = layers
     full, windows = positions + scratch, shape.window_layer or (None,) * shape.layers
     slack = None if window_slack is None else max(window_slack, scratch)
@@ -170,7 +174,7 @@ def kv_bytes(
         return full if window is None or slack is None else min(full, ring_length(window, slack))
 
     kv = sum(per * held(w) for per, w in zip(shape.kv_layer[a:b], windows[a:b], strict=True))
-    return kv + sum(shape.state_layer[a:b])
+    return kv + sum(shape.state_layer[a:b]) + (scratch + 2) * sum(shape.state_row[a:b])
 
 
 @dataclass

@@ -7,7 +7,8 @@ tokens it has seen. So a `RecurrentCache` remembers its states at a base (the le
 rollback) and the inputs fed since. Rolling back to a length past the base restores the base's states and feeds
 the kept inputs again (`replay`: the shard's own forward), so a rejected draft leaves the states exactly as a
 cache that never saw it. Keeping every round's whole draft costs nothing more; a partial one costs a second
-forward over the tokens kept. Shards with such layers run dynamic caches, one sequence at a time.
+forward over the tokens kept. This is the dynamic cache (`--dynamic-cache`), one sequence at a time; static caches,
+the default, keep such layers' states in their pool (workers/engine/linear_pool.py).
 """
 
 from __future__ import annotations

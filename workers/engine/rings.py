@@ -67,10 +67,17 @@ def long_writes(pos: torch.Tensor, last: torch.Tensor, ring: int) -> tuple[torch
     return at, at - first
 
 
+def attention_layers(shard: Any) -> tuple[list[int], Any]:
+    """The global indices of a shard's layers that attend (not its linear-attention ones), and the first's module."""
+    attending = [layer.self_attn for layer in shard.layers if hasattr(layer, "self_attn")]
+    return [m.layer_idx for m in attending], next(iter(attending), None)
+
+
 def shard_windows(shard: Any) -> dict[int, int]:
     """A shard's windowed layers: global layer index -> its window (`Shard.windows`)."""
-    ids = [layer.self_attn.layer_idx for layer in shard.layers]
-    return {i: w for i, w in zip(ids, getattr(shard, "windows", [None] * len(ids)), strict=True) if w is not None}
+    windows = getattr(shard, "windows", [None] * len(shard.layers))
+    pairs = zip(shard.layers, windows, strict=True)
+    return {layer.self_attn.layer_idx: w for layer, w in pairs if w is not None and hasattr(layer, "self_attn")}
 
 
 def ring_sizes(windows: dict[int, int], slack: int | None, full: int) -> dict[int, tuple[int, int]]:

@@ -36,6 +36,7 @@ from workers.engine.convert import converted_names, converting_source
 from workers.engine.decode_kernels import DecodeLayers
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
+from workers.engine.linear_pool import pool_backed
 from workers.engine.per_layer import DYNAMIC_ONLY, LayerInputs, load_layer_inputs, refuse_split, takes_layer_inputs
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
 from workers.engine.quant_experts import quantize_experts
@@ -126,13 +127,11 @@ class Shard(nn.Module):
     @property
     def dynamic_reason(self) -> str | None:
         """Why this shard runs only dynamic caches, without graphs (workers/engine/sizing.py), or None."""
-        if self.recurrent:  # states roll back by replay, one sequence at a time (workers/engine/recurrent.py)
-            return "layers with a recurrent state (linear attention) run dynamic caches, without graphs"
         return DYNAMIC_ONLY.format(self.config.model_type) if self.layer_inputs is not None else None
 
     @property
     def recurrent(self) -> bool:
-        """Whether some layer keeps a recurrent state (linear attention): its caches are `RecurrentCache`s."""
+        """Whether some layer keeps a recurrent state (linear attention: linear_pool.py, recurrent.py)."""
         return bool(linear_layers(self.layers))
 
     def new_cache(self) -> KVCache:
@@ -393,6 +392,7 @@ def load_shard(
     left = [n for n, p in shard.named_parameters() if p.is_meta] + [n for n, t in shard.named_buffers() if t.is_meta]
     if left:
         raise ModelLoadError(f"tensors left unloaded: {left[:4]}")
+    pool_backed(kept)  # linear-attention layers read and write a static pool's states where their cache has one
     if fuse:
         shard.fused = fused_stack(kept[0], parts, config)
         if shard.windowed:  # the in-place kernel takes no windows: masks over gathered keys and values

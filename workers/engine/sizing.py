@@ -23,7 +23,7 @@ def cache_modes(shard: Shard, engine: EngineSettings) -> tuple[bool, bool]:
     rounds of the sequences in flight run as one batched forward: on a CPU too, where 8 sequences' rounds cost
     about 3x one's, where growing caches cost 8x) and CUDA graphs on a CUDA device."""
     static, graphs, cuda = engine.static, engine.graphs, shard.device.type == "cuda"
-    if (why := shard.dynamic_reason) is not None:  # recurrent states, Gemma 4's layer inputs: one sequence at a time
+    if (why := shard.dynamic_reason) is not None:  # Gemma 4's layer inputs: one sequence at a time
         if static or graphs:
             raise ValueError(why)
         return False, False
