@@ -66,7 +66,10 @@ def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int, ring_s
         return kv
     p = step_tokens if shard.lm_head is not None else 0
     out = step_tokens * (p * shard.config.vocab_size if p else shard.config.hidden_size)
-    return kv + row_bytes(shard, step_tokens, p, max_len + scratch) + out * shard.dtype.itemsize
+    # linear-attention layers' rows counted twice: a hybrid-4b head's graphs of 64 rows reserved 1.93 GiB where its
+    # rows measured 15.4 MiB each (docs/benchmarks.md, run 97), and sized at one, its head ran out capturing
+    rows = row_bytes(shard, step_tokens, p, max_len + scratch) * (2 if shard.recurrent else 1)
+    return kv + rows + out * shard.dtype.itemsize
 
 
 def engine_slot_cost(
