@@ -179,7 +179,7 @@ def pooled_forward(
     at = (kept[:, None] + span[:, :t_]).clamp(max=depth + t_ - 1)  # new token t's place in the sequence
     core = out.gather(1, at[..., None, None].expand(-1, -1, *out.shape[2:]))
     core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(b_, t_, -1)
-    _write(states, i, rows, new, start, real, base, commit, x, based)  # type: ignore[arg-type]
+    _write(states, i, rows, new, start, real, base, commit, conv_in, based)  # type: ignore[arg-type]
     return m.out_proj(core)
 
 
@@ -192,18 +192,17 @@ def _write(
     real: torch.Tensor,
     base: torch.Tensor,
     commit: torch.Tensor,
-    x: torch.Tensor,
+    cols: torch.Tensor,
     based: torch.Tensor,
 ) -> None:
-    """Write back a forward's base states and its new tokens' inputs (those within R of the end) into the ring."""
+    """Write back a forward's base states, its convolution's inputs up to the new base (`cols`: the base's own, then
+    those of base..) and its new tokens' inputs (those within R of the end) into the ring."""
     depth, t_ = states.depth, new.shape[1]
     conv = states.conv[i]
-    width = conv.shape[-1]
-    cols = torch.cat([conv[rows], x.transpose(1, 2)], -1)  # the inputs base.. after the base's own
-    take = commit[:, None] + torch.arange(width, device=x.device)[None]
+    take = commit[:, None] + torch.arange(conv.shape[-1], device=cols.device)[None]
     conv[rows] = cols.gather(2, take[:, None].expand(-1, cols.shape[1], -1))
     states.state[i][rows] = based
-    t = torch.arange(t_, device=x.device)[None]
+    t = torch.arange(t_, device=cols.device)[None]
     at = start[:, None] + t
     keep = (t < real[:, None]) & (at >= (base + commit)[:, None])
     states.inputs[i][rows[:, None], torch.where(keep, at % depth, depth)] = new

@@ -21,6 +21,7 @@ from torch import nn
 from transformers.cache_utils import LinearAttentionLayer
 
 from workers.engine.kvcache import KVCache
+from workers.engine.linear_pool import linear_modules
 
 # families whose linear-attention layers update their states through a cache's LinearAttentionLayer protocol
 RECURRENT = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
@@ -29,7 +30,7 @@ Replay = Callable[[torch.Tensor, int, "RecurrentCache"], object]
 
 def linear_layers(layers: nn.ModuleList) -> list[int]:
     """Global indices of the layers with a linear-attention mixer (no `self_attn`)."""
-    return [layer.linear_attn.layer_idx for layer in layers if hasattr(layer, "linear_attn")]
+    return list(linear_modules(layers))
 
 
 def state_bytes(layer: nn.Module, dtype_bytes: int) -> int:
