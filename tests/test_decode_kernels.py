@@ -27,11 +27,21 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory):
     root, tok = tmp_path_factory.mktemp("decode"), build_tokenizer()
-    out = {f: save_tiny_model(root / f, f, tokenizer=tok) for f in ("qwen2", "qwen3")}
+    # two layers (one a shard when a target is split): Triton's interpreter pays for every program of every layer
+    out = {f: save_tiny_model(root / f, f, tokenizer=tok, layers=2) for f in ("qwen2", "qwen3")}
     # widths no power of two (every kernel's masks), three query heads a key/value head
-    odd = dict(hidden=96, intermediate_size=200, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    odd = dict(hidden=96, intermediate_size=200, num_attention_heads=6, num_key_value_heads=2, head_dim=16, layers=2)
     out["odd"] = save_tiny_model(root / "odd", "qwen3", tokenizer=tok, **odd)
     return out
+
+
+@pytest.fixture
+def two_splits(monkeypatch):
+    """Rows of a few tokens read their keys in 2 splits, not 8: the merge is exercised the same, and Triton's
+    interpreter runs a quarter of the attention programs (they took most of these tests' minutes on 2 cores)."""
+    from workers.engine import decode_triton
+
+    monkeypatch.setattr(decode_triton, "SPLITS", 2)
 
 
 def _pair(path):
@@ -42,9 +52,9 @@ def _pair(path):
     return a, b
 
 
-@pytest.mark.parametrize(("family", "n"), [("qwen3", 3), ("qwen2", 6), ("odd", 2)])
+@pytest.mark.parametrize(("family", "n"), [("qwen3", 3), ("qwen2", 6), pytest.param("odd", 2, marks=pytest.mark.slow)])
 @torch.inference_mode()
-def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, n, monkeypatch):
+def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, n, monkeypatch, two_splits):
     """Two rows: every step through the GEMV kernels, the first step's 2 tokens a row as 4 rows of one token (causal
     within the step); three, one of them padding: the first step's 6 rows through the GEMMs between the kernels, the
     next through the GEMVs; six: every step through the GEMMs."""
@@ -75,9 +85,9 @@ def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, n,
                 torch.testing.assert_close(got_kv[slot, :, :m], want_kv[slot, :, :m], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "odd"])
+@pytest.mark.parametrize("family", ["qwen2", pytest.param("odd", marks=pytest.mark.slow)])  # odd widths: CI's run
 @torch.inference_mode()
-def test_a_targets_rounds_through_the_kernels_equal_the_fused_forward(drafters, family, monkeypatch):
+def test_a_targets_rounds_through_the_kernels_equal_the_fused_forward(drafters, family, monkeypatch, two_splits):
     """A target split in two (the head's layers from the embeddings, the tail's to the LM head; engine.
     target_kernel_rows): two rounds of 9 tokens a row of a batch, a padding row among them, through the GEMMs between
     the kernels (a round's tokens attend in one program a key/value head and sequence) give the fused forward's
@@ -178,8 +188,14 @@ def test_a_machine_whose_triton_cannot_build_them_keeps_the_fused_forward(drafte
     assert not a.set_decode_kernels(True) and "does not agree" in caplog.text
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "t", "fill"), [(6, 1, None), (40, 1, None), (45, 3, None), (45, 9, 1)])
+def _shapes() -> list:
+    """(dtype, rows, t, fill): every shape in float32; in bfloat16 a plain `pytest` runs the rounds' shape, CI all."""
+    shapes = [(6, 1, None), (40, 1, None), (45, 3, None), (45, 9, 1)]
+    slow = [pytest.param(torch.bfloat16, *s, marks=pytest.mark.slow) for s in shapes[:-1]]
+    return [(torch.float32, *s) for s in shapes] + slow + [(torch.bfloat16, *shapes[-1])]
+
+
+@pytest.mark.parametrize(("dtype", "rows", "t", "fill"), _shapes())
 def test_attention_grouped_by_key_value_head_equals_a_program_a_query_head(dtype, rows, t, fill, monkeypatch):
     """Steps of many rows attend with a program a key/value head and sequence (its keys read once for the query heads
     and tokens sharing them, matrix products): the same as a program a query head and row, at 8 splits, at 2 and at

@@ -134,8 +134,8 @@ def test_results_leave_stop_sequences_out(env, hf_models, tokenizers, tmp_path):
 
 
 def test_follow_writes_lines_as_jobs_end(env, tmp_path):
-    # greedy "Tokyo" runs 300 tokens without an EOS on the tiny model: the long jobs outlive the short one
-    long = [batch_line(f"long-{i}", prompt="Tokyo", max_tokens=300) for i in range(3)]
+    # greedy "Tokyo" runs 120 tokens without an EOS on the tiny model: the long jobs outlive the short one
+    long = [batch_line(f"long-{i}", prompt="Tokyo", max_tokens=120) for i in range(3)]
     lines = [batch_line("short", max_tokens=1), *long]
     res = env.cli("enqueue", "--file", write_jsonl(tmp_path / "in.jsonl", lines), "--json")
     assert res.exit_code == 0, res.output
