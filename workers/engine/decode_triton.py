@@ -44,9 +44,9 @@ def _rope_write_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     """One head of one row's q/k/v: Qwen3's per-head norm and the rotary for q and k; q to `q`, the key and value
-    into the pool at the row's slot and position. In half precision each product and sum is rounded where the fused
-    forward's (and the HF layers') tensor ops round it: the norm's scaled head, q * cos, rotate_half(q) * sin, their
-    sum; in float32 the roundings are no-ops."""
+    into the pool at the row's slot and position. In half precision it rounds where the fused forward does: the normed
+    head, then its weighted head (F.rms_norm, then a product), each to the working dtype; the rotary once (the fused
+    forward's one matmul by a rotation); in float32 the roundings are no-ops."""
     head, row = tl.program_id(0), tl.program_id(1)
     ty = qkv_ptr.dtype.element_ty
     half: tl.constexpr = D // 2
@@ -65,8 +65,8 @@ def _rope_write_kernel(
         c2 = tl.load(cos_ptr + row * D + half + n).to(tl.float32)
         s1 = tl.load(sin_ptr + row * D + n).to(tl.float32)
         s2 = tl.load(sin_ptr + row * D + half + n).to(tl.float32)
-        o1 = (a1 * c1).to(ty).to(tl.float32) - (a2 * s1).to(ty).to(tl.float32)
-        o2 = (a2 * c2).to(ty).to(tl.float32) + (a1 * s2).to(ty).to(tl.float32)
+        o1 = a1 * c1 - a2 * s1  # rounded once, at the store: as the fused forward's x @ R (fused_ops.rotation)
+        o2 = a2 * c2 + a1 * s2
     else:
         o1 = a1
         o2 = a2
