@@ -201,7 +201,8 @@ def test_attention_grouped_by_key_value_head_equals_a_program_a_query_head(dtype
     and tokens sharing them, matrix products): the same as a program a query head and row, at 8 splits, at 2 and at
     one (programs enough to fill the device: no merge), a padding sequence included, rounds of t tokens a sequence
     at consecutive positions (each sees the keys up to its own). bfloat16 too: on the CPU the kernel multiplies
-    float32 operands (Triton's interpreter multiplies half-precision ones wrongly)."""
+    float32 operands (Triton's interpreter multiplies half-precision ones wrongly). The interpreter also casts float32
+    to bfloat16 by truncation, not to nearest as a GPU does: bf16 roundings are checked on the GPU, never here."""
     from workers.engine import decode_triton as k
 
     if fill is not None:
