@@ -61,10 +61,10 @@ def _rope_write_kernel(
             w2 = tl.load(qkn_ptr + head * D + half + n).to(tl.float32)
             a1 = ((a1 * r).to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
             a2 = ((a2 * r).to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
-        c1 = tl.load(cos_ptr + row * D + n).to(tl.float32)
-        c2 = tl.load(cos_ptr + row * D + half + n).to(tl.float32)
-        s1 = tl.load(sin_ptr + row * D + n).to(tl.float32)
-        s2 = tl.load(sin_ptr + row * D + half + n).to(tl.float32)
+        c1 = tl.load(cos_ptr + row * D + n)  # float32 already (DecodeLayers._run)
+        c2 = tl.load(cos_ptr + row * D + half + n)
+        s1 = tl.load(sin_ptr + row * D + n)
+        s2 = tl.load(sin_ptr + row * D + half + n)
         o1 = a1 * c1 - a2 * s1  # rounded once, at the store: as the fused forward's x @ R (fused_ops.rotation)
         o2 = a2 * c2 + a1 * s2
     else:
