@@ -234,7 +234,7 @@ def submit(batcher: Batcher, work: HeadWork) -> Submitter:
     """Start a thread submitting `work` and wait until it is queued (its thread then waits for the lock)."""
     sub = Submitter(batcher, work)
     sub.start()
-    wait_until(lambda: queued(batcher, work) or work.finished.is_set(), "the work is queued")
+    wait_until(lambda: queued(batcher, work) or work.finished, "the work is queued")
     return sub
 
 
@@ -250,7 +250,7 @@ def run_together(batcher: Batcher, works: list[HeadWork], calls: list[Call] | No
     with batcher.lock:
         subs = [submit(batcher, w) for w in works]
         assert all(queued(batcher, w) for w in works)
-        assert not any(w.finished.is_set() for w in works), "a round computed while another thread held the lock"
+        assert not any(w.finished for w in works), "a round computed while another thread held the lock"
         assert not calls, "the engine ran while another thread held the lock"
     join(subs)
     return subs
@@ -258,7 +258,7 @@ def run_together(batcher: Batcher, works: list[HeadWork], calls: list[Call] | No
 
 def assert_same_round(got: HeadWork, want: HeadWork, static: bool) -> None:
     """`got` (computed in a batch) equals `want` (computed alone): drafts, their q, hidden states, cache length."""
-    assert got.error is None and got.finished.is_set()
+    assert got.error is None and got.finished
     assert got.draft is not None and want.draft is not None and got.hidden is not None and want.hidden is not None
     assert got.draft.tokens == want.draft.tokens
     assert got.draft.point == want.draft.point

@@ -42,7 +42,7 @@ def test_a_bad_input_fails_only_its_own_round(tiny: Tiny, static: bool) -> None:
     subs = run_together(head.batcher, works, calls)
     assert isinstance(subs[1].error, IndexError) and works[1].error is subs[1].error
     assert subs[1].result is None and works[1].hidden is None
-    assert works[1].cache.length == works[1].start and works[1].finished.is_set()
+    assert works[1].cache.length == works[1].start and works[1].finished
     assert [len(c.caches) for c in calls] == [3, 1, 1, 1]  # the failed batch, then each round alone, in order
     assert [c.caches[0] for c in calls[1:]] == [w.cache for w in works]
     assert len({c.thread for c in calls}) == 1  # the thread that took the batch retried it
@@ -76,7 +76,7 @@ def test_a_lone_failing_round_raises_without_retry(tiny: Tiny) -> None:
     calls = spy(head.engine, "forward_many")
     with pytest.raises(IndexError):
         head.batcher.run(work)
-    assert len(calls) == 1 and work.finished.is_set() and (head.batcher.batches, head.batcher.rounds) == (0, 0)
+    assert len(calls) == 1 and work.finished and (head.batcher.batches, head.batcher.rounds) == (0, 0)
 
 
 def test_retry_after_a_neighbours_failure_keeps_sampled_drafts(tiny: Tiny) -> None:
@@ -109,7 +109,7 @@ def test_an_interrupt_fails_the_whole_batch_without_retry(tiny: Tiny, static: bo
     calls = spy(head.engine, "forward_many", interrupt)
     subs = run_together(head.batcher, works, calls)
     assert len(calls) == 1
-    assert all(s.error is stop and s.work.error is stop and s.work.finished.is_set() for s in subs)
+    assert all(s.error is stop and s.work.error is stop and s.work.finished for s in subs)
     assert head.batcher._queue == [] and (head.batcher.batches, head.batcher.rounds) == (0, 0)
 
 
@@ -130,7 +130,7 @@ def test_an_interrupt_during_the_retries_fails_every_round_left(tiny: Tiny) -> N
     calls = spy(head.engine, "forward_many", fail_then_interrupt)
     subs = run_together(head.batcher, works, calls)
     assert len(calls) == 2
-    assert all(s.error is stop and s.work.error is stop and s.work.finished.is_set() for s in subs)
+    assert all(s.error is stop and s.work.error is stop and s.work.finished for s in subs)
 
 
 # --- the lock, who computes, and order ----------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_work_queued_during_a_batch_runs_in_the_next_one(tiny: Tiny) -> None:
     def during_first_batch(n: int) -> None:
         if n == 1:
             late.append(submit(head.batcher, works[2]))
-            assert not works[2].finished.is_set()
+            assert not works[2].finished
 
     calls = spy(head.engine, "forward_many", during_first_batch)
     subs = run_together(head.batcher, works[:2], calls)
@@ -167,7 +167,7 @@ def test_a_thread_holding_the_lock_keeps_rounds_from_computing(tiny: Tiny) -> No
     with head.batcher.lock:
         sub = submit(head.batcher, work)
         time.sleep(0.05)
-        assert not work.finished.is_set() and calls == [] and sub.is_alive()
+        assert not work.finished and calls == [] and sub.is_alive()
     join([sub])
     assert sub.error is None and work.hidden is not None and len(calls) == 1
 
@@ -193,7 +193,7 @@ def test_a_round_interrupted_while_waiting_is_withdrawn(tiny: Tiny) -> None:
     sub.join(2.0)
     assert not sub.is_alive(), "the interrupted caller waits for a round no batch will compute"
     assert isinstance(sub.error, Shutdown)
-    assert head.batcher._queue == [] and not withdrawn.finished.is_set() and withdrawn.hidden is None
+    assert head.batcher._queue == [] and not withdrawn.finished and withdrawn.hidden is None
     head.batcher.lock = real_lock
     calls = spy(head.engine, "forward_many")
     head.batcher.run(later)

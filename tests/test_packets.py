@@ -61,6 +61,8 @@ def bad_packets() -> list[tuple[str | None, dict, str, bool]]:
     trunc = reseal(trunc)
     wrong_v = good_fields("wrongv")
     wrong_v[HEADER] = json.dumps({**json.loads(wrong_v[HEADER]), "v": 99}).encode()
+    no_v = good_fields("nov")
+    no_v[HEADER] = json.dumps({k: v for k, v in json.loads(no_v[HEADER]).items() if k != "v"}).encode()
     extra = good_fields("extra")
     extra[HEADER] = json.dumps({**json.loads(extra[HEADER]), "surprise": 1}).encode()
     dense = good_fields("sparseq", draft_ids=[5], sampling=SamplingParams(temperature=1.0), q_kind="point", n=4)
@@ -77,6 +79,7 @@ def bad_packets() -> list[tuple[str | None, dict, str, bool]]:
         (None, {HEADER: b"{not json"}, "", False),
         ("trunc", trunc, "truncated", True),
         ("wrongv", wrong_v, "unsupported packet version 99", True),
+        ("nov", no_v, "unsupported packet version None", False),  # no default version taken; none to answer in
         ("extra", extra, "Extra inputs are not permitted", False),
         ("big", good_fields("big", n=CAP // 256 + 10), "exceeds the cap", True),  # its MAC verifies: answered
         ("ghost", good_fields("ghost", round_id=3, start_pos=7), "unknown session ghost", True),

@@ -68,7 +68,7 @@ class HeadWork:
     route: str = ""  # the stream its packet goes to
     tag: tuple[str, int] | None = None  # (the batch's id, its rounds with the same route): the tail's hint
     error: BaseException | None = None
-    finished: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False  # its batch ended (set before the batcher's condition is notified; no Event a round)
     gen_state: torch.Tensor | None = field(default=None, init=False)  # a sampled draft's generator, as submitted
 
     def __post_init__(self) -> None:
@@ -180,18 +180,18 @@ class Batcher:
             self._queue.append(work)
             self._cv.notify_all()  # a lingering batch may be waiting for it
         try:
-            while not work.finished.is_set():
+            while not work.finished:
                 if not self._compute_next():
                     with self._cv:
-                        while self._busy and not work.finished.is_set():
+                        while self._busy and not work.finished:
                             self._cv.wait()
         finally:  # interrupted while waiting (a job timeout, say): never leave the round to another batch
             with self._cv:
-                queued = work in self._queue
-                if queued:
+                if work in self._queue:
                     self._queue.remove(work)
-            if not queued:
-                work.finished.wait()  # another thread's batch holds it: its caches stay ours until it ends
+                else:  # another thread's batch holds it: its caches stay ours until it ends
+                    while not work.finished:
+                        self._cv.wait()
         if work.error is not None:
             raise work.error
         return work
@@ -266,7 +266,7 @@ class Batcher:
             raise
         finally:
             for w in batch:
-                w.finished.set()
+                w.finished = True  # `_compute_next` notifies the threads waiting in `run` once this returns
 
     def _compute_batch(self, batch: list[HeadWork]) -> list[None]:
         t0 = time.perf_counter()

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 import redis
 from rq.timeouts import JobTimeoutException
 
-from schemas.groups import chunk_rounds, pack_group
 from schemas.keys import Keys
 from schemas.requests import GenerationResult
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
+from workers.head.sealing import entries, hidden_bytes, packets
 from workers.phases import PhaseClock
+from workers.shares import Shares
 
 log = logging.getLogger("shardflow.head")
 MAX_HELD = 64  # reply-stream entries kept for a generation between its rounds (a flood beyond is dropped unread)
@@ -80,6 +81,7 @@ class HeadLoop:
         self._held: list[tuple[list[Slot], BaseException]] = []  # its failed sends, taken once it is computed
         self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
         self.seal_clock = PhaseClock("head senders", log)  # sealing a group's rounds, on the sender threads
+        self.shares = Shares(self.settings.relay.mac_threads, "head-seal")  # a group's rounds sealed in shares
         self.sender = Sender(r, self.settings)
         self.receiver = Receiver(r, self.settings, self._deliver, self.sender)
         threading.Thread(target=self._run, daemon=True, name="head-loop").start()
@@ -277,42 +279,24 @@ class HeadLoop:
         if build:
             self.sender.put(Outgoing([], on_error=failed, build=lambda: self._seal(slots)))
         else:
-            entries = self._entries([(s, s.gen.stream, s.gen.round.fields) for s in slots if s.gen.round])
-            self.sender.put(Outgoing(entries, on_error=failed))
+            sealed = [(s.gen.stream, s.gen.round.fields) for s in slots if s.gen.round]
+            self.sender.put(Outgoing(entries(sealed, self.settings.relay), on_error=failed))
 
     def _seal(self, slots: list[Slot]) -> list[tuple[str, dict]]:
         """On a sender's thread: each round's sealed fields (a round that cannot be sealed fails alone, on the
         loop), then the group entries. The loop touches none of these generations' rounds until a reply or a
         timeout, which come after this send."""
         t0 = time.perf_counter()
-        out: list[tuple[Slot, str, dict]] = []
-        bad: list[tuple[list[Slot], BaseException]] = []
-        for slot in slots:
-            try:
-                out.append((slot, slot.gen.stream, slot.gen.packet()))
-            except Exception as e:
-                bad.append(([slot], e))
+        sealed = self.shares.map(packets, slots, hidden_bytes(slots))  # mostly HMACs: side by side where large
+        out = [(stream, got) for _, stream, got in sealed if not isinstance(got, Exception)]
+        bad: list[tuple[list[Slot], BaseException]] = [([s], got) for s, _, got in sealed if isinstance(got, Exception)]
         if bad:
             with self._cv:
                 self._failed += bad
                 self._cv.notify()
-        entries = self._entries(out)
+        group = entries(out, self.settings.relay)
         self.seal_clock.add("seal", time.perf_counter() - t0)
-        return entries
-
-    def _entries(self, out: list[tuple[Slot, str, dict]]) -> list[tuple[str, dict]]:
-        """The stream entries for these rounds: one group entry per tail stream (one round goes alone)."""
-        by_stream: dict[str, list[dict]] = {}
-        for _, stream, fields in out:
-            by_stream.setdefault(stream, []).append(fields)
-        if not self.settings.relay.group_messages:
-            return [(stream, fields) for stream, rounds in by_stream.items() for fields in rounds]
-        cap = self.settings.relay.max_packet_bytes // 2  # a tail refuses a group over its packet cap whole
-        return [
-            (stream, pack_group(chunk) if len(chunk) > 1 else chunk[0])
-            for stream, rounds in by_stream.items()
-            for chunk in chunk_rounds(rounds, cap)
-        ]
+        return group
 
     def _resend(self, now: float) -> None:
         """Rounds a full tail refused, whose wait is over: the same packets again."""

@@ -111,7 +111,8 @@ class RoundLoop:
         self.tail_closed = False  # a final verdict came: the tail dropped the session, its reply stream expires
         self.settings = runtime.settings
         self.reader = ReplyReader(r, names.reply(session_id), dead_stream=names.dead_letters, settings=self.settings)
-        self.vocab_size = runtime.shard.config.vocab_size
+        cfg = runtime.shard.config  # read once: a config's attributes are slow to read, and rounds need these
+        self.vocab_size, self.hidden_size = cfg.vocab_size, cfg.hidden_size
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
@@ -129,8 +130,7 @@ class RoundLoop:
         return self.finish
 
     def next_work(self) -> HeadWork:
-        """This round's drafting and lower-shard work (round ids go on past a checkpoint: sampled rounds of a resumed
-        job never reuse an earlier attempt's seeds)."""
+        """This round's draft and lower-shard work (round ids go on past a checkpoint: no reused seeds on resume)."""
         rid = self.resumed + self.rounds
         remaining = self.req.max_new_tokens - len(self.generated)
         start = len(self.committed) - len(self.pending)
@@ -148,7 +148,7 @@ class RoundLoop:
         assert rnd is not None and rnd.work.draft is not None
         basis, fields, q_tensors = self._header_fields()
         rows = len(fields["input_ids"]) + len(fields["draft_ids"])
-        hidden = TensorMeta(dtype=DTYPE_NAMES[self.rt.shard.dtype], shape=[rows, self.rt.shard.config.hidden_size])
+        hidden = TensorMeta(dtype=DTYPE_NAMES[self.rt.shard.dtype], shape=[rows, self.hidden_size])
         metas = {"hidden": hidden, **{name: tensor_meta(t) for name, t in q_tensors.items()}}
         rnd.header = (basis, *round_header(fields, metas, self.key))
 

@@ -1,20 +1,27 @@
 """A tail's first look at a batch of head packets: each header validated and the key its MAC must verify under
 (the session's, as this tail holds it, or for a round that opens a session the key it carries), then every MAC
 of the batch checked, side by side on `relay.mac_threads` threads (hashlib lets go of the interpreter lock over
-a round's hidden states, so a group's HMACs need not run one after another on the tail's loop). Nothing here
-touches a session: a packet whose MAC does not verify is refused before anything else reads it."""
+a round's hidden states, so a group's HMACs need not run one after another on the tail's loop), a contiguous share
+of the batch a thread (workers/shares.py). Nothing here touches a session: a packet whose MAC does not
+verify is refused before anything else reads it."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 from schemas.errors import ForgedPacket, SessionError
 from schemas.packets import ClosePacket, Oversized, RoundPacket, authentic, decode_head_header
 from schemas.settings import RelaySettings
+from workers.shares import Shares
 from workers.tail.sessions import SessionStore
 
 # (header, the session's key, why it is refused if over the cap): a packet whose MAC verified under that key
 Authenticated = tuple[RoundPacket | ClosePacket, bytes | None, Oversized | None]
+
+
+def _verify(signed: Sequence[tuple[dict, bytes]]) -> list[bool]:
+    """Whether each packet's MAC verifies under its key."""
+    return [authentic(key, fields) for fields, key in signed]
 
 
 class Authenticator:
@@ -22,8 +29,7 @@ class Authenticator:
 
     def __init__(self, sessions: SessionStore, caps: RelaySettings) -> None:
         self.sessions, self.caps = sessions, caps
-        n = caps.mac_threads
-        self._pool = ThreadPoolExecutor(n, thread_name_prefix="tail-mac") if n > 1 else None
+        self._shares = Shares(caps.mac_threads, "tail-mac")
 
     def check(self, entries: list[dict]) -> list[Authenticated | Exception]:
         """For each entry, its `Authenticated` once its MAC verifies, or the error that refuses it."""
@@ -36,10 +42,7 @@ class Authenticator:
         signed = [
             (fields, h[1]) for fields, h in zip(entries, heads, strict=True) if not isinstance(h, Exception) and h[1]
         ]
-        if len(signed) > 1 and self._pool is not None:
-            oks = list(self._pool.map(lambda fk: authentic(fk[1], fk[0]), signed))
-        else:
-            oks = [authentic(k, f) for f, k in signed]
+        oks = self._shares.map(_verify, signed, sum(len(v) for fields, _ in signed for v in fields.values()))
         verified = {id(f): ok for (f, _), ok in zip(signed, oks, strict=True)}
         out: list[Authenticated | Exception] = []
         for fields, h in zip(entries, heads, strict=True):

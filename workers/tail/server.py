@@ -91,6 +91,7 @@ class TailWorker:
         self.settings = cfg = settings or Settings()
         self.shard, self.r, self.max_packet_bytes = shard, r, cfg.relay.max_packet_bytes
         self.id_limit = id_limit(shard.config)  # the vocabulary (and Gemma 4's per-layer table: its ids index it)
+        self.hidden_size: int = shard.config.hidden_size  # read once: a config's attributes are slow (per round)
         self.engine = engine or Engine(shard, settings=cfg, label="tail")
         self.names = names or Keys()
         self.tail_id = tail_id or default_tail_id()
@@ -320,11 +321,9 @@ class TailWorker:
         # on the host; the hidden rows uncopied (views of the entry's bytes): a batch's rows go in one copy (upload)
         tensors = round_tensors(msg, fields, caps=self.settings.relay, views=frozenset({"hidden"}))
         hidden = tensors["hidden"]
-        cfg = self.shard.config
-        if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != cfg.hidden_size:
-            raise PacketError(
-                f"hidden states must be float [n, {cfg.hidden_size}], got {hidden.dtype} {list(hidden.shape)}"
-            )
+        width = self.hidden_size
+        if not hidden.is_floating_point() or hidden.ndim != 2 or hidden.shape[1] != width:
+            raise PacketError(f"hidden states must be float [n, {width}], got {hidden.dtype} {list(hidden.shape)}")
         if hidden.shape[0] != len(msg.input_ids) + len(msg.draft_ids):
             raise PacketError(f"{hidden.shape[0]} hidden rows for {len(msg.input_ids) + len(msg.draft_ids)} tokens")
         end = msg.start_pos + hidden.shape[0]

@@ -1,0 +1,44 @@
+"""What a head's sender thread puts on the wire for a computed group: each round sealed (its header, tensors and
+MAC), then one group entry per tail stream (schemas/groups.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from schemas.groups import chunk_rounds, pack_group
+from schemas.settings import RelaySettings
+
+
+def packets(slots: Sequence[Any]) -> list[tuple[Any, str, dict | Exception]]:
+    """(slot, its tail stream, its round's sealed stream fields, or what keeps it from being sealed: it fails
+    alone) for each of the loop's slots (workers/head/loop.py's `Slot`)."""
+    out: list[tuple[Any, str, dict | Exception]] = []
+    for slot in slots:
+        try:
+            out.append((slot, slot.gen.stream, slot.gen.packet()))
+        except Exception as e:
+            out.append((slot, slot.gen.stream, e))
+    return out
+
+
+def hidden_bytes(slots: Sequence[Any]) -> int:
+    """The bytes of hidden states these slots' computed rounds carry (what sealing them hashes, mostly)."""
+    rounds = (slot.gen.round for slot in slots)
+    return sum(h.numel() * h.element_size() for r in rounds if r is not None and (h := r.work.hidden) is not None)
+
+
+def entries(rounds: Sequence[tuple[str, dict]], relay: RelaySettings) -> list[tuple[str, dict]]:
+    """The stream entries for these (stream, sealed fields): one group entry per tail stream (one round goes
+    alone), each under half a tail's packet cap (a tail refuses a group over it whole)."""
+    by_stream: dict[str, list[dict]] = {}
+    for stream, fields in rounds:
+        by_stream.setdefault(stream, []).append(fields)
+    if not relay.group_messages:
+        return [(stream, fields) for stream, group in by_stream.items() for fields in group]
+    cap = relay.max_packet_bytes // 2
+    return [
+        (stream, pack_group(chunk) if len(chunk) > 1 else chunk[0])
+        for stream, group in by_stream.items()
+        for chunk in chunk_rounds(group, cap)
+    ]
