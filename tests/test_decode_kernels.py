@@ -223,3 +223,26 @@ def test_attention_grouped_by_key_value_head_equals_a_program_a_query_head(dtype
         k.attend(q, keys, values, slots, pos, o, part, 0.25, hq, hkv, d, 2, grouped, t if grouped else 1)
         outs.append(o.float())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rows", "grouped"), [(2, False), pytest.param(33, True, marks=pytest.mark.slow)])
+def test_a_longer_reach_reads_its_keys_in_more_splits_with_the_same_result(rows, grouped, monkeypatch):
+    """Rows reaching past REACH_UNIT positions read their keys in as many times more splits (here a unit of 64
+    positions, reaching 150: 3 units, 8 x 3 -> 32 splits for a few rows, 2 x 3 -> 8 for many), with the output of
+    the base split count (MAX_REACH lets kernels take long contexts: issue 27's B = 16 at 8,192 positions)."""
+    from workers.engine import decode_triton as k
+
+    monkeypatch.setattr(k, "REACH_UNIT", 64)
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv, d = 4, 2, 16
+    q = torch.randn(rows, hq * d, generator=gen)
+    keys, values = (torch.randn(2, hkv, 150, d, generator=gen) for _ in range(2))
+    slots, pos = torch.arange(rows) % 2, torch.randint(100, 150, (rows,), generator=gen)
+    outs = []
+    for reach, splits in ((0, 8 if rows <= 32 else 2), (150, 32 if rows <= 32 else 8)):
+        o = torch.empty_like(q)
+        part = k.attend_partials(rows, hq, d, q.device, *((1, hkv) if grouped else (1, 0)), reach)
+        assert part.shape[2] == splits
+        k.attend(q, keys, values, slots, pos, o, part, 0.25, hq, hkv, d, -1, grouped, 1)
+        outs.append(o)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -42,7 +42,7 @@ from schemas.settings import EngineSettings
 from workers.engine.kvcache import BatchView, KVPool
 
 MAX_ROWS = 4  # token rows (sequences x tokens, padding included) of a step run with GEMV kernels: a lone job's drafts
-MAX_REACH = 1024  # positions a row may attend over (longer: the fused forward's split-KV flash attention)
+MAX_REACH = 1 << 17  # positions a row may attend over (its keys split by more programs the longer it reaches)
 AGREE = 0.2  # the load check's largest relative (L2) difference between a step's logits through the kernels and fused
 ROUND_TOKENS = 16  # tokens a row of a step attend in one program at most (a round's; longer steps: a program each)
 MAX_WIDTH = 16384  # the widest input row a GEMV program loads whole (hidden size, intermediate size, q heads x dim)
@@ -191,18 +191,20 @@ class DecodeLayers:
         return b * t <= self.rows and reach <= MAX_REACH and not pool.rings and cos.shape[-1] == self.head_dim
 
     def __call__(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor, last: torch.Tensor
-    ) -> torch.Tensor:
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor, last: torch.Tensor,
+        reach: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
         """h [B, T, width] through every layer; cos/sin [B, T, d]; slots [B]; last [B]: each row's slot and its last
-        token's position. A row's T tokens sit at consecutive positions and run as T rows of one token: each key and
-        value is written at its slot and position before any attends, and each token attends over positions 0 to
-        its own of its slot (causal within the step)."""
+        token's position; `reach`: positions no row attends past (its keys are split by more programs the longer it
+        is). A row's T tokens sit at consecutive positions and run as T rows of one token: each key and value is
+        written at its slot and position before any attends, and each token attends over positions 0 to its own of
+        its slot (causal within the step)."""
         with _on(h.device):
-            return self._run(_kernels(), h, cos, sin, pool, slots, last)
+            return self._run(_kernels(), h, cos, sin, pool, slots, last, reach)
 
     def _run(
         self, k: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: Any, slots: torch.Tensor,
-        last: torch.Tensor,
+        last: torch.Tensor, reach: int,
     ) -> torch.Tensor:  # fmt: skip
         b, t, width = h.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
@@ -217,7 +219,7 @@ class DecodeLayers:
         pad = pool.padding if pool.padding is not None else -1  # its rows read one key
         # a program a key/value head and sequence (its t tokens; a long step's tokens apart: a program's rows)
         grouped = ((t if t <= ROUND_TOKENS else 1), hkv) if ops.grouped else (1, 0)
-        part = k.attend_partials(n, hq, d, h.device, *grouped)  # one buffer for every layer's attention splits
+        part = k.attend_partials(n, hq, d, h.device, *grouped, reach)  # one buffer for every layer's attention splits
         for p in self.layers:
             keys, values = pool.keys[p.idx], pool.values[p.idx]
             qkv = ops.normed(x, p.ln1, p.eps1, p.w_qkv, p.b_qkv)

@@ -307,25 +307,31 @@ def rope_write(
     )  # fmt: skip
 
 
-SPLITS = 8  # programs a (head, row) reads its keys with (then merged): up to MAX_REACH keys, one block each
+SPLITS = 8  # programs a (head, row) reads its keys with (then merged), per REACH_UNIT positions: one block each
 WIDE_SPLITS = 2  # the same for steps of many rows (rows x heads x 2 programs fill the device; a smaller buffer)
+REACH_UNIT = 1024  # positions read at those split counts; a longer reach splits its keys as many times more
+MAX_SPLITS = 64  # (a power of two: the merge loads a row's partials at once)
 FILL = 512  # grouped programs (key/value heads x sequences) that fill an H200 alone: keys unsplit, nothing to merge
 BLOCK_KEYS = 128
 GROUP_ROWS = 16  # least query rows of a matrix product (`_attend_group_kernel` pads a program's rows to it)
 
 
-def splits_for(rows: int, t: int = 1, hkv: int = 0) -> int:
+def splits_for(rows: int, t: int = 1, hkv: int = 0, reach: int = 0) -> int:
     """Programs a (head, row) reads its keys with, or grouped (hkv > 0) a (key/value head, sequence of t rows): SPLITS
-    for a few rows, WIDE_SPLITS for many, one where a round's grouped programs fill the device alone."""
-    if rows <= 32:
-        return SPLITS
-    return 1 if hkv and t > 1 and rows // t * hkv >= FILL else WIDE_SPLITS
+    for a few rows, WIDE_SPLITS for many, one where a round's grouped programs fill the device alone; times the
+    REACH_UNITs the rows reach (a long context's keys read by more programs side by side, at most MAX_SPLITS)."""
+    if rows > 32 and hkv and t > 1 and rows // t * hkv >= FILL:
+        return 1
+    units = max(-(-reach // REACH_UNIT), 1)
+    return min(triton.next_power_of_2((SPLITS if rows <= 32 else WIDE_SPLITS) * units), MAX_SPLITS)
 
 
-def attend_partials(rows: int, hq: int, d: int, device: torch.device, t: int = 1, hkv: int = 0) -> torch.Tensor:
+def attend_partials(
+    rows: int, hq: int, d: int, device: torch.device, t: int = 1, hkv: int = 0, reach: int = 0
+) -> torch.Tensor:
     """The float32 partials `attend` writes (each split's [acc, max, sum] of each head and row; `splits_for`'s
     arguments), or a stand-in where one split writes the output itself."""
-    splits = splits_for(rows, t, hkv)
+    splits = splits_for(rows, t, hkv, reach)
     return torch.empty(rows if splits > 1 else 1, hq, splits, d + 2, dtype=torch.float32, device=device)
 
 

@@ -182,7 +182,7 @@ class FusedLayers:
         if self.decode is not None and self.attends_in_place(cache) and not isinstance(cos_sin, list):
             pool, rows, last, reach = cache.in_place()  # type: ignore[attr-defined]
             if self.decode.applies(pool, b, t, reach, cos_sin[0]):
-                return self.decode(h, *cos_sin, pool, rows, last)
+                return self.decode(h, *cos_sin, pool, rows, last, reach)
         per_layer = cos_sin if isinstance(cos_sin, list) else [cos_sin] * len(self.layers)
         made = {id(cs): self._rope(full_width(cs, self.head_dim)) for cs in per_layer}
         ropes = [made[id(cs)] for cs in per_layer]
