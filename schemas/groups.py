@@ -45,7 +45,7 @@ class GroupIndex(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[2] = PROTOCOL_VERSION
+    v: Literal[3] = PROTOCOL_VERSION
     kind: Literal["group"] = "group"
     parts: list[Part] = Field(min_length=1, max_length=MAX_PARTS)
 

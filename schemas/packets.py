@@ -46,7 +46,7 @@ TENSOR_PREFIX = b"t."
 MAC = b"m"
 # Relay packets (head <-> tail) speak their own protocol version; stored shapes keep SCHEMA_VERSION.
 # 2: per-session keys and MACs, the head's identity in every round.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 KEY_BYTES = 32
 _REQUEST, _REPLY = b"shardflow-round\x00", b"shardflow-reply\x00"  # MACs of one direction never pass for the other
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -85,7 +85,7 @@ class RoundPacket(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[2] = PROTOCOL_VERSION
+    v: Literal[3] = PROTOCOL_VERSION
     kind: Literal["round"] = "round"
     session_id: SessionId
     head: HeadRef
@@ -105,8 +105,14 @@ class RoundPacket(BaseModel):
     head_batch: HeadBatch | None = None
     replay: bool = Field(
         False,
-        description="A session resumed on a new tail: input_ids replay the whole committed sequence from 0; "
-        "the tail checks (greedy) that the replay predicts its last token before verifying the drafts.",
+        description="A session resumed on a new tail: input_ids replay the committed sequence (from 0, or after "
+        "the parts already sent); the tail checks (greedy) that it predicts its last token before the drafts.",
+    )
+    prefill_more: int = Field(
+        0,
+        ge=0,
+        description="Committed tokens still to come after input_ids, in later rounds: a long prompt (or replay) in "
+        "parts under the packet cap. Such a round only caches its rows: it has no drafts and commits nothing.",
     )
 
     @model_validator(mode="after")
@@ -124,8 +130,10 @@ class RoundPacket(BaseModel):
             meta = self.tensors.get(name)
             if meta is None or len(meta.shape) != 2 or meta.shape[0] != k:
                 raise ValueError(f"tensor {name!r} must have {k} rows")
-        if self.replay and (self.start_pos != 0 or len(self.input_ids) < 2):
-            raise ValueError("a replay starts at position 0 with at least two committed tokens")
+        if self.replay and len(self.input_ids) < 2:
+            raise ValueError("a replay round holds at least two committed tokens")
+        if self.prefill_more and (k or self.replay):
+            raise ValueError("a part of a prompt (prefill_more > 0) carries no drafts and is no replay")
         if (self.key is None) != (self.start_pos > 0):
             raise ValueError("a round that opens a session (start_pos 0) carries its key, and no other does")
         return self
@@ -136,7 +144,7 @@ class ClosePacket(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[2] = PROTOCOL_VERSION
+    v: Literal[3] = PROTOCOL_VERSION
     kind: Literal["close"] = "close"
     session_id: SessionId
 
@@ -146,7 +154,7 @@ class Verdict(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[2] = PROTOCOL_VERSION
+    v: Literal[3] = PROTOCOL_VERSION
     kind: Literal["verdict"] = "verdict"
     session_id: SessionId
     round_id: int = Field(ge=0)
@@ -163,7 +171,7 @@ class ErrorReply(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[2] = PROTOCOL_VERSION
+    v: Literal[3] = PROTOCOL_VERSION
     kind: Literal["error"] = "error"
     session_id: SessionId
     round_id: int | None = None

@@ -180,7 +180,7 @@ def junk_replies(sid: str, vocab: int) -> list[dict]:
     return [
         {b"x": b"1"},
         {HEADER: b"\xff\x00 not json"},
-        {HEADER: b'{"v": 2, "kind": "verdict"}'},
+        {HEADER: b'{"v": 3, "kind": "verdict"}'},
         {HEADER: b'{"v": 3, "kind": "verdict"}'},
         {HEADER: b'{"v": 1, "kind": "verdict", "session_id": "' + sid.encode() + b'"}'},
         {HEADER: b"[]", b"t.x": b"\x00" * 64},

@@ -186,3 +186,73 @@ def test_a_reads_transfer_time_counts_from_its_call_or_its_newest_entry():
     assert read_ms([entry(b"1005-0")], 1000.0, 1012.0) == 7.0  # came while the read was blocked
     assert read_ms([entry(b"x")], 1000.0, 1003.0) == 3.0
     assert read_ms([], 1000.0, 1500.0) == 0.0
+
+
+def test_a_prompt_past_the_packet_cap_goes_in_parts(models, tails, redis_client, hf_models, tokenizers):
+    """A prompt whose hidden rows would pass half the tail's packet cap goes in parts: rounds of their own that carry
+    a part of it (`prefill_more`: no drafts, nothing committed), the drafts from its last part on. With a cap of
+    54,000 bytes (105 rows of a 64-wide float32 model) a part holds 40 tokens (room left for a round's drafts), so a
+    prompt of over 300 tokens (which alone would exceed the cap and be refused) goes in 8 parts or more; its
+    generation equals HF generate, beside a short prompt's."""
+    from schemas.requests import DraftSettings, GenerationRequest
+    from schemas.settings import Settings
+    from tests.conftest import PROMPTS
+    from tests.job_env import reference
+    from workers.head.runtime import HeadRuntime, generate
+    from workers.head.sealing import part_tokens
+
+    ms, cap, tok = models["qwen2"], 54_000, tokenizers["qwen2"]
+    settings = Settings(relay={"max_packet_bytes": cap})
+    assert part_tokens(300, 256, 64, settings.relay) == 40 and part_tokens(41, 256, 64, settings.relay) == 39
+    names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
+    long = " ".join(PROMPTS)
+    while len(tok(long).input_ids) < 300:
+        long += " " + long
+    for prompt in (long, PROMPTS[0]):
+        req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
+        got = generate(req, runtime, redis_client, names=names)
+        assert got.token_ids == reference(hf_models["qwen2"], tok, prompt, 12)
+        parts = -(-len(tok(prompt).input_ids) // 40) - 1
+        assert got.rounds >= parts + 1
+
+
+def test_a_replay_past_the_packet_cap_goes_in_parts(models, tails, redis_client, hf_models, tokenizers, monkeypatch):
+    """A session replayed onto a tail (here a job resumed from its checkpoint's 5 tokens) whose committed tokens pass
+    the cap goes in parts too: the first opens the session at position 0, the last (at a later position) is the
+    replay, whose check reproduces its last committed token; the output equals HF generate."""
+    from schemas.requests import DraftSettings, GenerationRequest
+    from schemas.settings import Settings
+    from tests.conftest import PROMPTS
+    from tests.job_env import reference
+    from workers.head.rounds import RoundLoop
+    from workers.head.runtime import HeadRuntime
+
+    ms, cap, tok = models["qwen2"], 54_000, tokenizers["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=Settings(relay={"max_packet_bytes": cap}))
+    prompt = " ".join(PROMPTS)
+    while len(tok(prompt).input_ids) < 300:
+        prompt += " " + prompt
+    want = reference(hf_models["qwen2"], tok, prompt, 12)
+    sent: list[tuple[int, int, bool]] = []
+    fields = RoundLoop._header_fields
+
+    def header_fields(self: RoundLoop) -> tuple:
+        basis, header, q = fields(self)
+        sent.append((header["start_pos"], header["prefill_more"], header["replay"]))
+        return basis, header, q
+
+    monkeypatch.setattr(RoundLoop, "_header_fields", header_fields)
+    req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
+    ids = runtime.prompt_ids(req)
+    loop = RoundLoop(
+        req=req, runtime=runtime, r=redis_client, names=names, session_id="replay-in-parts", prompt=ids,
+        on_tokens=None, reply_timeout_s=None, resume=want[:5],
+    )  # fmt: skip
+    result = loop.run()
+    assert result.token_ids == want and result.resumed_tokens == 5
+    opened = [s for s in dict.fromkeys(sent) if s[1] > 0]
+    assert opened[0] == (0, len(ids) + 5 - 40, False) and len(opened) >= 8
+    replay = next(s for s in dict.fromkeys(sent) if s[2])
+    assert replay[0] > 0 and replay[1] == 0  # the last part replays, past position 0

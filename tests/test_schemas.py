@@ -87,11 +87,29 @@ def test_round_packet_round_trip():
         (dict(session_id="no spaces allowed"), "pattern"),
         (dict(input_ids=[]), "at least 1"),
         (dict(input_ids=[1, 2, 3]), "must be \\[4, hidden_size\\]"),
+        (dict(prefill_more=7), "carries no drafts"),  # a part of a prompt drafts nothing
+        (dict(input_ids=[1, 2, 3], draft_ids=[], prefill_more=7, replay=True), "is no replay"),
+        (dict(input_ids=[1], draft_ids=[4, 5], replay=True), "at least two committed tokens"),
     ],
 )
 def test_round_packet_validation(over, msg):
     with pytest.raises(ValidationError, match=msg):
         sealed_round(header(**over), {"hidden": torch.randn(3, 8)})
+
+
+def test_a_part_of_a_prompt_and_a_replay_past_position_0_are_rounds():
+    """A part of a long prompt (rows cached, nothing committed) and the replay that ends a replay in parts."""
+    from workers.head.verdicts import verdict_problem
+
+    part, _ = decode_head_message(sealed_round(header(draft_ids=[], prefill_more=9), {"hidden": torch.randn(2, 8)}))
+    assert part.prefill_more == 9
+    last = header(start_pos=40, input_ids=[1, 2, 3], replay=True)
+    assert decode_head_message(sealed_round(last, {"hidden": torch.randn(4, 8)}))[0].replay
+    empty = Verdict(session_id="s1", round_id=0, accepted=0, tokens=[], next_token=None)
+    assert verdict_problem(empty, [], 5, 50, part=True) is None
+    assert verdict_problem(empty, [], 5, 50) is not None  # a round that is no part commits something
+    some = Verdict(session_id="s1", round_id=0, accepted=0, tokens=[4], next_token=4)
+    assert "commits something" in (verdict_problem(some, [], 5, 50, part=True) or "")
 
 
 def test_packet_fields_must_match_header():

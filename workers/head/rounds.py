@@ -18,7 +18,6 @@ from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeou
 from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
-    DeadLetterRecord,
     ErrorReply,
     RoundPacket,
     Verdict,
@@ -31,12 +30,12 @@ from schemas.packets import (
     seal_round,
     session_key,
 )
-from schemas.peek import raw_header
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.tensors import DTYPE_NAMES, TensorMeta, tensor_meta
 from workers.head.batching import HeadWork
 from workers.head.round_times import add_round
-from workers.head.verdicts import verdict_problem
+from workers.head.sealing import part_tokens
+from workers.head.verdicts import refusal, verdict_problem
 from workers.speculative.adaptive import DraftLength
 from workers.speculative.drafters import Draft
 from workers.speculative.sampling import encode_q, round_generator
@@ -69,6 +68,7 @@ class OpenRound:
     sent_at: float = 0.0
     sent_wall: float = 0.0  # time.time() when sent (beside the tail's wall-clock timings)
     busy: int = 0  # "busy" answers so far (the resend waits double each time)
+    more: int = 0  # committed tokens left for later rounds: this one is a part of a long prompt, committing nothing
 
 
 class RoundLoop:
@@ -113,6 +113,7 @@ class RoundLoop:
         self.reader = ReplyReader(r, names.reply(session_id), dead_stream=names.dead_letters, settings=self.settings)
         cfg = runtime.shard.config  # read once: a config's attributes are slow to read, and rounds need these
         self.vocab_size, self.hidden_size = cfg.vocab_size, cfg.hidden_size
+        self.row_bytes = self.hidden_size * runtime.shard.dtype.itemsize  # a hidden row on the wire
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
         self.rounds = self.drafted = self.accepted = 0
@@ -134,11 +135,13 @@ class RoundLoop:
         rid = self.resumed + self.rounds
         remaining = self.req.max_new_tokens - len(self.generated)
         start = len(self.committed) - len(self.pending)
-        k = min(self.length.k, remaining - 1) if self.drafter is not None else 0
+        n = part_tokens(len(self.pending), self.row_bytes, self.hidden_size, self.settings.relay)
+        more = len(self.pending) - n  # past the packet cap: this round carries a part, and drafts nothing
+        k = min(self.length.k, remaining - 1) if self.drafter is not None and not more else 0
         gen = round_generator(self.req.sampling.seed or 0, rid, "draft", self.drafter.device) if k > 0 else None
-        work = HeadWork(self.drafter, self.committed, k, self.req.sampling, gen, self.cache, self.pending, start)
+        work = HeadWork(self.drafter, self.committed, k, self.req.sampling, gen, self.cache, self.pending[:n], start)
         work.route = self.stream
-        self.round = OpenRound(rid, start, remaining, work)
+        self.round = OpenRound(rid, start, remaining, work, more=more)
         return work
 
     def prepare(self) -> None:
@@ -178,17 +181,18 @@ class RoundLoop:
             head=self.head,
             round_id=rnd.rid,
             start_pos=rnd.start,
-            input_ids=list(self.pending),
+            input_ids=list(work.pending),
             draft_ids=list(draft.tokens),
             sampling=self.req.sampling,
             eos_token_ids=self.rt.eos_token_ids,
             max_new=rnd.remaining,
             q_kind=q_kind,
-            replay=self.replay_next,
+            replay=self.replay_next and not rnd.more,  # a replay in parts: its last part
+            prefill_more=rnd.more,
             reply_to=self.reply_to,
             head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
         )
-        basis = (tuple(draft.tokens), tuple(self.pending), work.tag, self.replay_next, self.reply_to)
+        basis = (tuple(draft.tokens), tuple(work.pending), work.tag, self.replay_next, self.reply_to, rnd.more)
         return basis, header, q_tensors
 
     def sent(self) -> float:
@@ -204,7 +208,7 @@ class RoundLoop:
         the round committed (finished or not). Raises what fails the generation."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None
-        msg = self._reply_to(rnd.rid, fields, rnd.work.draft.tokens, rnd.remaining, rnd.mac)
+        msg = self._reply_to(rnd, fields)
         if msg is None:
             return Outcome.IGNORED
         if isinstance(msg, ErrorReply):
@@ -216,13 +220,16 @@ class RoundLoop:
             if msg.retryable:  # the tail lost this session (restarted under the same name, say)
                 return self._replay(ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}"))
             return self._replay(RemoteError(f"tail {msg.tail_id or '?'} failed round {rnd.rid}: {msg.error}"))
-        self.replay_next = False
         wait_s = time.perf_counter() - rnd.sent_at
         if not rnd.busy:  # the link and the tail, without waits for a full tail
             self.rt.batcher.plan.note_wait(wait_s)
         self.t.head_batch_rounds += rnd.work.batch
         self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s), rnd.work.k_free)
-        self.finish = self._commit(msg, rnd.start)
+        self._pin(msg)
+        if rnd.more:  # a part of a long prompt, cached on both sides: the next round carries what follows
+            self.pending = self.pending[len(rnd.work.pending) :]
+        else:
+            self.replay_next, self.finish = False, self._commit(msg, rnd.start)
         self.rounds += 1
         self.round = None
         return Outcome.FINISHED if self.finish is not None else Outcome.COMMITTED
@@ -296,47 +303,36 @@ class RoundLoop:
         self.round = None
         return Outcome.REPLAY
 
-    def _reply_to(
-        self, rid: int, fields: dict, drafts: list[int], remaining: int, sent: str
-    ) -> Verdict | ErrorReply | None:
+    def _reply_to(self, rnd: OpenRound, fields: dict) -> Verdict | ErrorReply | None:
         """The entry as this round's reply, or None (stale, or refused into the dead-letter stream). A reply
         counts only if its MAC verifies under the session's key, or it is an unsigned "replay it" that echoes
-        this round's MAC (`sent`): a tail that lost the session has no key to sign with."""
+        this round's MAC: a tail that lost the session has no key to sign with."""
         try:
             msg = decode_tail_message(fields, caps=self.settings.relay)
         except PacketError as e:
             return self._refuse(str(e), fields, None)
         if not authentic(self.key, fields, reply=True):
-            echoed = isinstance(msg, ErrorReply) and msg.echo is not None and hmac.compare_digest(msg.echo, sent)
+            echoed = isinstance(msg, ErrorReply) and msg.echo is not None and hmac.compare_digest(msg.echo, rnd.mac)
             if not echoed:
                 return self._refuse("its MAC does not verify under the session's key", fields, msg)
         if msg.session_id != self.sid:
             return self._refuse(f"a reply naming session {msg.session_id}", fields, msg)
         if msg.round_id is None:  # never final, never a replay: a reply must say which round it answers
             return self._refuse("an error reply naming no round", fields, msg)
-        if msg.round_id < rid:
+        if msg.round_id < rnd.rid:
             log.debug("session %s: dropping a stale reply for round %s", self.sid, msg.round_id)
             return None
-        if msg.round_id > rid:
+        if msg.round_id > rnd.rid:
             return self._refuse(f"a reply to round {msg.round_id}, which was not sent", fields, msg)
-        problem = verdict_problem(msg, drafts, remaining, self.vocab_size) if isinstance(msg, Verdict) else None
+        part, drafts = bool(rnd.more), rnd.work.draft.tokens if rnd.work.draft else []
+        problem = (
+            verdict_problem(msg, drafts, rnd.remaining, self.vocab_size, part) if isinstance(msg, Verdict) else None
+        )
         return self._refuse(problem, fields, msg) if problem else msg
 
     def _refuse(self, reason: str, fields: dict, msg: Verdict | ErrorReply | None) -> None:
         """Dead-letter a reply-stream entry with the reason (the first few of a generation; all are counted)."""
-        self.reader.refuse(
-            DeadLetterRecord(
-                stream=self.reader.stream,
-                entry_id=self.reader.entry_id.decode(),
-                reason=f"head refused a reply: {reason}",
-                session_id=self.sid,
-                round_id=msg.round_id if msg is not None else None,
-                tail_id=msg.tail_id if msg is not None else "",
-                refused_by="head",
-                header=raw_header(fields),
-                at=time.time(),
-            ).fields()
-        )
+        self.reader.refuse(refusal(self.reader.stream, self.reader.entry_id, reason, self.sid, msg, fields))
         if self.reader.refused in (1, self.settings.relay.reply_dead_letters_max):
             log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.reader.refused, reason)
         return None
@@ -351,9 +347,12 @@ class RoundLoop:
             # free: graphs, where a shorter draft would cost the same and commit fewer tokens
             self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, (head_s + wait_s) * 1000, timed, free)
 
-    def _commit(self, v: Verdict, start: int) -> FinishReason | None:
+    def _pin(self, v: Verdict) -> None:
+        """A session's rounds after its first go to the tail that holds it."""
         if not self.pinned:
             self.stream, self.pinned = self.names.tail_requests(v.tail_id), True
+
+    def _commit(self, v: Verdict, start: int) -> FinishReason | None:
         finish = v.finish_reason
         self.tail_closed = finish is not None
         new: list[int] = []

@@ -1,5 +1,6 @@
-"""What a head's sender thread puts on the wire for a computed group: each round sealed (its header, tensors and
-MAC), then one group entry per tail stream (schemas/groups.py)."""
+"""What a head puts on the wire: how much of a long prompt a round carries (`part_tokens`), and on a sender thread
+for a computed group each round sealed (its header, tensors and MAC), then one group entry per tail stream
+(schemas/groups.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 from schemas.groups import chunk_rounds, pack_group
 from schemas.settings import RelaySettings
+
+MAX_DRAFT_ROWS = 65  # a round's drafts (at most 64, schemas/packets.py) and its bonus row, beside its inputs
 
 
 def packets(slots: Sequence[Any]) -> list[tuple[Any, str, dict | Exception]]:
@@ -42,3 +45,12 @@ def entries(rounds: Sequence[tuple[str, dict]], relay: RelaySettings) -> list[tu
         for stream, group in by_stream.items()
         for chunk in chunk_rounds(group, cap)
     ]
+
+
+def part_tokens(pending: int, row_bytes: int, hidden: int, relay: RelaySettings) -> int:
+    """How many of `pending` uncached committed tokens the next round carries: all where their hidden rows (and a
+    round's drafts) fit half a tail's packet cap and its tensor cap, else as many as do, the rest in later rounds of
+    their own (a long prompt or replay in parts), leaving at least two for the last (a replay checks its last two)."""
+    rows = min(relay.max_packet_bytes // 2 // max(row_bytes, 1), relay.max_tensor_elements // max(hidden, 1))
+    cap = max(rows - MAX_DRAFT_ROWS, 2)
+    return pending if pending <= cap else min(cap, pending - 2)

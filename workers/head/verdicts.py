@@ -4,12 +4,36 @@ is refused, never committed (workers/head/rounds.py `RoundLoop._reply_to`)."""
 
 from __future__ import annotations
 
-from schemas.packets import Verdict
+import time
+
+from schemas.packets import DeadLetterRecord, ErrorReply, Verdict
+from schemas.peek import raw_header
 
 
-def verdict_problem(v: Verdict, drafts: list[int], remaining: int, vocab_size: int) -> str | None:
+def refusal(
+    stream: str, entry_id: bytes, reason: str, sid: str, msg: Verdict | ErrorReply | None, fields: dict
+) -> dict:
+    """The dead-letter record of a reply-stream entry the head refused (the fields to publish)."""
+    return DeadLetterRecord(
+        stream=stream,
+        entry_id=entry_id.decode(),
+        reason=f"head refused a reply: {reason}",
+        session_id=sid,
+        round_id=msg.round_id if msg is not None else None,
+        tail_id=msg.tail_id if msg is not None else "",
+        refused_by="head",
+        header=raw_header(fields),
+        at=time.time(),
+    ).fields()
+
+
+def verdict_problem(v: Verdict, drafts: list[int], remaining: int, vocab_size: int, part: bool = False) -> str | None:
     """Why a verdict cannot be this round's answer (None if it can): the tail accepts a prefix of the drafts
-    and commits it plus one token of its own, cut at a stop, never past `remaining` tokens."""
+    and commits it plus one token of its own, cut at a stop, never past `remaining` tokens; a part of a prompt
+    (`part`: more of it to come) commits nothing."""
+    if part:
+        empty = v.accepted == 0 and not v.tokens and v.next_token is None and v.finish_reason is None
+        return None if empty else f"verdict for round {v.round_id}, a part of a prompt, commits something"
     if max(v.tokens + [v.next_token or 0]) >= vocab_size:
         return f"verdict for round {v.round_id} holds token ids beyond the vocabulary"
     kept = min(v.accepted, len(v.tokens))

@@ -105,7 +105,7 @@ def session_for(
             heads.sweep(sessions, urgent=True)
         if sess is not None:
             sessions.drop(p.session_id)
-        need = len(p.input_ids) + p.max_new + len(p.draft_ids) + 1  # positions the session may hold
+        need = len(p.input_ids) + p.prefill_more + p.max_new + len(p.draft_ids) + 1  # positions it may hold
         cache = engine.acquire(overflow=False, need=need)  # full: busy (caches never outgrow memory)
         if cache is None and heads.sweep(sessions, urgent=True):
             cache = engine.acquire(overflow=False, need=need)

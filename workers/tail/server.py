@@ -367,6 +367,8 @@ class TailWorker:
             raise judged
         (accepted, nxt), p, sess = judged, prep.packet, prep.sess
         tokens, finish = cut_at_stops(p.draft_ids[:accepted] + [nxt], p.eos_token_ids, p.max_new)
+        if p.prefill_more:  # a part of a long prompt (no drafts): its rows stay cached, nothing is committed
+            tokens, finish = [], None
         sess.cache.crop(p.start_pos + len(p.input_ids) + accepted)
         verdict = Verdict(
             session_id=p.session_id,
