@@ -83,12 +83,6 @@ worker_target_opt = click.option(
     help=f"Idle seconds before a session is dropped [default: {RELAY.session_ttl_s:g}].",
 )
 @click.option(
-    "--max-len",
-    type=click.IntRange(1),
-    default=None,
-    help="Positions a static cache holds (default: min(context, 8192)).",
-)
-@click.option(
     "--max-packet-bytes",
     type=click.IntRange(1),
     default=None,
@@ -108,7 +102,6 @@ def tail(
     name: str | None,
     max_sessions: int | None,
     session_ttl: float | None,
-    max_len: int | None,
     max_packet_bytes: int | None,
     redis_url: str,
     prefix: str,
@@ -119,6 +112,7 @@ def tail(
     static: bool | None,
     graphs: bool | None,
     slots: int | None,
+    max_len: int | None,
     gpu_memory: float | None,
     plugins: tuple[str, ...],
 ) -> None:
@@ -230,6 +224,7 @@ def head(
     static: bool | None,
     graphs: bool | None,
     slots: int | None,
+    max_len: int | None,
     gpu_memory: float | None,
     compile_draft: bool,
     plugins: tuple[str, ...],
@@ -248,9 +243,8 @@ def head(
         redis={"url": redis_url, "prefix": prefix},
         jobs={"queue": queue},
         relay={"head_groups": groups},
-        engine=dict(
-            slots=slots, gpu_memory=gpu_memory, static=static, graphs=graphs, compile_draft=compile_draft or None
-        )
+        engine=dict(slots=slots, max_len=max_len, gpu_memory=gpu_memory, static=static, graphs=graphs)
+        | dict(compile_draft=compile_draft or None)
         | dict(device=device, draft_device=draft_device, dtype=dtype, quant=quant, draft_quant=draft_quant)
         | dict(threads=threads),
     )

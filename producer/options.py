@@ -236,8 +236,15 @@ def worker_settings(**groups: dict[str, Any]) -> Settings:
 
 
 def engine_options(fn: Callable) -> Callable:
-    """--static-cache / --graphs / --slots / --gpu-memory: how shards run (default: static caches, + graphs on
-    CUDA)."""
+    """--static-cache / --graphs / --slots / --max-len / --gpu-memory: how shards run (default: static caches, +
+    graphs on CUDA)."""
+    fn = click.option(
+        "--max-len",
+        type=click.IntRange(1),
+        default=None,
+        help="Positions a full-length static cache slot holds: the longest prompt + new tokens a worker takes "
+        "(default: min(context, 8192)).",
+    )(fn)
     fn = click.option(
         "--slots",
         type=click.IntRange(1),
