@@ -188,7 +188,23 @@ def test_a_reads_transfer_time_counts_from_its_call_or_its_newest_entry():
     assert read_ms([], 1000.0, 1500.0) == 0.0
 
 
-def test_a_prompt_past_the_packet_cap_goes_in_parts(models, tails, redis_client, hf_models, tokenizers):
+def _spy_headers(monkeypatch) -> list[tuple[int, int, bool]]:
+    """(start_pos, prefill_more, replay) of every round header the head makes from now on."""
+    from workers.head.rounds import RoundLoop
+
+    sent: list[tuple[int, int, bool]] = []
+    fields = RoundLoop._header_fields
+
+    def header_fields(self: RoundLoop) -> tuple:
+        basis, header, q = fields(self)
+        sent.append((header["start_pos"], header["prefill_more"], header["replay"]))
+        return basis, header, q
+
+    monkeypatch.setattr(RoundLoop, "_header_fields", header_fields)
+    return sent
+
+
+def test_a_prompt_past_the_packet_cap_goes_in_parts(models, tails, redis_client, hf_models, tokenizers, monkeypatch):
     """A prompt whose hidden rows would pass half the tail's packet cap goes in parts: rounds of their own that carry
     a part of it (`prefill_more`: no drafts, nothing committed), the drafts from its last part on. With a cap of
     54,000 bytes (105 rows of a 64-wide float32 model) a part holds 40 tokens (room left for a round's drafts), so a
@@ -210,11 +226,14 @@ def test_a_prompt_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     while len(tok(long).input_ids) < 300:
         long += " " + long
     for prompt in (long, PROMPTS[0]):
+        sent = _spy_headers(monkeypatch)
         req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
         got = generate(req, runtime, redis_client, names=names)
         assert got.token_ids == reference(hf_models["qwen2"], tok, prompt, 12)
-        parts = -(-len(tok(prompt).input_ids) // 40) - 1
-        assert got.rounds >= parts + 1
+        parts = [s for s in dict.fromkeys(sent) if s[1] > 0]  # (start, tokens still to come, replay) of each
+        n = len(tok(prompt).input_ids)
+        assert [start for start, _, _ in parts] == list(range(0, 40 * len(parts), 40)) and len(parts) == -(-n // 40) - 1
+        assert got.rounds <= 12  # decoding rounds: the parts are not counted as rounds
 
 
 def test_a_replay_past_the_packet_cap_goes_in_parts(models, tails, redis_client, hf_models, tokenizers, monkeypatch):
@@ -235,15 +254,7 @@ def test_a_replay_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     while len(tok(prompt).input_ids) < 300:
         prompt += " " + prompt
     want = reference(hf_models["qwen2"], tok, prompt, 12)
-    sent: list[tuple[int, int, bool]] = []
-    fields = RoundLoop._header_fields
-
-    def header_fields(self: RoundLoop) -> tuple:
-        basis, header, q = fields(self)
-        sent.append((header["start_pos"], header["prefill_more"], header["replay"]))
-        return basis, header, q
-
-    monkeypatch.setattr(RoundLoop, "_header_fields", header_fields)
+    sent = _spy_headers(monkeypatch)
     req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
     ids = runtime.prompt_ids(req)
     loop = RoundLoop(

@@ -116,7 +116,7 @@ class RoundLoop:
         self.row_bytes = self.hidden_size * runtime.shard.dtype.itemsize  # a hidden row on the wire
         self.stops = StopStrings(runtime.tokenizer, req.stop)
         self.t = RoundTimings()
-        self.rounds = self.drafted = self.accepted = 0
+        self.rounds = self.parts = self.drafted = self.accepted = 0  # parts: of a long prompt, not rounds
         self.length = DraftLength(req.draft.k)  # this generation's draft length (adapted if asked)
         self.reply_to: str | None = None  # its head's reply stream (`reply:REPLY_TO`), set by the loop
         self.round: OpenRound | None = None  # the round computed and sent, until its verdict
@@ -132,7 +132,7 @@ class RoundLoop:
 
     def next_work(self) -> HeadWork:
         """This round's draft and lower-shard work (round ids go on past a checkpoint: no reused seeds on resume)."""
-        rid = self.resumed + self.rounds
+        rid = self.resumed + self.rounds + self.parts
         remaining = self.req.max_new_tokens - len(self.generated)
         start = len(self.committed) - len(self.pending)
         n = part_tokens(len(self.pending), self.row_bytes, self.hidden_size, self.settings.relay)
@@ -227,10 +227,9 @@ class RoundLoop:
         self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s), rnd.work.k_free)
         self._pin(msg)
         if rnd.more:  # a part of a long prompt, cached on both sides: the next round carries what follows
-            self.pending = self.pending[len(rnd.work.pending) :]
+            self.pending, self.parts = self.pending[len(rnd.work.pending) :], self.parts + 1
         else:
-            self.replay_next, self.finish = False, self._commit(msg, rnd.start)
-        self.rounds += 1
+            self.replay_next, self.finish, self.rounds = False, self._commit(msg, rnd.start), self.rounds + 1
         self.round = None
         return Outcome.FINISHED if self.finish is not None else Outcome.COMMITTED
 
