@@ -267,3 +267,50 @@ def test_a_replay_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     assert opened[0] == (0, len(ids) + 5 - 40, False) and len(opened) >= 8
     replay = next(s for s in dict.fromkeys(sent) if s[2])
     assert replay[0] > 0 and replay[1] == 0  # the last part replays, past position 0
+
+
+@pytest.mark.parametrize("lost", ["a decoding round's", "a middle part's"])
+def test_a_verdict_lost_on_its_way_then_a_replay_in_parts(
+    lost, models, tails, redis_client, hf_models, tokenizers, monkeypatch
+):
+    """A verdict the tail sent but the head never took (here dropped on the head): after the reply timeout the head
+    replays the session in parts onto the same tail, under the id of the round it missed. The tail had answered
+    that id, for another packet: the replay's first part (at position 0) opens the session again rather than
+    getting the stored verdict back as a duplicate. One replay allowed: the output equals HF generate."""
+    from schemas.requests import DraftSettings, GenerationRequest
+    from schemas.settings import Settings
+    from tests.conftest import PROMPTS
+    from tests.job_env import reference
+    from workers.head.rounds import Outcome, RoundLoop
+    from workers.head.runtime import HeadRuntime
+
+    ms, cap, tok = models["qwen2"], 54_000, tokenizers["qwen2"]
+    names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
+    settings = Settings(relay={"max_packet_bytes": cap, "resume_attempts": 1})
+    runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
+    prompt = " ".join(PROMPTS)
+    while len(tok(prompt).input_ids) < 300:
+        prompt += " " + prompt
+    take, dropped = RoundLoop.take, []
+
+    def lossy(self: RoundLoop, fields: dict) -> Outcome:
+        assert self.round is not None
+        hit = (
+            self.generated and not self.round.more
+            if lost.startswith("a decoding")
+            else self.round.more and self.parts == 2
+        )
+        if hit and not dropped:
+            dropped.append(self.round.rid)
+            return Outcome.IGNORED
+        return take(self, fields)
+
+    monkeypatch.setattr(RoundLoop, "take", lossy)
+    req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
+    loop = RoundLoop(
+        req=req, runtime=runtime, r=redis_client, names=names, session_id=f"lost-{len(lost)}",
+        prompt=runtime.prompt_ids(req), on_tokens=None, reply_timeout_s=1.5,
+    )  # fmt: skip
+    result = loop.run()
+    assert dropped and result.replays == 1
+    assert result.token_ids == reference(hf_models["qwen2"], tok, prompt, 12)

@@ -91,14 +91,17 @@ def keep_alive(r: redis.Redis, names: Keys, tail_id: str, settings: Settings) ->
 
 
 def session_for(
-    p: RoundPacket, key: bytes, sessions: SessionStore, heads: HeadWatch, engine: Engine, tail_id: str
+    p: RoundPacket, key: bytes, sessions: SessionStore, heads: HeadWatch, engine: Engine, tail_id: str, mac: bytes = b""
 ) -> TailSession | None:
     """The session an authentic round runs on: opened for a round at position 0 (a new session, or one replayed
     onto this tail: its old cache goes back first; when every cache is taken, dead heads' sessions go first,
     else TailBusy), found for a later one (SessionError if this tail does not hold it where the round starts);
-    None for a duplicate or late round."""
+    None for a duplicate or late round. A replay keeps the id of the round whose verdict it missed: one at position
+    0 under the id this tail last answered, but not the packet it answered (`mac`), is that replay, not a
+    duplicate (a long prompt's replay in parts starts with one, where the round it missed was another)."""
     sess = sessions.get(p.session_id)
-    if sess is not None and p.round_id <= sess.last_round:
+    replay = sess is not None and p.start_pos == 0 and p.round_id == sess.last_round and mac != sess.last_mac
+    if sess is not None and p.round_id <= sess.last_round and not (replay and mac and sess.last_mac):
         return None  # duplicate or late
     if p.start_pos == 0:
         if heads.new_boot(p.head):  # its head restarted? the old one's sessions may go now

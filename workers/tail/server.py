@@ -29,6 +29,7 @@ from schemas.errors import (
 )
 from schemas.keys import Keys
 from schemas.packets import (
+    MAC,
     PROTOCOL_VERSION,
     ClosePacket,
     ErrorReply,
@@ -293,8 +294,8 @@ class TailWorker:
             return Reply(self.names.reply(sid), fields, ttl_s)
         return Reply(self.names.reply(reply_to), fields, self.settings.relay.reply_ttl_s, True)
 
-    def _session_for(self, p: RoundPacket, key: bytes) -> TailSession | None:
-        return session_for(p, key, self.sessions, self.heads, self.engine, self.tail_id)
+    def _session_for(self, p: RoundPacket, key: bytes, mac: bytes) -> TailSession | None:
+        return session_for(p, key, self.sessions, self.heads, self.engine, self.tail_id, mac)
 
     def _prepare(self, msg: RoundPacket | ClosePacket, key: bytes | None, fields: dict) -> Prepared | Reply | None:
         """Check one authentic entry: a round to run, or the reply to send at once (None: nothing)."""
@@ -304,7 +305,7 @@ class TailWorker:
         if max(msg.input_ids + msg.draft_ids) >= self.id_limit:  # the vocabulary's, or Gemma 4's per-layer table's
             raise PacketError(f"token ids must be below the vocabulary size {self.id_limit}")
         try:
-            sess = self._session_for(msg, key)
+            sess = self._session_for(msg, key, fields.get(MAC, b""))
         except TailBusy as e:  # the head waits and sends the round again: nothing to dead-letter
             busy = ErrorReply(
                 session_id=msg.session_id, round_id=msg.round_id, error=str(e), tail_id=self.tail_id, busy=True
@@ -381,6 +382,7 @@ class TailWorker:
             timings=timings,
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict, prep.key)
+        sess.last_mac = prep.fields.get(MAC, b"")
         if finish is None:
             return self._reply(p, sess.last_reply, self.settings.relay.reply_ttl_s)
         self.sessions.drop(p.session_id)

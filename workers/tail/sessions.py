@@ -34,6 +34,7 @@ class TailSession:
     head: HeadRef | None = None
     last_round: int = -1
     last_reply: dict | None = None
+    last_mac: bytes = b""  # the MAC of the packet that reply answered (a packet with the same id but not it is new)
     touched: float = field(default_factory=time.monotonic)
 
 
