@@ -311,6 +311,7 @@ SPLITS = 8  # programs a (head, row) reads its keys with (then merged), per REAC
 WIDE_SPLITS = 2  # the same for steps of many rows (rows x heads x 2 programs fill the device; a smaller buffer)
 REACH_UNIT = 1024  # positions read at those split counts; a longer reach splits its keys as many times more
 MAX_SPLITS = 64  # (a power of two: the merge loads a row's partials at once)
+MAX_WIDE_SPLITS = 8  # for many rows: their programs fill the device already, and the partials stay small
 FILL = 512  # grouped programs (key/value heads x sequences) that fill an H200 alone: keys unsplit, nothing to merge
 BLOCK_KEYS = 128
 GROUP_ROWS = 16  # least query rows of a matrix product (`_attend_group_kernel` pads a program's rows to it)
@@ -323,7 +324,9 @@ def splits_for(rows: int, t: int = 1, hkv: int = 0, reach: int = 0) -> int:
     if rows > 32 and hkv and t > 1 and rows // t * hkv >= FILL:
         return 1
     units = max(-(-reach // REACH_UNIT), 1)
-    return min(triton.next_power_of_2((SPLITS if rows <= 32 else WIDE_SPLITS) * units), MAX_SPLITS)
+    if rows <= 32:
+        return min(triton.next_power_of_2(SPLITS * units), MAX_SPLITS)
+    return min(triton.next_power_of_2(WIDE_SPLITS * units), MAX_WIDE_SPLITS)  # rows x heads fill the device
 
 
 def attend_partials(

@@ -223,8 +223,8 @@ class RoundLoop:
         wait_s = time.perf_counter() - rnd.sent_at
         if not rnd.busy:  # the link and the tail, without waits for a full tail
             self.rt.batcher.plan.note_wait(wait_s)
-        self.t.head_batch_rounds += rnd.work.batch
-        self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s), rnd.work.k_free)
+        self.t.head_batch_rounds += 0 if rnd.more else rnd.work.batch  # batch sizes: of the decoding rounds
+        self._account(rnd.work.draft, msg, (rnd.work.draft_s, rnd.work.head_s, wait_s), rnd.work.k_free, rnd.more)
         self._pin(msg)
         if rnd.more:  # a part of a long prompt, cached on both sides: the next round carries what follows
             self.pending, self.parts = self.pending[len(rnd.work.pending) :], self.parts + 1
@@ -336,8 +336,9 @@ class RoundLoop:
             log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.reader.refused, reason)
         return None
 
-    def _account(self, draft: Draft, v: Verdict, spans: tuple[float, float, float], free: bool = False) -> None:
-        add_round(self.t, v.timings, spans, self.round.sent_wall if self.round else 0.0)
+    def _account(self, draft: Draft, v: Verdict, spans: tuple[float, ...], free: bool = False, part: int = 0) -> None:
+        timings = {k: x for k, x in v.timings.items() if k != "batch"} if part else v.timings
+        add_round(self.t, timings, spans, self.round.sent_wall if self.round else 0.0)
         self.drafted += len(draft.tokens)
         self.accepted += v.accepted
         if self.req.draft.adaptive and draft.tokens:
