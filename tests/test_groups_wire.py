@@ -314,3 +314,30 @@ def test_a_verdict_lost_on_its_way_then_a_replay_in_parts(
     result = loop.run()
     assert dropped and result.replays == 1
     assert result.token_ids == reference(hf_models["qwen2"], tok, prompt, 12)
+
+
+def test_a_prompt_in_parts_longer_than_the_tails_cache_is_refused_at_its_first_part(
+    models, tails, redis_client, monkeypatch
+):
+    """A tail whose cache holds fewer positions than a prompt in parts refuses its first part (which says how much
+    is still to come), not the part that would cross the end: no part is computed for nothing, on any replay."""
+    from schemas.errors import RemoteError
+    from schemas.requests import GenerationRequest
+    from schemas.settings import Settings
+    from tests.conftest import PROMPTS
+    from workers.head.runtime import HeadRuntime, generate
+
+    ms, cap = models["qwen2"], 54_000
+    names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap), "--max-len", "200"))
+    runtime = HeadRuntime.load(
+        ms.target, (0, 2), settings=Settings(relay={"max_packet_bytes": cap, "resume_attempts": 1})
+    )
+    prompt = " ".join(PROMPTS)
+    while len(runtime.tokenizer(prompt).input_ids) < 300:
+        prompt += " " + prompt
+    sent = _spy_headers(monkeypatch)
+    with pytest.raises(RemoteError, match="beyond this tail's cache of 200"):
+        generate(
+            GenerationRequest(prompt=prompt, max_new_tokens=4, chat_template=False), runtime, redis_client, names=names
+        )
+    assert {start for start, _, _ in sent} == {0}  # each attempt's first part, never a later one

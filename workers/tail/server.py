@@ -327,7 +327,7 @@ class TailWorker:
             raise PacketError(f"hidden states must be float [n, {width}], got {hidden.dtype} {list(hidden.shape)}")
         if hidden.shape[0] != len(msg.input_ids) + len(msg.draft_ids):
             raise PacketError(f"{hidden.shape[0]} hidden rows for {len(msg.input_ids) + len(msg.draft_ids)} tokens")
-        end = msg.start_pos + hidden.shape[0]
+        end = msg.start_pos + hidden.shape[0] + msg.prefill_more  # a part: where its whole prompt ends
         if self.engine.static and end > self.engine.max_len:
             raise PacketError(f"round ends at position {end}, beyond this tail's cache of {self.engine.max_len}")
         return Prepared(msg, sess, key, hidden.to(self.shard.dtype), tensors, fields)
