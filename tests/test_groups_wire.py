@@ -220,6 +220,8 @@ def test_a_prompt_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     ms, cap, tok = models["qwen2"], 54_000, tokenizers["qwen2"]
     settings = Settings(relay={"max_packet_bytes": cap})
     assert part_tokens(300, 256, 64, settings.relay) == 40 and part_tokens(41, 256, 64, settings.relay) == 39
+    wide = Settings(relay={"max_packet_bytes": 1 << 30}).relay  # narrow rows: the ids' JSON bounds a part
+    assert part_tokens(1 << 20, 2, 1, wide) == wide.max_header_bytes // 16 - 65
     names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
     long = " ".join(PROMPTS)

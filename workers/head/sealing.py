@@ -49,8 +49,10 @@ def entries(rounds: Sequence[tuple[str, dict]], relay: RelaySettings) -> list[tu
 
 def part_tokens(pending: int, row_bytes: int, hidden: int, relay: RelaySettings) -> int:
     """How many of `pending` uncached committed tokens the next round carries: all where their hidden rows (and a
-    round's drafts) fit half a tail's packet cap and its tensor cap, else as many as do, the rest in later rounds of
-    their own (a long prompt or replay in parts), leaving at least two for the last (a replay checks its last two)."""
+    round's drafts) fit half a tail's packet cap, its tensor cap and their ids its header cap, else as many as do,
+    the rest in later rounds of their own (a long prompt or replay in parts), leaving at least two for the last (a
+    replay checks its last two)."""
     rows = min(relay.max_packet_bytes // 2 // max(row_bytes, 1), relay.max_tensor_elements // max(hidden, 1))
+    rows = min(rows, relay.max_header_bytes // 16)  # its token ids in the header's JSON (at most 16 bytes each)
     cap = max(rows - MAX_DRAFT_ROWS, 2)
     return pending if pending <= cap else min(cap, pending - 2)
