@@ -108,6 +108,12 @@ class RoundPacket(BaseModel):
         description="A session resumed on a new tail: input_ids replay the committed sequence (from 0, or after "
         "the parts already sent); the tail checks (greedy) that it predicts its last token before the drafts.",
     )
+    seed_round: int | None = Field(
+        None,
+        ge=0,
+        description="The round's index for its random draws, where it is not round_id: a long prompt's parts take "
+        "round ids, never seeds, so a seeded generation samples the same text however many parts it took.",
+    )
     prefill_more: int = Field(
         0,
         ge=0,

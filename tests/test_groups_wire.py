@@ -343,3 +343,26 @@ def test_a_prompt_in_parts_longer_than_the_tails_cache_is_refused_at_its_first_p
             GenerationRequest(prompt=prompt, max_new_tokens=4, chat_template=False), runtime, redis_client, names=names
         )
     assert {start for start, _, _ in sent} == {0}  # each attempt's first part, never a later one
+
+
+def test_a_seeded_sampled_generation_samples_the_same_text_in_parts_or_whole(models, tails, redis_client):
+    """Parts take round ids but draw nothing (`seed_round`): a seeded sampled generation whose prompt goes in parts
+    (a 54,000-byte cap) samples the same text as with the prompt in one round (a 64 MiB cap)."""
+    from schemas.requests import DraftSettings, GenerationRequest
+    from schemas.settings import Settings
+    from tests.conftest import PROMPTS
+    from workers.head.runtime import HeadRuntime, generate
+
+    ms, outs = models["qwen2"], []
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    for cap in (54_000, 64 << 20):
+        names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
+        relay = {"max_packet_bytes": cap}
+        runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=Settings(relay=relay))
+        prompt = " ".join(PROMPTS)
+        while len(runtime.tokenizer(prompt).input_ids) < 300:
+            prompt += " " + prompt
+        draft = DraftSettings(k=4)
+        req = GenerationRequest(prompt=prompt, max_new_tokens=16, chat_template=False, draft=draft, sampling=sampling)
+        outs.append(generate(req, runtime, redis_client, names=names).token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 16

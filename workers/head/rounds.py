@@ -138,7 +138,11 @@ class RoundLoop:
         n = part_tokens(len(self.pending), self.row_bytes, self.hidden_size, self.settings.relay)
         more = len(self.pending) - n  # past the packet cap: this round carries a part, and drafts nothing
         k = min(self.length.k, remaining - 1) if self.drafter is not None and not more else 0
-        gen = round_generator(self.req.sampling.seed or 0, rid, "draft", self.drafter.device) if k > 0 else None
+        gen = (
+            round_generator(self.req.sampling.seed or 0, self.resumed + self.rounds, "draft", self.drafter.device)
+            if k
+            else None
+        )
         work = HeadWork(self.drafter, self.committed, k, self.req.sampling, gen, self.cache, self.pending[:n], start)
         work.route = self.stream
         self.round = OpenRound(rid, start, remaining, work, more=more)
@@ -189,6 +193,7 @@ class RoundLoop:
             q_kind=q_kind,
             replay=self.replay_next and not rnd.more,  # a replay in parts: its last part
             prefill_more=rnd.more,
+            seed_round=None if self.parts == 0 else self.resumed + self.rounds,
             reply_to=self.reply_to,
             head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
         )
@@ -272,10 +277,8 @@ class RoundLoop:
 
     def _already_finished(self) -> FinishReason | None:
         """A checkpoint can end where the generation did (the head died before storing the result)."""
-        if not self.generated:
-            return None
-        if self.generated[-1] in self.rt.eos_token_ids:
-            return "eos"
+        if not self.generated or self.generated[-1] in self.rt.eos_token_ids:
+            return "eos" if self.generated else None
         if self.stops.hit(self.committed):
             return "stop"
         return "length" if len(self.generated) >= self.req.max_new_tokens else None
@@ -379,9 +382,7 @@ class RoundLoop:
 
     def goodbye(self) -> tuple[str, dict[bytes, bytes]] | None:
         """For the loop's sender: the packet telling the tail to drop the session (None if a final verdict ended it)."""
-        if self.tail_closed:
-            return None
-        return self.stream, encode_message(ClosePacket(session_id=self.sid), self.key)
+        return None if self.tail_closed else (self.stream, encode_message(ClosePacket(session_id=self.sid), self.key))
 
     def close(self) -> None:
         """Free this generation's slots; unless the tail ended the session itself (a final verdict: the

@@ -172,7 +172,8 @@ def round_check(prep: Prepared) -> RoundCheck:
     """What batched verification needs of a prepared round."""
     p = prep.packet
     replay = p.input_ids[-1] if p.replay else None
-    return RoundCheck(p.draft_ids, p.sampling, p.round_id, replay, p.q_kind, prep.tensors, p.session_id)
+    seed_round = p.round_id if p.seed_round is None else p.seed_round  # a long prompt's parts draw nothing
+    return RoundCheck(p.draft_ids, p.sampling, seed_round, replay, p.q_kind, prep.tensors, p.session_id)
 
 
 def plan_rounds(batch: list[Prepared], device: torch.device, warp_rows: int) -> BatchVerify:
