@@ -188,6 +188,16 @@ def test_a_reads_transfer_time_counts_from_its_call_or_its_newest_entry():
     assert read_ms([], 1000.0, 1500.0) == 0.0
 
 
+def _long_prompt(tok) -> str:
+    """The test prompts joined, doubled until they make at least 300 tokens (more than a part of 40 holds, 7 times)."""
+    from tests.conftest import PROMPTS
+
+    prompt = " ".join(PROMPTS)
+    while len(tok(prompt).input_ids) < 300:
+        prompt += " " + prompt
+    return prompt
+
+
 def _spy_headers(monkeypatch) -> list[tuple[int, int, bool]]:
     """(start_pos, prefill_more, replay) of every round header the head makes from now on."""
     from workers.head.rounds import RoundLoop
@@ -224,9 +234,7 @@ def test_a_prompt_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     assert part_tokens(1 << 20, 2, 1, wide) == wide.max_header_bytes // 16 - 65
     names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
-    long = " ".join(PROMPTS)
-    while len(tok(long).input_ids) < 300:
-        long += " " + long
+    long = _long_prompt(tok)
     for prompt in (long, PROMPTS[0]):
         sent = _spy_headers(monkeypatch)
         req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
@@ -244,7 +252,6 @@ def test_a_replay_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     replay, whose check reproduces its last committed token; the output equals HF generate."""
     from schemas.requests import DraftSettings, GenerationRequest
     from schemas.settings import Settings
-    from tests.conftest import PROMPTS
     from tests.job_env import reference
     from workers.head.rounds import RoundLoop
     from workers.head.runtime import HeadRuntime
@@ -252,9 +259,7 @@ def test_a_replay_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     ms, cap, tok = models["qwen2"], 54_000, tokenizers["qwen2"]
     names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=Settings(relay={"max_packet_bytes": cap}))
-    prompt = " ".join(PROMPTS)
-    while len(tok(prompt).input_ids) < 300:
-        prompt += " " + prompt
+    prompt = _long_prompt(tok)
     want = reference(hf_models["qwen2"], tok, prompt, 12)
     sent = _spy_headers(monkeypatch)
     req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
@@ -281,7 +286,6 @@ def test_a_verdict_lost_on_its_way_then_a_replay_in_parts(
     getting the stored verdict back as a duplicate. One replay allowed: the output equals HF generate."""
     from schemas.requests import DraftSettings, GenerationRequest
     from schemas.settings import Settings
-    from tests.conftest import PROMPTS
     from tests.job_env import reference
     from workers.head.rounds import Outcome, RoundLoop
     from workers.head.runtime import HeadRuntime
@@ -290,9 +294,7 @@ def test_a_verdict_lost_on_its_way_then_a_replay_in_parts(
     names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
     settings = Settings(relay={"max_packet_bytes": cap, "resume_attempts": 1})
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
-    prompt = " ".join(PROMPTS)
-    while len(tok(prompt).input_ids) < 300:
-        prompt += " " + prompt
+    prompt = _long_prompt(tok)
     take, dropped = RoundLoop.take, []
 
     def lossy(self: RoundLoop, fields: dict) -> Outcome:
@@ -326,7 +328,6 @@ def test_a_prompt_in_parts_longer_than_the_tails_cache_is_refused_at_its_first_p
     from schemas.errors import RemoteError
     from schemas.requests import GenerationRequest
     from schemas.settings import Settings
-    from tests.conftest import PROMPTS
     from workers.head.runtime import HeadRuntime, generate
 
     ms, cap = models["qwen2"], 54_000
@@ -334,9 +335,7 @@ def test_a_prompt_in_parts_longer_than_the_tails_cache_is_refused_at_its_first_p
     runtime = HeadRuntime.load(
         ms.target, (0, 2), settings=Settings(relay={"max_packet_bytes": cap, "resume_attempts": 1})
     )
-    prompt = " ".join(PROMPTS)
-    while len(runtime.tokenizer(prompt).input_ids) < 300:
-        prompt += " " + prompt
+    prompt = _long_prompt(runtime.tokenizer)
     sent = _spy_headers(monkeypatch)
     with pytest.raises(RemoteError, match="beyond this tail's cache of 200"):
         generate(
@@ -350,7 +349,6 @@ def test_a_seeded_sampled_generation_samples_the_same_text_in_parts_or_whole(mod
     (a 54,000-byte cap) samples the same text as with the prompt in one round (a 64 MiB cap)."""
     from schemas.requests import DraftSettings, GenerationRequest
     from schemas.settings import Settings
-    from tests.conftest import PROMPTS
     from workers.head.runtime import HeadRuntime, generate
 
     ms, outs = models["qwen2"], []
@@ -359,9 +357,7 @@ def test_a_seeded_sampled_generation_samples_the_same_text_in_parts_or_whole(mod
         names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
         relay = {"max_packet_bytes": cap}
         runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=Settings(relay=relay))
-        prompt = " ".join(PROMPTS)
-        while len(runtime.tokenizer(prompt).input_ids) < 300:
-            prompt += " " + prompt
+        prompt = _long_prompt(runtime.tokenizer)
         draft = DraftSettings(k=4)
         req = GenerationRequest(prompt=prompt, max_new_tokens=16, chat_template=False, draft=draft, sampling=sampling)
         outs.append(generate(req, runtime, redis_client, names=names).token_ids)
