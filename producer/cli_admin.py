@@ -26,7 +26,8 @@ from schemas.keys import Keys
 def dead_letters(count: int, as_json: bool, clear: bool, redis_url: str, prefix: str) -> None:
     """List packets tails refused (malformed, oversized, wrong version, duplicate, failed), newest first."""
     from relay_broker.connection import connect
-    from schemas.packets import HEADER, DeadLetterRecord  # imports torch: only when the command runs
+    from schemas.dead_letters import DeadLetterRecord  # imports torch: only when the command runs
+    from schemas.packets import HEADER
 
     r = run_guarded(lambda: connect(redis_url, attempts=3))
     stream = Keys(prefix).dead_letters

@@ -30,13 +30,11 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
-    ValidationInfo,
-    field_validator,
     model_validator,
 )
 
 from schemas.errors import PacketError
-from schemas.requests import SCHEMA_VERSION, FinishReason, SamplingParams, SessionId, TokenId
+from schemas.requests import FinishReason, SamplingParams, SessionId, TokenId
 from schemas.settings import RelaySettings
 from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
 
@@ -383,29 +381,3 @@ def decode_tail_message(fields: dict, *, caps: RelaySettings = CAPS) -> Verdict 
     if not set(fields) <= {HEADER, MAC}:
         raise PacketError("a reply holds only a header and a MAC")
     return _validated(_TAIL, head)
-
-
-class DeadLetterRecord(BaseModel):
-    """An entry of the dead-letter stream: a packet a tail refused, or a reply a head refused, with the reason."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    v: Literal[1] = SCHEMA_VERSION
-    stream: str
-    entry_id: str
-    reason: str
-    session_id: str | None = None
-    round_id: int | None = None
-    tail_id: str = ""
-    refused_by: Literal["tail", "head"] = "tail"
-    header: str = Field("", description="The start of the packet's JSON header, as received.")
-    at: float = Field(description="Unix time it was refused.")
-
-    @field_validator("reason", "header", mode="before")
-    @classmethod
-    def _truncate(cls, v: object, info: ValidationInfo) -> object:
-        """Records are capped: a reason keeps 2,000 characters, a header 1,000 (whatever the packet held)."""
-        return v[: 2000 if info.field_name == "reason" else 1000] if isinstance(v, str) else v
-
-    def fields(self) -> dict[bytes, bytes]:
-        return {HEADER: self.model_dump_json().encode()}

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 from producer.cli import main
 from relay_broker.streams import publish
+from schemas.dead_letters import DeadLetterRecord
 from schemas.keys import Keys
-from schemas.packets import HEADER, MAC, DeadLetterRecord, Verdict, encode_message
+from schemas.packets import HEADER, MAC, Verdict, encode_message
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS

@@ -20,12 +20,12 @@ import time
 import torch
 
 from relay_broker.streams import publish
+from schemas.dead_letters import DeadLetterRecord
 from schemas.groups import pack_group
 from schemas.keys import Keys
 from schemas.packets import (
     HEADER,
     MAC,
-    DeadLetterRecord,
     ErrorReply,
     HeadRef,
     Verdict,

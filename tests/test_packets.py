@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from relay_broker.streams import ReplyReader, publish
+from schemas.dead_letters import DeadLetterRecord
 from schemas.errors import PacketError
 from schemas.packets import (
     HEADER,
-    DeadLetterRecord,
     decode_head_message,
     decode_tail_message,
     encode_round,

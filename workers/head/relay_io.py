@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import redis
 
 from relay_broker.streams import publish_many
+from schemas.dead_letters import DeadLetterRecord
 from schemas.errors import PacketError
 from schemas.groups import is_group, unpack_group
-from schemas.packets import DeadLetterRecord, decode_tail_message
+from schemas.packets import decode_tail_message
 from schemas.peek import peek_session, raw_header
 from schemas.settings import RelaySettings, Settings
 from workers.drain import take_queued

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 
-from schemas.packets import DeadLetterRecord, ErrorReply, Verdict
+from schemas.dead_letters import DeadLetterRecord
+from schemas.packets import ErrorReply, Verdict
 from schemas.peek import raw_header
 
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from relay_broker.streams import Entry
+from schemas.dead_letters import DeadLetterRecord
 from schemas.errors import PacketError, SessionError, ShardFlowError
 from schemas.groups import is_group, unpack_group
-from schemas.packets import DeadLetterRecord, RoundPacket
+from schemas.packets import RoundPacket
 from schemas.peek import raw_header
 from workers.engine.shard import Cache
 from workers.speculative.sampling import decode_q, round_generator, warp
