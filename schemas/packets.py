@@ -43,7 +43,8 @@ HEADER = b"h"
 TENSOR_PREFIX = b"t."
 MAC = b"m"
 # Relay packets (head <-> tail) speak their own protocol version; stored shapes keep SCHEMA_VERSION.
-# 2: per-session keys and MACs, the head's identity in every round.
+# 2: per-session keys and MACs, the head's identity in every round. 3: long prompts in parts (prefill_more,
+# seed_round), a replay's last part past position 0.
 PROTOCOL_VERSION = 3
 KEY_BYTES = 32
 _REQUEST, _REPLY = b"shardflow-round\x00", b"shardflow-reply\x00"  # MACs of one direction never pass for the other

@@ -138,11 +138,8 @@ class RoundLoop:
         n = part_tokens(len(self.pending), self.row_bytes, self.hidden_size, self.settings.relay)
         more = len(self.pending) - n  # past the packet cap: this round carries a part, and drafts nothing
         k = min(self.length.k, remaining - 1) if self.drafter is not None and not more else 0
-        gen = (
-            round_generator(self.req.sampling.seed or 0, self.resumed + self.rounds, "draft", self.drafter.device)
-            if k
-            else None
-        )
+        seeds = self.resumed + self.rounds  # a long prompt's parts draw nothing: they take no seeds (`seed_round`)
+        gen = round_generator(self.req.sampling.seed or 0, seeds, "draft", self.drafter.device) if k else None
         work = HeadWork(self.drafter, self.committed, k, self.req.sampling, gen, self.cache, self.pending[:n], start)
         work.route = self.stream
         self.round = OpenRound(rid, start, remaining, work, more=more)
@@ -193,7 +190,7 @@ class RoundLoop:
             q_kind=q_kind,
             replay=self.replay_next and not rnd.more,  # a replay in parts: its last part
             prefill_more=rnd.more,
-            seed_round=None if self.parts == 0 else self.resumed + self.rounds,
+            seed_round=self.resumed + self.rounds if self.parts else None,  # the round id, where no parts came
             reply_to=self.reply_to,
             head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
         )
@@ -277,8 +274,10 @@ class RoundLoop:
 
     def _already_finished(self) -> FinishReason | None:
         """A checkpoint can end where the generation did (the head died before storing the result)."""
-        if not self.generated or self.generated[-1] in self.rt.eos_token_ids:
-            return "eos" if self.generated else None
+        if not self.generated:
+            return None
+        if self.generated[-1] in self.rt.eos_token_ids:
+            return "eos"
         if self.stops.hit(self.committed):
             return "stop"
         return "length" if len(self.generated) >= self.req.max_new_tokens else None

@@ -91,7 +91,7 @@ def keep_alive(r: redis.Redis, names: Keys, tail_id: str, settings: Settings) ->
 
 
 def session_for(
-    p: RoundPacket, key: bytes, sessions: SessionStore, heads: HeadWatch, engine: Engine, tail_id: str, mac: bytes = b""
+    p: RoundPacket, key: bytes, sessions: SessionStore, heads: HeadWatch, engine: Engine, tail_id: str, mac: bytes
 ) -> TailSession | None:
     """The session an authentic round runs on: opened for a round at position 0 (a new session, or one replayed
     onto this tail: its old cache goes back first; when every cache is taken, dead heads' sessions go first,
@@ -100,8 +100,8 @@ def session_for(
     0 under the id this tail last answered, but not the packet it answered (`mac`), is that replay, not a
     duplicate (a long prompt's replay in parts starts with one, where the round it missed was another)."""
     sess = sessions.get(p.session_id)
-    replay = sess is not None and p.start_pos == 0 and p.round_id == sess.last_round and mac != sess.last_mac
-    if sess is not None and p.round_id <= sess.last_round and not (replay and mac and sess.last_mac):
+    missed = sess is not None and p.start_pos == 0 and p.round_id == sess.last_round and mac != sess.last_mac
+    if sess is not None and p.round_id <= sess.last_round and not missed:
         return None  # duplicate or late
     if p.start_pos == 0:
         if heads.new_boot(p.head):  # its head restarted? the old one's sessions may go now
