@@ -3,6 +3,7 @@
 #   bench/spy.sh OUTDIR COMMAND...   ->  OUTDIR/spy-head.txt, OUTDIR/spy-tail.txt (collapsed stacks per thread,
 #   idle samples left out, 40 Hz, from each worker's start to its exit), and OUTDIR/cpu.txt (top's per-second CPU of
 #   Redis, the delay proxy, the workers and the producer, and of the machine, while COMMAND runs)
+#   SPY_ARGS="--gil" bench/spy.sh ...   only samples of the thread holding the interpreter lock (who spends it)
 # Each `python -m producer head|tail` process started while COMMAND runs is recorded once (the first of each role).
 set -uo pipefail
 out=$1; shift
@@ -16,7 +17,7 @@ spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
       pid=$(pgrep -f -n "python3? -m producer (-v )?$role" || true)
       [ -z "$pid" ] && continue
       seen[$role]=$pid
-      "$spy" record --pid "$pid" -r 40 -f raw -t --nonblocking -o "$out/spy-$role.txt" >"$out/spy-$role.log" 2>&1 &
+      "$spy" record --pid "$pid" -r 40 -f raw -t --nonblocking ${SPY_ARGS:-} -o "$out/spy-$role.txt" >"$out/spy-$role.log" 2>&1 &
     done
   done
 ) &

@@ -311,7 +311,8 @@ def test_the_loops_poll_takes_a_reply_that_comes_while_it_waits():
     loop.settings = Settings(relay={"head_wait_poll_ms": 200.0})
     loop._cv, loop._replies, loop._failed, loop._idle_s = threading.Condition(), [], [], 0.0
     loop._group, loop._held = [], []
-    loop.clock = PhaseClock("test", logging.getLogger("test"))
+    loop.clock = loop.relay_clock = PhaseClock("test", logging.getLogger("test"))
+    loop._replies_at = None
     routed: list[list] = []
     loop._route = routed.append  # type: ignore[method-assign]
     threading.Timer(0.02, loop._deliver, args=([("sid", b"1-1", {})],)).start()

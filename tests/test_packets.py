@@ -14,9 +14,13 @@ from schemas.dead_letters import DeadLetterRecord
 from schemas.errors import PacketError
 from schemas.packets import (
     HEADER,
+    MAC,
+    TENSOR_PREFIX,
+    authentic,
     decode_head_message,
     decode_tail_message,
     encode_round,
+    seal,
     seal_round,
 )
 from schemas.packets import round_header as make_header
@@ -169,3 +173,17 @@ def test_a_header_made_ahead_seals_the_same_round():
             seal_round(packet, header, {"hidden": other}, TEST_KEY)
     with pytest.raises(PacketError, match="not the header's"):
         seal_round(packet, header, {"hidden": hidden, "q": hidden}, TEST_KEY)
+
+
+@pytest.mark.parametrize("size", [100, 64 * 1024 + 5])
+def test_a_mac_over_a_view_is_the_mac_over_its_bytes(size):
+    """A tail checks rounds whose tensors are views of a group entry's bytes, and a head sends large fields as views
+    (workers/head/sealing.py): the MAC is the same either way, and a changed byte is caught."""
+    body = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    fields = seal(TEST_KEY, {HEADER: b'{"v":3}', TENSOR_PREFIX + b"hidden": body})
+    assert authentic(TEST_KEY, fields)
+    assert authentic(TEST_KEY, {**fields, TENSOR_PREFIX + b"hidden": memoryview(body)})
+    forged = bytearray(body)
+    forged[-1] ^= 1
+    assert not authentic(TEST_KEY, {**fields, TENSOR_PREFIX + b"hidden": bytes(forged)})
+    assert fields[MAC] != seal(TEST_KEY, {HEADER: b'{"v":3}', TENSOR_PREFIX + b"hidden": bytes(forged)})[MAC]

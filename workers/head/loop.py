@@ -82,7 +82,9 @@ class HeadLoop:
         self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
         self.seal_clock = PhaseClock("head senders", log)  # sealing a group's rounds, on the sender threads
         self.shares = Shares(self.settings.relay.mac_threads, "head-seal")  # a group's rounds sealed in shares
-        self.sender = Sender(r, self.settings)
+        self.relay_clock = PhaseClock("head relay", log)  # a reply's wait from its reader to the loop ("lag")
+        self._replies_at: float | None = None  # when the oldest reply not yet taken came from its reader
+        self.sender = Sender(r, self.settings, self.seal_clock)
         self.receiver = Receiver(r, self.settings, self._deliver, self.sender)
         threading.Thread(target=self._run, daemon=True, name="head-loop").start()
 
@@ -101,8 +103,15 @@ class HeadLoop:
 
     def _deliver(self, replies: list[Reply]) -> None:
         with self._cv:
+            if not self._replies:
+                self._replies_at = time.perf_counter()
             self._replies += replies
             self._cv.notify()
+
+    def _lag(self, replies: list[Reply]) -> None:
+        """Under the lock, replies just taken: how long the oldest waited for the loop since its reader had it."""
+        if replies and self._replies_at is not None:
+            self.relay_clock.add("lag", time.perf_counter() - self._replies_at)
 
     # --- the loop -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -135,6 +144,7 @@ class HeadLoop:
         self.steps += 1
         clock.maybe_log()
         self.seal_clock.maybe_log()
+        self.relay_clock.maybe_log()
 
     def _wait(self) -> tuple[list[Slot], list[Reply], list]:
         """What the I/O threads and callers brought; sleeps while there is nothing to do."""
@@ -146,6 +156,7 @@ class HeadLoop:
                 self._cv.wait(wait)
             new, self._inbox = self._inbox, []
             replies, self._replies = self._replies, []
+            self._lag(replies)
             failed, self._failed = self._failed, []
         return new, replies, failed
 
@@ -226,6 +237,7 @@ class HeadLoop:
             if wait_s > 0 and not (self._replies or self._failed):
                 self._cv.wait(wait_s)
             replies, self._replies, failed, self._failed = self._replies, [], self._failed, []
+            self._lag(replies)
             failed = self._after_group(failed)
         if replies or failed:
             t0 = time.perf_counter()

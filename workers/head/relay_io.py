@@ -34,6 +34,7 @@ from schemas.packets import decode_tail_message
 from schemas.peek import peek_session, raw_header
 from schemas.settings import RelaySettings, Settings
 from workers.drain import take_queued
+from workers.phases import PhaseClock
 
 log = logging.getLogger("shardflow.head")
 
@@ -48,11 +49,15 @@ class Outgoing:
     dead: list[tuple[str, dict]] = field(default_factory=list)  # (dead-letter stream, record fields)
     on_error: Callable[[BaseException], None] | None = None
     build: Callable[[], list[tuple[str, dict]]] | None = None
+    queued: float = field(default_factory=time.perf_counter)  # when it was put (the sender's clock: "queued")
 
 
 class Sender:
-    def __init__(self, r: redis.Redis, settings: Settings) -> None:
-        self.r, self.settings = r, settings
+    """`clock`, if given, hears how long a group waited for a sender ("queued") and how long its publish took
+    ("publish": one round trip, the bytes through the link and Redis)."""
+
+    def __init__(self, r: redis.Redis, settings: Settings, clock: PhaseClock | None = None) -> None:
+        self.r, self.settings, self.clock = r, settings, clock
         self._q: queue.Queue[Outgoing] = queue.Queue()
         for i in range(max(settings.relay.head_senders, 1)):
             threading.Thread(target=self._run, daemon=True, name=f"head-sender-{i}").start()
@@ -82,9 +87,15 @@ class Sender:
         return out
 
     def _publish(self, batch: list[Outgoing]) -> None:
+        if self.clock is not None:
+            now = time.perf_counter()
+            for item in batch:
+                if item.build is not None:
+                    self.clock.add("queued", now - item.queued)
         built = self._built(batch)
         entries = [e for out in built for e in out.entries]
         dead = [d for out in built for d in out.dead]
+        t0 = time.perf_counter()
         try:
             publish_many(
                 self.r,
@@ -93,6 +104,8 @@ class Sender:
                 dead=dead,
                 dead_maxlen=self.settings.relay.dead_letter_maxlen,
             )
+            if self.clock is not None and len(entries) > 0:
+                self.clock.add("publish", time.perf_counter() - t0)
         except BaseException as e:  # a transport error past its retries: these sends fail
             log.warning("head: could not publish %d entries: %s", len(entries), e)
             for out in built:
