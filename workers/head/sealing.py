@@ -52,7 +52,7 @@ def entries(rounds: Sequence[tuple[str, dict]], relay: RelaySettings) -> list[tu
 
 def _viewed(fields: dict) -> dict:
     """The entry's fields, its large values as memoryviews (sent uncopied, VIEW_BYTES)."""
-    return {k: memoryview(v) if len(v) > VIEW_BYTES and isinstance(v, bytes) else v for k, v in fields.items()}
+    return {k: memoryview(v) if isinstance(v, bytes) and len(v) > VIEW_BYTES else v for k, v in fields.items()}
 
 
 def part_tokens(pending: int, row_bytes: int, hidden: int, relay: RelaySettings) -> int:

@@ -50,17 +50,19 @@ from workers.engine.sizing import linger_s
 from workers.phases import PhaseClock
 from workers.speculative.stopping import cut_at_stops
 from workers.speculative.verify import Outcome
-from workers.tail.auth import Authenticated, Authenticator
-from workers.tail.intake import Intake, Taken
+from workers.tail.auth import Authenticator
 from workers.tail.liveness import HeadWatch, keep_alive, session_for
 from workers.tail.rounds import (
     BatchClock,
     DeadLetter,
     HostToDevice,
     Prepared,
+    entries_age_ms,
+    expand_groups,
     forward_inputs,
     log_bad,
     plan_rounds,
+    read_ms,
     reason_of,
     rewind,
     round_ids,
@@ -110,12 +112,12 @@ class TailWorker:
         self.stop_event = threading.Event()
         self._dead: list[DeadLetter] = []
         self._last_keepalive = 0.0
+        self._regroup = False  # recreate the consumer groups before the next read
         self.clock = PhaseClock("tail loop", log)  # where the loop's time goes, logged every 10 s
         self.upload = HostToDevice(shard.device)
         self.auth = Authenticator(self.sessions, cfg.relay)
         self._queue_ms = 0.0  # how long the entries of the batch being handled waited in Redis (mean)
         self._taken_at_ms = self._prepare_ms = 0.0  # when they were read (wall clock), their decoding and checks
-        self._check_ms = 0.0  # the intake's part of that, for the batch the loop took last
         shared = self.names.shared_requests
         self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
             r,
@@ -126,21 +128,10 @@ class TailWorker:
             dead_stream=self.names.dead_letters,
             settings=cfg,
         )
-        self.intake = Intake(  # reads and checks the next rounds while the loop computes (workers/tail/intake.py)
-            self.reader,
-            self.auth,
-            slots=self.engine.slots,
-            open_sessions=lambda: len(self.sessions),
-            linger_ms=self.linger_ms,
-            max_packet_bytes=self.max_packet_bytes,
-            settings=cfg,
-            stop=self.stop_event,
-        )
 
     def serve(self) -> None:
         """Handle packets until `stop_event` is set."""
         log.info("tail %s serving layers %s on %s", self.tail_id, self.shard.layer_range, self.names.shared_requests)
-        self.intake.start()
         while not self.stop_event.is_set():
             try:  # Redis gone, restarted, full, read-only, ...: ride it out (relay_broker.retry)
                 ride_out(
@@ -159,7 +150,7 @@ class TailWorker:
 
     def _lost_redis(self, e: BaseException, wait_s: float) -> None:
         log.warning("tail %s: %s; retrying in %.1fs", self.tail_id, e, wait_s)
-        self.intake.regroup = True  # a Redis restarted without persistence lost the consumer groups
+        self._regroup = True  # a Redis restarted without persistence lost the consumer groups
 
     def _keepalive(self) -> None:
         """Now and then (tail_keepalive_s): this tail's stream kept, dead tails' idle consumers dropped."""
@@ -169,32 +160,38 @@ class TailWorker:
             keep_alive(self.r, self.names, self.tail_id, self.settings)
 
     def _serve_once(self) -> None:
+        if self._regroup:
+            self.reader.reset()
+            self._regroup = False
         clock = self.clock
         clock.maybe_log()
-        with clock("wait"):  # for the intake: rounds read from Redis and checked while the last batch computed
-            got = self.intake.take(self.settings.redis.block_ms / 1000)
-        if got is None:
+        called_ms, t0 = time.time() * 1000, time.perf_counter()
+        entries = self.reader.gather(
+            self.reader.read(count=self.engine.slots),
+            slots=self.engine.slots,
+            open_sessions=len(self.sessions),
+            linger_ms=self.linger_ms,
+        )
+        self._queue_ms, self._taken_at_ms = entries_age_ms(entries), time.time() * 1000
+        spent = time.perf_counter() - t0
+        moved = min(read_ms(entries, called_ms, self._taken_at_ms) / 1000, spent)
+        clock.add("wait", spent - moved)  # blocked at Redis; "read": the entries' way from Redis, parsed
+        if not entries:
             return
-        self._timed(got)
-        done: list = [(stream, entry_id, None) for stream, entry_id, _ in got.bad]
-        dead = [letter.record(stream, entry_id, self.tail_id) for stream, entry_id, letter in got.bad]
-        for at in range(0, len(got.flat), self.engine.slots):  # a batch's sessions never outnumber the slots
-            chunk = got.flat[at : at + self.engine.slots]
-            fields = [f for _, _, f in chunk]
-            replies = self.handle_many(fields, checks=got.checked[at : at + self.engine.slots])
+        clock.add("read", moved)
+        with clock("unpack"):
+            flat, bad = expand_groups(entries, self.max_packet_bytes)  # a group entry: its sessions' rounds
+        done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
+        dead = [letter.record(stream, entry_id, self.tail_id) for stream, entry_id, letter in bad]
+        for at in range(0, len(flat), self.engine.slots):  # a batch's sessions never outnumber the slots
+            chunk = flat[at : at + self.engine.slots]
+            replies = self.handle_many([fields for _, _, fields in chunk])
             done += [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(chunk, replies, strict=True)]
             where = {id(fields): (stream, entry_id) for stream, entry_id, fields in chunk}
             dead += [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
         # replies (those for one head's stream packed into one entry), acks and dead letters: one round trip
         with clock("reply"):
             self.reader.ack_many(merge_replies(done), dead_letters=dead)
-
-    def _timed(self, got: Taken) -> None:
-        """The marks its verdicts carry (`Verdict.timings`): the entries' wait for this loop (in Redis, then held by
-        the intake), when the loop took them, and the intake's unpacking and checks (added to the loop's prepare)."""
-        now_ms = time.time() * 1000
-        held_ms = max(now_ms - got.taken_at_ms, 0.0) if got.taken_at_ms else 0.0
-        self._queue_ms, self._taken_at_ms, self._check_ms = got.queue_ms + held_ms, now_ms, got.check_ms
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """Packets refused since the last call (each with its reason), for the dead-letter stream."""
@@ -205,19 +202,15 @@ class TailWorker:
         """Process one stream entry; return the reply to send, if any."""
         return self.handle_many([fields])[0]
 
-    def handle_many(
-        self, entries: list[dict], checks: list[Authenticated | Exception] | None = None
-    ) -> list[Reply | None]:
+    def handle_many(self, entries: list[dict]) -> list[Reply | None]:
         """Process stream entries read together; rounds of different sessions run as one batched forward.
-        Never raises for a bad packet: it is logged and answered with an error when it names a session.
-        `checks`: each entry's check, made by the intake (`Authenticator.check`; made here if not given)."""
+        Never raises for a bad packet: it is logged and answered with an error when it names a session."""
         t0 = time.perf_counter()
         out: list[Reply | None] = [None] * len(entries)
         batch: list[tuple[int, Prepared]] = []
         later: list[int] = []  # an authentic packet of a session already in this batch waits for the batch
         joined: set[str] = set()  # sessions with a round in the batch (a forged packet naming one joins nothing)
-        check_ms, self._check_ms = (self._check_ms, 0.0) if checks is not None else (0.0, 0.0)
-        for i, checked in enumerate(checks if checks is not None else self.auth.check(entries)):
+        for i, checked in enumerate(self.auth.check(entries)):
             fields = entries[i]
             if isinstance(checked, Exception):
                 sid, rid = peek_session(fields)
@@ -239,8 +232,8 @@ class TailWorker:
                 joined.add(msg.session_id)
             else:
                 out[i] = prep
-        self.clock.add("prepare", time.perf_counter() - t0)
-        self._prepare_ms = (time.perf_counter() - t0) * 1000 + check_ms
+        self._prepare_ms = (time.perf_counter() - t0) * 1000
+        self.clock.add("prepare", self._prepare_ms / 1000)
         for (i, _), reply in zip(batch, self._rounds([p for _, p in batch]), strict=True):
             out[i] = reply
         for i in later:
