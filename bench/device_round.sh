@@ -4,8 +4,9 @@
 #   OUT=$OUT bash bench/device_round.sh [JOBS_S] [STAGES_S] [ATTN_S]     # each part capped (seconds; 0 skips it)
 #   NS=64,256 VARIANTS="auto=;g2=--groups 2;g8=--groups 8" ...           # other batch sizes, variants (';' between)
 #   JOBS_ARGS="-k 4" SHARDFLOW_ENGINE__GRAPH_K=4 ...                      # more bench.jobs flags; settings by env
-# What comes back (flat, at most 8 files): jobs.json, jobs.md, spy-head.txt, spy-tail.txt, cpu.txt, phases.txt,
-# stages.json, attn.json.
+# What comes back (flat, at most 8 files): jobs.json, jobs.md, spy-summary.txt (the raw spy-head.txt and
+# spy-tail.txt too with KEEP_SPY=1), cpu.txt, phases.txt, stages.json, attn.json.
+#   SPY_ARGS=--gil NS=256 OUT=$OUT bash bench/device_round.sh 250 0 0   # which threads spend the interpreter lock
 set -uo pipefail
 OUT=${OUT:-bench/out/device_round}
 mkdir -p "$OUT" /tmp/o
@@ -18,8 +19,16 @@ timeout "${1:-330}" bench/spy.sh /tmp/o python3 -m bench.jobs --target random:qw
   --delay-ms 43 --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,64,256}" --distinct 16 --singles 3 \
   --head-args "--gpu-memory 0.45" --tail-args "--gpu-memory 0.45" "${variants[@]}" ${JOBS_ARGS:-} --out /tmp/o/jobs 2>&1 \
   | quiet | grep -E "^\||N=[0-9]+:|rror" | tail -30
-cp /tmp/o/jobs/jobs.json /tmp/o/jobs/jobs.md /tmp/o/spy-*.txt /tmp/o/cpu.txt "$OUT"/ 2>/dev/null
-grep -h -E "head loop:|head senders:|tail loop:|captured|memory:|Traceback|Error" /tmp/o/jobs/logs/*.log > "$OUT/phases.txt"
+cp /tmp/o/jobs/jobs.json /tmp/o/jobs/jobs.md /tmp/o/cpu.txt "$OUT"/ 2>/dev/null
+for role in head tail; do  # each worker's samples by thread, then the busiest threads' functions (bench/spy_threads.py)
+  [ -s /tmp/o/spy-$role.txt ] || continue
+  python3 -m bench.spy_threads /tmp/o/spy-$role.txt --top 30
+  for t in ${SPY_THREADS:-head-loop head-sender head-receiver progress finisher MainThread}; do
+    python3 -m bench.spy_threads /tmp/o/spy-$role.txt --top 30 --thread "$t" | sed -n '/^functions/,$p'
+  done
+done > "$OUT/spy-summary.txt" 2>&1
+[ -n "${KEEP_SPY:-}" ] && cp /tmp/o/spy-*.txt "$OUT"/ 2>/dev/null
+grep -h -E "head loop:|head senders:|head relay:|tail loop:|captured|memory:|Traceback|Error" /tmp/o/jobs/logs/*.log > "$OUT/phases.txt"
 [ "${2:-200}" != 0 ] && timeout "${2:-200}" python3 -m bench.stages --device cuda:0 --b 1,16,64,128,256 --iters 10 --no-reference \
   --out /tmp/o/stages 2>&1 | quiet | tail -12
 cp /tmp/o/stages/stages.json "$OUT"/ 2>/dev/null

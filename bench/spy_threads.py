@@ -2,9 +2,10 @@
 
     python -m bench.spy_threads spy-head.txt [--top 25] [--thread head-loop]
 
-Prints each thread's share of the samples, then the functions most often on the stack (inclusive) of the
-threads matching --thread (all, if not given). With `SPY_ARGS=--gil` the samples are those holding the
-interpreter lock: the shares say which threads spend it.
+Prints each thread's share of the samples, then for the threads matching --thread (all, if not given) this
+project's functions most often on the stack (inclusive: workers/, schemas/, relay_broker/, producer/) and the
+functions most often running (the stack's last frame, any library). With `SPY_ARGS=--gil` the samples are those
+holding the interpreter lock: the shares say which threads spend it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import collections
 import re
 
 import click
+
+OURS = ("(workers/", "(schemas/", "(relay_broker/", "(producer/")
 
 
 def _thread(frame: str) -> str:
@@ -28,6 +31,7 @@ def _thread(frame: str) -> str:
 def main(path: str, top: int, want: str) -> None:
     threads: collections.Counter[str] = collections.Counter()
     funcs: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
     total = 0
     with open(path) as f:
         for line in f:
@@ -40,12 +44,17 @@ def main(path: str, top: int, want: str) -> None:
             threads[name] += n
             if want in name:
                 for frame in set(frames[1:]):
-                    funcs[frame] += n
+                    if any(pkg in frame for pkg in OURS):
+                        funcs[frame] += n
+                leaves[frames[-1]] += n
     click.echo(f"{path}: {total} samples")
     for name, n in threads.most_common():
         click.echo(f"  {100 * n / max(total, 1):5.1f}%  {n:7d}  {name}")
-    click.echo(f"functions on the stack of threads matching {want!r}:")
+    click.echo(f"functions of this project on the stack of threads matching {want!r}:")
     for frame, n in funcs.most_common(top):
+        click.echo(f"  {100 * n / max(total, 1):5.1f}%  {frame[:150]}")
+    click.echo(f"functions running in threads matching {want!r}:")
+    for frame, n in leaves.most_common(top):
         click.echo(f"  {100 * n / max(total, 1):5.1f}%  {frame[:150]}")
 
 
