@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import time
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from schemas.packets import HEADER
+from schemas.peek import raw_header
 from schemas.requests import SCHEMA_VERSION
 
 
@@ -35,3 +37,16 @@ class DeadLetterRecord(BaseModel):
 
     def fields(self) -> dict[bytes, bytes]:
         return {HEADER: self.model_dump_json().encode()}
+
+
+def dead_letter(stream: bytes | str, entry_id: bytes | str, reason: str, packet: object, **more: Any) -> dict:
+    """The stream fields of the record of the entry `entry_id` of `stream` (its fields `packet`), refused for
+    `reason` now; `more`: the record's other fields (session_id, round_id, tail_id, refused_by)."""
+    return DeadLetterRecord(
+        stream=stream.decode() if isinstance(stream, bytes) else stream,
+        entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+        reason=reason,
+        header=raw_header(packet),
+        at=time.time(),
+        **more,
+    ).fields()

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import redis
 
 from relay_broker.streams import publish_many
-from schemas.dead_letters import DeadLetterRecord
+from schemas.dead_letters import dead_letter
 from schemas.errors import PacketError
 from schemas.groups import is_group, unpack_group
 from schemas.packets import decode_tail_message
-from schemas.peek import peek_session, raw_header
+from schemas.peek import peek_session
 from schemas.settings import RelaySettings, Settings
 from workers.drain import take_queued
 from workers.phases import PhaseClock
@@ -237,14 +237,7 @@ class Receiver:
         return out
 
     def _refuse(self, stream: str, dead_stream: str, entry_id: bytes, fields: dict, reason: str) -> None:
-        record = DeadLetterRecord(
-            stream=stream,
-            entry_id=entry_id.decode(),
-            reason=f"head refused a reply: {reason}",
-            refused_by="head",
-            header=raw_header(fields),
-            at=time.time(),
-        ).fields()
+        record = dead_letter(stream, entry_id, f"head refused a reply: {reason}", fields, refused_by="head")
         self.sender.put(Outgoing([], dead=[(dead_stream, record)]))
 
 

@@ -4,28 +4,24 @@ is refused, never committed (workers/head/rounds.py `RoundLoop._reply_to`)."""
 
 from __future__ import annotations
 
-import time
-
-from schemas.dead_letters import DeadLetterRecord
+from schemas.dead_letters import dead_letter
 from schemas.packets import ErrorReply, Verdict
-from schemas.peek import raw_header
 
 
 def refusal(
     stream: str, entry_id: bytes, reason: str, sid: str, msg: Verdict | ErrorReply | None, fields: dict
 ) -> dict:
     """The dead-letter record of a reply-stream entry the head refused (the fields to publish)."""
-    return DeadLetterRecord(
-        stream=stream,
-        entry_id=entry_id.decode(),
-        reason=f"head refused a reply: {reason}",
+    return dead_letter(
+        stream,
+        entry_id,
+        f"head refused a reply: {reason}",
+        fields,
         session_id=sid,
         round_id=msg.round_id if msg is not None else None,
         tail_id=msg.tail_id if msg is not None else "",
         refused_by="head",
-        header=raw_header(fields),
-        at=time.time(),
-    ).fields()
+    )
 
 
 def verdict_problem(v: Verdict, drafts: list[int], remaining: int, vocab_size: int, part: bool = False) -> str | None:

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from relay_broker.streams import Entry
-from schemas.dead_letters import DeadLetterRecord
+from schemas.dead_letters import dead_letter
 from schemas.errors import PacketError, SessionError, ShardFlowError
 from schemas.groups import is_group, unpack_group
 from schemas.packets import RoundPacket
-from schemas.peek import raw_header
 from workers.engine.shard import Cache
 from workers.speculative.sampling import decode_q, round_generator, warp
 from workers.speculative.verify import BatchVerify, RoundCheck, greedy_replay_ok, verify_greedy, verify_sampling
@@ -49,16 +48,15 @@ class DeadLetter:
     round_id: int | None
 
     def record(self, stream: bytes | str, entry_id: bytes, tail_id: str) -> dict:
-        return DeadLetterRecord(
-            stream=stream.decode() if isinstance(stream, bytes) else stream,
-            entry_id=entry_id.decode(),
-            reason=self.reason,
+        return dead_letter(
+            stream,
+            entry_id,
+            self.reason,
+            self.fields,
             session_id=self.session_id,
             round_id=self.round_id,
             tail_id=tail_id,
-            header=raw_header(self.fields),
-            at=time.time(),
-        ).fields()
+        )
 
 
 def rewind(p: Prepared) -> None:
