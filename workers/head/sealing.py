@@ -11,7 +11,7 @@ from schemas.groups import chunk_rounds, pack_group
 from schemas.settings import RelaySettings
 
 # A field this large goes to Redis as a view: redis-py then sends it as it is, rather than having hiredis copy it
-# into one buffer with the command first (on this CPU an 8 MB XADD took 18 ms so, 3.5 ms as a view)
+# into one buffer with the command first (on this CPU an 8 MB XADD took 18 ms that way, 3.5 ms as a view)
 VIEW_BYTES = 1 << 16
 MAX_DRAFT_ROWS = 65  # a round's drafts (at most 64, schemas/packets.py) and its bonus row, beside its inputs
 
