@@ -188,6 +188,7 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
         },
         "replays": sum(int(x.get("replays", 0)) for x in results),
         "resumed_tokens": sum(int(x.get("resumed_tokens", 0)) for x in results),
+        "timeline": timeline(run, done),
     }
     if refs is not None:
         bad = []
@@ -205,6 +206,28 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
     else:
         row["checked"], row["mismatches"] = 0, None
     return row
+
+
+def timeline(run: BatchRun, done: list) -> dict | None:
+    """Where a batch's wall time goes beside its steady middle: when 90% of its jobs had a first token, when the
+    first 10% were done, and the tokens per second in between, each job's tokens spread evenly from its first token
+    to its end marker (an estimate: the head streams progress in chunks). None without those marks."""
+    inf = float("inf")
+    spans = []
+    for v in done:
+        first = min(run.first_seen.get(v.job_id, inf), run.meta_seen.get(v.job_id, inf))
+        end = run.final_seen.get(v.job_id)
+        if first < inf and end is not None and end > first:
+            spans.append((first - run.t0, end - run.t0, int(v.result.get("completion_tokens", 0))))
+    if len(spans) < 2:
+        return None
+    t_a = pct([a for a, _, _ in spans], 0.9) or 0.0
+    t_b = pct([b for _, b, _ in spans], 0.1) or 0.0
+    mid = None
+    if t_b > t_a:
+        got = sum(n * max(0.0, min(b, t_b) - max(a, t_a)) / (b - a) for a, b, n in spans)
+        mid = round(got / (t_b - t_a), 2)
+    return {"first_token_p90_s": round(t_a, 3), "done_p10_s": round(t_b, 3), "mid_tokens_per_s": mid}
 
 
 MEMORY_LINE = re.compile(r"ready \(.*memory: weights ([\d.]+) GB, caches ([\d.]+) GB, graphs ([\d.]+) GB")
@@ -267,6 +290,13 @@ def markdown(rows: list[dict], seeds: str | None = None) -> str:
             f"{_f(ttft['p50'], '.3f')} / {_f(ttft['p95'], '.3f')} | {_f(x['tokens_per_round'])} | {_stages(x)} | "
             f"{_batched(x['rounds_batched_per_forward'])} | {_f(mem.get('head'))} / {_f(mem.get('tail'))} | {mism} |"
         )
+    for x in rows:
+        if tl := x.get("timeline"):
+            lines.append(
+                f"\n{x['variant']} N={x.get('n_label', x['n'])}: 90% of first tokens by {tl['first_token_p90_s']} s, "
+                f"10% of jobs done by {tl['done_p10_s']} s, about {_f(tl['mid_tokens_per_s'])} tok/s in between "
+                f"(wall {x['wall_s']} s)"
+            )
     notes = {(x.get("usage") or {}).get("gpu", {}).get("note") for x in rows} - {None}
     lines += [f"\nGPU utilization: {note}" for note in sorted(notes)]
     parts = [x for x in rows if x.get("memory_parts_gb")]
