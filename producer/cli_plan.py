@@ -111,7 +111,9 @@ def render(plan: Plan) -> str:
     """The plan as `shardflow plan` prints it."""
     from workers.engine.plan import gb
 
-    short = f" + short ones of {plan.short_len}" if plan.short_len else ""
+    lens = {w.short_len for w in plan.workers if w.short}
+    each = ", ".join(f"{w.role} {w.short_len}" for w in plan.workers if w.short)
+    short = f" + short ones of {lens.pop() if len(lens) == 1 else each}" if lens else ""
     lines = [
         f"{plan.model or 'model'}: {plan.dtype}, layers quantized {plan.quant}; slots of {plan.full_len} "
         f"positions{short}; {plan.in_flight} jobs in flight at most",

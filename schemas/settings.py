@@ -178,15 +178,15 @@ class EngineSettings(_Group):
         description="Share of the memory left after the weights kept for what is not counted per slot (prefills, "
         "workspaces, fragmentation); each slot is counted with its keys/values and its rows of the CUDA graphs.",
     )
-    max_slots: int = Field(
-        256, ge=1, description="Most sequences a worker holds when its caches are sized from memory."
-    )
+    max_slots: int = Field(256, ge=1, description="Most sequences a worker holds with its caches sized from memory.")
     short_cache_len: int = Field(
         2048,
         ge=0,
         description="Positions of a short KV slot: a worker sized from memory keeps slots this long for sequences "
-        "whose prompt and new tokens fit (most jobs), beside full-length ones; 0: full-length slots only.",
+        "whose prompt and new tokens fit (most jobs), beside full-length ones; 0: full-length slots only. Where "
+        "max_slots do not fit, short slots shrink in steps of 256 positions until they do, to short_cache_min.",
     )
+    short_cache_min: int = Field(1024, ge=1, description="Fewest positions a short slot shrinks to (short_cache_len).")
     long_slots_share: float = Field(
         0.25, gt=0, le=1, description="Share of the KV memory for full-length slots when there are short ones."
     )

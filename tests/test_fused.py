@@ -325,11 +325,16 @@ def test_slots_are_sized_from_the_memory_a_worker_may_fill(models, monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 10 * gib)
     free = {"now": 90 * gib}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free["now"], 100 * gib))
-    cfg = Settings(engine={"gpu_memory": 0.5, "graph_reserve": 0.2, "max_slots": 64, "cuda_context_gib": 0})
-    assert sizing.fit_slots(torch.device("cuda:0"), gib, cfg) == 32  # (50 - 10) * 0.8 GiB, 1 GiB a slot
+    engine = {"gpu_memory": 0.5, "graph_reserve": 0.2, "max_slots": 64, "cuda_context_gib": 0, "short_cache_len": 0}
+    cfg, dev = Settings(engine=engine), torch.device("cuda:0")
+
+    def fit(slot: int, settings: Settings = cfg) -> int:
+        return sizing.memory_plan([(dev, lambda n: slot, 0)], 8192, settings).total
+
+    assert fit(gib) == 32  # (50 - 10) * 0.8 GiB, 1 GiB a slot
     free["now"] = 20 * gib  # another process holds most of the device
-    assert sizing.fit_slots(torch.device("cuda:0"), gib, cfg) == 16
-    assert sizing.fit_slots(torch.device("cuda:0"), gib // 8, cfg.replace(engine={"gpu_memory": 30.0})) == 64
-    assert sizing.fit_slots(torch.device("cuda:0"), 1000 * gib, cfg) == 1
+    assert fit(gib) == 16
+    assert fit(gib // 8, cfg.replace(engine={"gpu_memory": 30.0})) == 64
+    assert fit(1000 * gib) == 1
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
     assert Engine(shard, Settings(engine={"static": True, "max_len": 64, "cpu_slots": 5})).slots == 5

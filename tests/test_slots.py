@@ -74,16 +74,50 @@ def test_the_plan_splits_memory_between_lengths(monkeypatch):
         "long_slots_share": 0.25,
         "cuda_context_gib": 0,
     }
-    cfg = Settings(engine=engine)
+    cfg = Settings(engine={**engine, "short_cache_min": 2048})  # short slots that never shrink
     dev = torch.device("cuda:0")
+
+    def plan(cost: int, short_cost: int, settings: Settings = cfg, workspace: int = 0) -> SlotPlan:
+        one = {8192: cost, 2048: short_cost}
+        return sizing.memory_plan([(dev, lambda n: one[n], workspace)], 8192, settings)
+
     # (50 - 10) * 0.9 = 36 GiB: 9 full-length slots of 1 GiB in a quarter, 108 short ones of 0.25 GiB in the rest
-    assert sizing.plan_slots(dev, gib, gib // 4, 2048, cfg) == SlotPlan(9, 108, 2048)
-    assert sizing.plan_slots(dev, gib, gib // 64, 2048, cfg) == SlotPlan(9, 247, 2048)  # at most max_slots in all
-    assert sizing.plan_slots(dev, gib, 0, 0, cfg) == SlotPlan(36)  # no short length: full-length slots only
+    assert plan(gib, gib // 4) == SlotPlan(9, 108, 2048)
+    assert plan(gib, gib // 64) == SlotPlan(9, 247, 2048)  # at most max_slots in all
+    assert plan(gib, 0, cfg.replace(engine={"short_cache_len": 0})) == SlotPlan(36)  # full-length slots only
     # a workspace larger than graph_reserve's share is kept instead: (50 - 10) - 8 = 32 GiB
-    assert sizing.plan_slots(dev, gib, gib // 4, 2048, cfg, workspace=8 * gib) == SlotPlan(8, 96, 2048)
+    assert plan(gib, gib // 4, workspace=8 * gib) == SlotPlan(8, 96, 2048)
     assert sizing.short_len_of(8192, cfg) == 2048 and sizing.short_len_of(2048, cfg) == 0
     assert sizing.short_len_of(8192, cfg.replace(engine={"short_cache_len": 0})) == 0
+
+
+def test_short_slots_shrink_until_max_slots_fit(monkeypatch):
+    """Where max_slots do not fit, short slots get shorter (by 256 positions) until they do, down to
+    short_cache_min: a batch of short jobs then runs at once rather than in two waves. A head whose drafter has a
+    GPU of its own gets what both devices hold, at one short length."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (90 * gib, 100 * gib))
+    engine = {"gpu_memory": 0.5, "graph_reserve": 0.1, "max_slots": 128, "cuda_context_gib": 0}
+    cfg, dev = Settings(engine=engine), torch.device("cuda:0")
+    assert sizing.short_lengths(8192, cfg) == [2048, 1792, 1536, 1280, 1024]
+    assert sizing.short_lengths(8192, cfg.replace(engine={"short_cache_min": 4096})) == [2048]
+    assert sizing.short_lengths(8192, cfg.replace(engine={"short_cache_len": 0})) == [0]
+
+    def cost(n: int) -> int:  # 1 GiB for 8,192 positions
+        return gib * n // 8192
+
+    # 36 GiB: 9 + 108 at 2,048 positions; 9 + 123 at 1,792 holds 128
+    assert sizing.memory_plan([(dev, cost, 0)], 8192, cfg) == SlotPlan(9, 119, 1792)
+    # 256 fit at no length (9 + 216 at 1,024): slots keep their length, where longer jobs fit
+    assert sizing.memory_plan([(dev, cost, 0)], 8192, cfg.replace(engine={"max_slots": 256})) == SlotPlan(9, 108, 2048)
+    # a drafter's GPU that holds half as many: the fewer of both at the length where both hold 128, 1,024 (where
+    # the head alone would stop at 1,792: its drafter's GPU holds 4 + 64 there)
+    both = sizing.memory_plan(
+        [(dev, cost, 0), (dev, lambda n: 2 * cost(n), 0)], 8192, cfg.replace(engine={"short_cache_min": 512})
+    )
+    assert both == SlotPlan(4, 124, 768)
 
 
 def test_the_budget_does_not_count_the_allocators_cached_blocks(monkeypatch):

@@ -17,6 +17,7 @@ the layouts `load_shard` loads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -32,7 +33,7 @@ from workers.engine.quant_experts import EXPERT_COPIES, expert_weights
 from workers.engine.recurrent import state_bytes
 from workers.engine.refusals import refuse_half, refuse_layers, refuse_layout, refuse_windows
 from workers.engine.rings import ring_length
-from workers.engine.sizing import allocator_budget, reserve_bytes, short_len_of, split_slots, workspace_bytes
+from workers.engine.sizing import allocator_budget, reserve_bytes, split_slots, workspace_bytes
 from workers.engine.windows import layer_windows
 
 GiB = 1 << 30
@@ -179,17 +180,19 @@ def kv_bytes(
 
 @dataclass
 class WorkerPlan:
-    """One worker's memory: weights, and the slots its budget leaves room for (full-length and short ones,
-    sized as workers size theirs: `sizing.plan_slots`), each costing `full_slot` / `short_slot` bytes."""
+    """One worker's memory: weights, and the slots its budget leaves room for (full-length and short ones of
+    `short_len` positions, sized as workers size theirs: `sizing.split_slots`), each costing `full_slot` /
+    `short_slot` bytes."""
 
     role: str
     budget: int
     layers: tuple[int, int]
     weights: int
-    full_slot: int
-    short_slot: int
+    full_slot: int = 0
+    short_slot: int = 0
     full: int = 0
     short: int = 0
+    short_len: int = 0
     workspace: int = 0  # the least its budget keeps free beside weights and slots
     kv_slot: tuple[int, int] = (0, 0)  # keys/values alone of a full-length and a short slot
     context: int = 0  # what its process holds outside the allocator (settings.engine.cuda_context_gib)
@@ -223,7 +226,6 @@ class Plan:
     dtype: str
     quant: str
     full_len: int
-    short_len: int
     workers: list[WorkerPlan]
 
     @property
@@ -235,19 +237,29 @@ class Plan:
         return {**head, "in_flight": self.in_flight, "workers": [w.as_dict() for w in self.workers]}
 
 
-def fit(w: WorkerPlan, cfg: Settings, short_len: int) -> WorkerPlan:
-    """Fill w's budget as a worker does (`sizing.plan_slots`): long_slots_share of what the weights leave
-    (less the reserve) in full-length slots, at least one, the rest in short ones; none if even one
+Cost = Callable[[int], int]  # bytes of one slot of n positions
+
+
+def fit(ws: list[WorkerPlan], cfg: Settings, full_len: int, slot: list[Cost], kv: list[Cost]) -> list[WorkerPlan]:
+    """Fill each worker's budget as workers do (`sizing.split_slots`): long_slots_share of what the weights leave
+    (less the reserve) in full-length slots, at least one, the rest in short ones (`slot` bytes and `kv` bytes of
+    keys/values a slot of n positions), shorter where max_slots do not fit; several workers (a head and its
+    drafter on a GPU of its own) hold as many as all of them do, as a head sizes them; none if even one
     full-length slot does not fit."""
-    w.context = int(cfg.engine.cuda_context_gib * GiB)
-    left = w.budget - w.context - w.weights
-    left -= reserve_bytes(left, w.workspace, cfg)
-    if left < w.full_slot:
-        w.full = w.short = 0
-        return w
-    got = split_slots(left, w.full_slot, w.short_slot, short_len, cfg)
-    w.full, w.short = got.slots, got.short
-    return w
+    lefts = []
+    for w, cost, keys in zip(ws, slot, kv, strict=True):
+        w.context = int(cfg.engine.cuda_context_gib * GiB)
+        w.full_slot, w.kv_slot = cost(full_len), (keys(full_len), 0)
+        left = w.budget - w.context - w.weights
+        lefts.append(left - reserve_bytes(left, w.workspace, cfg))
+    if any(left < w.full_slot for left, w in zip(lefts, ws, strict=True)):
+        return ws
+    got = split_slots(list(zip(lefts, slot, strict=True)), full_len, cfg)
+    for w, cost, keys in zip(ws, slot, kv, strict=True):
+        w.full, w.short, w.short_len = got.slots, got.short, got.short_len
+        if got.short_len:
+            w.short_slot, w.kv_slot = cost(got.short_len), (w.kv_slot[0], keys(got.short_len))
+    return ws
 
 
 def plan_split(
@@ -269,59 +281,52 @@ def plan_split(
     cfg = settings or Settings()
     shape, size = model_shape(config, dtype, quant), torch.empty((), dtype=dtype).element_size()
     full_len = min(cfg.engine.max_len, getattr(config, "max_position_embeddings", None) or cfg.engine.max_len)
-    short_len = short_len_of(full_len, cfg)
     k, n = cfg.engine.graph_k, shape.layers
     if n < 2:
         raise ModelLoadError(f"a model of {n} layer cannot be split between a head and a tail")
+    slack = cfg.engine.window_slack
 
-    def slots(sh: ModelShape, layers: tuple[int, int], tokens: int, logits: bool, scratch: int = 0) -> tuple[int, int]:
-        one = [
-            slot_bytes(sh, layers, p, tokens, logits, size, scratch, cfg.engine.window_slack) if p else 0
-            for p in (full_len, short_len)
-        ]
-        return one[0], one[1]
+    def slots(sh: ModelShape, layers: tuple[int, int], tokens: int, logits: bool, scratch: int = 0) -> Cost:
+        return lambda p: slot_bytes(sh, layers, p, tokens, logits, size, scratch, slack)
 
-    def kv(sh: ModelShape | None, layers: tuple[int, int], scratch: int) -> tuple[int, int]:
-        if sh is None:
-            return 0, 0
-        one = [kv_bytes(sh, layers, p, scratch, cfg.engine.window_slack) if p else 0 for p in (full_len, short_len)]
-        return one[0], one[1]
+    def kv(sh: ModelShape | None, layers: tuple[int, int], scratch: int) -> Cost:
+        return lambda p: kv_bytes(sh, layers, p, scratch, slack) if sh is not None else 0
+
+    def plus(a: Cost, b: Cost) -> Cost:
+        return lambda p: a(p) + b(p)
 
     dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
     ws = workspace_bytes(config, size, cfg) + shape.experts_scratch
     dws = workspace_bytes(draft, size, cfg) + dshape.experts_scratch if dshape is not None else 0
     dweights = shard_weights(dshape, (0, dshape.layers), embed=True, head=True) if dshape else 0
-    dslot = slots(dshape, (0, dshape.layers), 2, True, 2 + k) if dshape else (0, 0)
-    if dshape is not None:  # a whole draft's copy of its rows' keys and values (`sizing.engine_slot_cost`)
-        copy = kv(dshape, (0, dshape.layers), 2 + k)
-        dslot = (dslot[0] + copy[0], dslot[1] + copy[1])
+    dlayers = (0, dshape.layers if dshape else 0)
+    dslot, dkv = kv(None, dlayers, 0), kv(dshape, dlayers, 2 + k)
+    if dshape is not None:  # a slot, and a whole draft's copy of its rows' keys and values (`sizing.engine_slot_cost`)
+        dslot = plus(slots(dshape, dlayers, 2, True, 2 + k), kv(dshape, dlayers, 2 + k))
 
     def workers(s: int) -> list[WorkerPlan]:
-        hw, hslot = shard_weights(shape, (0, s), embed=True, head=False), slots(shape, (0, s), k + 1, False)
+        hw, hslot, hkv = (
+            shard_weights(shape, (0, s), embed=True, head=False),
+            slots(shape, (0, s), k + 1, False),
+            kv(shape, (0, s), k + 1),
+        )
         tw, tslot = shard_weights(shape, (s, n), embed=False, head=True), slots(shape, (s, n), k + 1, True)
-        out = []
         if len(gpus) == 2 or dshape is None:  # the drafter beside the head's layers
-            head = WorkerPlan(
-                "head", gpus[0], (0, s), hw + dweights, hslot[0] + dslot[0], hslot[1] + dslot[1], workspace=max(ws, dws)
-            )
+            head = WorkerPlan("head", gpus[0], (0, s), hw + dweights, workspace=max(ws, dws))
             head.parts = {"layers": hw, "draft": dweights}
-            hk, dk = kv(shape, (0, s), k + 1), kv(dshape, (0, dshape.layers if dshape else 0), k + 2)
-            head.kv_slot = (hk[0] + dk[0], hk[1] + dk[1])
-            out.append(fit(head, cfg, short_len))
-        else:
-            head = WorkerPlan("head", gpus[0], (0, s), hw, *hslot, workspace=ws, kv_slot=kv(shape, (0, s), k + 1))
-            out.append(fit(head, cfg, short_len))
-            d = WorkerPlan("draft", gpus[2], (0, dshape.layers), dweights, *dslot, workspace=dws)
-            d.kv_slot = kv(dshape, (0, dshape.layers), k + 2)
-            out.append(fit(d, cfg, short_len))
-        tail = WorkerPlan("tail", gpus[1], (s, n), tw, *tslot, workspace=ws, kv_slot=kv(shape, (s, n), k + 1))
-        return [*out, fit(tail, cfg, short_len)]
+            out = fit([head], cfg, full_len, [plus(hslot, dslot)], [plus(hkv, dkv)])
+        else:  # the drafter on a GPU of its own: as many slots as both hold (`head.runtime._joint_slots`)
+            head = WorkerPlan("head", gpus[0], (0, s), hw, workspace=ws)
+            d = WorkerPlan("draft", gpus[2], dlayers, dweights, workspace=dws)
+            out = fit([head, d], cfg, full_len, [hslot, dslot], [hkv, dkv])
+        tail = WorkerPlan("tail", gpus[1], (s, n), tw, workspace=ws)
+        return [*out, *fit([tail], cfg, full_len, [tslot], [kv(shape, (s, n), k + 1)])]
 
     if split is not None and not 0 < split < n:
         raise ModelLoadError(f"a split at layer {split} leaves a worker without layers (the model has {n})")
     cuts = plan_cuts(config, split)  # each, but where it parts a Gemma 4 shared layer from its source (refused)
     best = split or max(cuts, key=lambda s: (min(w.slots for w in workers(s)), -abs(n - 2 * s)))
-    return Plan(name, str(dtype).removeprefix("torch."), quant, full_len, short_len, workers(best))
+    return Plan(name, str(dtype).removeprefix("torch."), quant, full_len, workers(best))
 
 
 def enforce_budget(device: torch.device, settings: Settings) -> None:

@@ -102,7 +102,7 @@ class Engine:
         if settings.engine.slots or not self.static:
             return SlotPlan(settings.engine.slots or settings.engine.cpu_slots)
         cost = partial(self.slot_bytes, self.shard, self.step_tokens, self.max_draft)
-        return memory_plan(self.shard.device, cost, self.max_len, settings, shard_workspace(self.shard, settings))
+        return memory_plan([(self.shard.device, cost, shard_workspace(self.shard, settings))], self.max_len, settings)
 
     @property
     def pools(self) -> list[KVPool]:
@@ -348,13 +348,13 @@ class Engine:
     def log_memory(self) -> None:
         m = self.memory()
         log.info(
-            "%s memory: weights %.2f GB, caches %.2f GB, graphs %.2f GB (%d graphs, %d slots)",
+            "%s memory: weights %.2f GB, caches %.2f GB, graphs %.2f GB (%d graphs, %s slots)",
             self.label,
             m["weights"],
             m["caches"],
             m["graphs"],
             len(self._graphs),
-            self.slots,
+            " + ".join(f"{p.slots} of {p.max_len}" for p in reversed(self.pools)) or self.slots,
         )
 
     def capture_lengths(self, pool: KVPool) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -180,32 +181,44 @@ def budget(device: torch.device, settings: Settings, workspace: int = 0) -> floa
     return max(left - reserve_bytes(left, workspace, settings), 0.0)
 
 
-def fit_slots(device: torch.device, slot_bytes: int, settings: Settings, workspace: int = 0) -> int:
-    """Slots of `slot_bytes` each (`slot_cost`) that fit the device's `budget`; 1 to max_slots."""
-    return max(1, min(settings.engine.max_slots, int(budget(device, settings, workspace) // max(slot_bytes, 1))))
+SHORT_STEP = 256  # positions a short slot shrinks by at a time (`short_lengths`)
 
 
-def plan_slots(
-    device: torch.device, cost: int, short_cost: int, short_len: int, settings: Settings, workspace: int = 0
-) -> SlotPlan:
-    """Slots that fit the device's `budget`: full-length ones (`cost` bytes each) in long_slots_share of it,
-    short ones (`short_cost` bytes, `short_len` positions) in the rest; at most max_slots in all, at least one
-    full-length. Only full-length slots without a short length."""
-    if not short_len:
-        return SlotPlan(fit_slots(device, cost, settings, workspace))
-    return split_slots(budget(device, settings, workspace), cost, short_cost, short_len, settings)
+def short_lengths(max_len: int, settings: Settings) -> list[int]:
+    """Lengths a short slot may take, longest first: `short_len_of`, then shorter by SHORT_STEP down to
+    engine.short_cache_min; [0] where there are no short slots."""
+    longest = short_len_of(max_len, settings)
+    floor = min(settings.engine.short_cache_min, longest)
+    return [*range(longest, floor, -SHORT_STEP), floor] if longest else [0]
 
 
-def split_slots(left: float, cost: int, short_cost: int, short_len: int, settings: Settings) -> SlotPlan:
-    """`left` bytes as slots: long_slots_share in full-length ones (`cost` each, at least one), the rest in short
-    ones (`short_cost`, `short_len` positions; none without a short length); at most max_slots in all. Workers
-    (`plan_slots`) and `shardflow plan` (workers/engine/plan.py) both size slots so."""
+def full_slots(left: float, cost: int, short_len: int, settings: Settings) -> int:
+    """Full-length slots (`cost` bytes each) of `left` bytes: long_slots_share of it where there are short ones
+    (a short length), else all of it; at least one, at most max_slots."""
     share = settings.engine.long_slots_share if short_len else 1.0
-    full = max(1, min(settings.engine.max_slots, int(left * share // max(cost, 1))))
-    if not short_len:
-        return SlotPlan(full)
-    short = max(0, min(settings.engine.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
-    return SlotPlan(full, short, short_len)
+    return max(1, min(settings.engine.max_slots, int(left * share // max(cost, 1))))
+
+
+def short_slots(left: float, cost: int, short_cost: int, full: int, settings: Settings) -> int:
+    """Short slots (`short_cost` bytes each) in what `full` full-length ones leave of `left`; max_slots in all."""
+    return max(0, min(settings.engine.max_slots - full, int((left - full * cost) // max(short_cost, 1))))
+
+
+def split_slots(budgets: list[tuple[float, Callable[[int], int]]], max_len: int, settings: Settings) -> SlotPlan:
+    """Slots that every one of `budgets` (bytes left, and what one slot of n positions costs there) holds:
+    `full_slots` of max_len positions, then `short_slots` of the longest of `short_lengths` that holds max_slots
+    in all (a batch of short jobs then runs at once, not in two waves), or of the longest where none does (a
+    small card keeps room for longer jobs). Workers (`memory_plan`) and `shardflow plan`
+    (workers/engine/plan.py) both size slots so."""
+    costs = [(left, cache(cost)) for left, cost in budgets]  # a worker's costs are measured
+    plans = []
+    for n in short_lengths(max_len, settings):
+        full = min(full_slots(left, cost(max_len), n, settings) for left, cost in costs)
+        short = min(short_slots(left, cost(max_len), cost(n), full, settings) for left, cost in costs) if n else 0
+        plans.append(SlotPlan(full, short, n))
+        if plans[-1].total >= settings.engine.max_slots:
+            return plans[-1]
+    return plans[0]
 
 
 def cpu_plan(max_len: int, settings: Settings) -> SlotPlan:
@@ -221,12 +234,12 @@ def cpu_plan(max_len: int, settings: Settings) -> SlotPlan:
 
 
 def memory_plan(
-    device: torch.device, cost: Callable[[int], int], max_len: int, settings: Settings, workspace: int = 0
+    parts: list[tuple[torch.device, Callable[[int], int], int]], max_len: int, settings: Settings
 ) -> SlotPlan:
-    """`plan_slots` for caches of max_len positions (and short ones, `short_len_of`), `cost(positions)` being
-    what one slot of that length costs, `workspace` the least kept free (`workspace_bytes`)."""
-    short = short_len_of(max_len, settings)
-    return plan_slots(device, cost(max_len), cost(short) if short else 0, short, settings, workspace)
+    """Slots of max_len positions and short ones (`split_slots`) that each of `parts` holds: a device, what one
+    slot of n positions costs on it, and the least its `budget` keeps free there (`workspace_bytes`)."""
+    budgets = [(budget(device, settings, workspace), cost) for device, cost, workspace in parts]
+    return split_slots(budgets, max_len, settings)
 
 
 def shard_workspace(shard: Shard, settings: Settings) -> int:

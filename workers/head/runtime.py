@@ -221,11 +221,11 @@ def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan 
     ws = shard_workspace(shard, cfg)
     if dshard is None or dshard.device == shard.device:  # one prefill at a time: the larger workspace
         ws = max(ws, shard_workspace(dshard, cfg) if dshard is not None else 0)
-        return memory_plan(shard.device, lambda n: head_cost(n) + draft_cost(n), n_max, cfg, ws)
+        return memory_plan([(shard.device, lambda n: head_cost(n) + draft_cost(n), ws)], n_max, cfg)
     # the draft model on a GPU of its own: as many slots as both devices hold
-    a = memory_plan(shard.device, head_cost, n_max, cfg, ws)
-    b = memory_plan(dshard.device, draft_cost, n_max, cfg, shard_workspace(dshard, cfg))
-    return SlotPlan(min(a.slots, b.slots), min(a.short, b.short), a.short_len)
+    return memory_plan(
+        [(shard.device, head_cost, ws), (dshard.device, draft_cost, shard_workspace(dshard, cfg))], n_max, cfg
+    )
 
 
 def round_loop(
