@@ -88,15 +88,6 @@ def add_reply(pipe: redis.client.Pipeline, reply: Reply, maxlen: int) -> None:
     pipe.expire(reply.stream, reply.ttl_s)
 
 
-@transport_retry()
-def close_session(r: redis.Redis, stream: str, close_fields: dict, reply_stream: str, *, maxlen: int) -> None:
-    """Tell the tail holding a session to drop it and delete the session's reply stream: one round trip."""
-    pipe = r.pipeline(transaction=False)
-    pipe.xadd(stream, close_fields, maxlen=maxlen, approximate=True)
-    pipe.delete(reply_stream)
-    pipe.execute()
-
-
 @dataclass
 class GroupReader:
     """Reads streams through one consumer group: own pending entries first, then new ones."""

@@ -168,3 +168,28 @@ def test_greedy_drafts_across_both_lengths_equal_drafts_alone(models):
     for c, k, d in zip(later, ks, got, strict=True):
         want = propose_greedy_many([ModelDrafter(shard, alone).new_session()], [c], [k])[0]
         assert d.tokens == want.tokens
+
+
+def test_generations_longer_than_the_free_slots_wait_for_one(models, hf_models, tokenizers, tails, redis_client):
+    """A head whose short slots its jobs do not fit runs them through its full-length slots one after another,
+    as those free, rather than in spare pools beyond its memory plan; each equals HF `generate`."""
+    from schemas.requests import GenerationRequest
+    from tests.conftest import PROMPTS
+    from tests.job_env import SPLIT, reference
+    from workers.head.runtime import HeadRuntime, round_loop
+
+    ms = models["qwen2"]
+    names = tails.get(ms.target, SPLIT, ms.n_layers)
+    cfg = Settings(engine={"cpu_slots": 4, "long_slots_share": 0.5, "max_len": 64, "short_cache_len": 32})
+    runtime = HeadRuntime.load(ms.target, (0, SPLIT), draft=ms.drafter, settings=cfg)
+    assert [(p.slots, p.max_len) for p in runtime.engine.pools] == [(2, 32), (2, 64)]
+    reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=20) for p in PROMPTS[:5]]
+    gens = [round_loop(req, runtime, redis_client, names=names) for req in reqs]
+    assert all(g.need > 32 and not g.seated for g in gens)  # none fits a short slot
+    loop = runtime.loop_for(redis_client)
+    futures = [loop.submit(g) for g in gens]
+    results = [f.result(timeout=120) for f in futures]
+    want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 20) for p in PROMPTS[:5]]
+    assert [r.token_ids for r in results] == want
+    assert runtime.engine._spare == [] and runtime.draft_model.engine._spare == []  # no pool beyond the plan
+    assert not any(g.seated for g in gens)  # every slot given back

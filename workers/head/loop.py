@@ -1,24 +1,23 @@
 """The head's step loop: one thread owns every generation in flight on one Redis connection.
 
 Each step it
-1. admits the generations submitted since the last one (their first round carries the prompt, so prompts
-   run batched with the other rounds of their group);
-2. hands each generation the replies that came for it (commits verdicts, which streams text and progress
-   through its callback; waits after a full tail's "busy"; replays after a tail's error), fails the sends that
-   failed, replays the sessions whose tail went silent, and retires finished generations;
-3. computes one group of the generations that are ready: drafts for all of them at once and the lower shard
-   once over all of them (`Batcher.compute`, workers/head/batching.py; while the device runs the draft and the
-   lower shard the loop takes each reply as it comes, as in 2, for generations outside the group: its waits for
-   the device poll for replies), and queues the group to a sender thread, which seals each round and publishes
-   the group as one entry per tail stream (schemas/groups.py).
+1. admits the generations submitted since the last one, once a cache slot of their length is free (their first
+   round carries the prompt, so prompts run batched with the other rounds of their group);
+2. hands each generation the replies that came for it (commits verdicts, which streams text and progress through its
+   callback; waits after a full tail's "busy"; replays after a tail's error), fails the sends that failed, replays
+   the sessions whose tail went silent, and retires finished generations;
+3. computes one group of the generations that are ready: drafts for all of them at once and the lower shard once
+   over all of them (`Batcher.compute`, workers/head/batching.py; meanwhile the loop takes the replies that come for
+   generations outside the group, as in 2), and queues the group to a sender thread, which seals each round and
+   publishes the group as one entry per tail stream (schemas/groups.py).
 
-The loop itself never waits on Redis: a sender thread publishes what it queues and a receiver thread reads the
-head's own reply stream, where tails put every reply to its sessions (workers/head/relay_io.py). With nothing
-to compute it sleeps until a reply, a submission or the next deadline. Groups are sized from measured stage and
-link times (workers/head/groups.py: about live / G generations, so that while one group computes the others'
-rounds are on the wire); a CPU head lingers briefly for a group's worth of ready generations
-(`Batcher.linger_s`). Nothing runs a thread per generation: callers (the dispatcher's jobs, `generate`)
-submit a `RoundLoop` and get a Future; once submitted, a generation's state changes on this thread only.
+The loop never waits on Redis: a sender thread publishes what it queues and a receiver thread reads the head's own
+reply stream, where tails put every reply to its sessions (workers/head/relay_io.py). With nothing to compute it
+sleeps until a reply, a submission or the next deadline. Groups are sized from measured stage and link times
+(workers/head/groups.py: about live / G generations, so that while one group computes the others' rounds are on
+the wire); a CPU head lingers briefly for a group's worth of ready generations (`Batcher.linger_s`). Nothing runs a
+thread per generation: callers (the dispatcher's jobs, `generate`) submit a `RoundLoop` and get a Future; once
+submitted, a generation's state changes on this thread only.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from schemas.requests import GenerationResult
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
 from workers.head.sealing import entries, hidden_bytes, packets
+from workers.head.seating import seat
 from workers.phases import PhaseClock
 from workers.shares import Shares
 
@@ -72,6 +72,8 @@ class HeadLoop:
         self.rt, self.r, self.settings = runtime, r, runtime.settings
         self.slots: dict[str, Slot] = {}  # by session id
         self._inbox: list[Slot] = []
+        self._waiting: list[Slot] = []  # submitted, waiting for a free slot of their length (`_admit`)
+        self._seat_now = False  # a generation ended while others wait: the next step seats them
         self._replies: list[Reply] = []
         self._failed: list[tuple[list[Slot], BaseException]] = []
         self._cv = threading.Condition()
@@ -149,7 +151,7 @@ class HeadLoop:
     def _wait(self) -> tuple[list[Slot], list[Reply], list]:
         """What the I/O threads and callers brought; sleeps while there is nothing to do."""
         with self._cv:
-            while not (self._inbox or self._replies or self._failed):
+            while not (self._inbox or self._replies or self._failed or self._seat_now):
                 wait = self._sleep_s()
                 if wait is not None and wait <= 0:
                     break
@@ -172,7 +174,10 @@ class HeadLoop:
         return max(min(dues) - now, 0.0) if dues else None  # 0: a deadline has come (a resend, a timeout)
 
     def _admit(self, new: list[Slot]) -> None:
-        for slot in new:
+        """Begin the generations that have a cache slot of their length (workers/head/seating.py); others wait."""
+        seated, self._waiting = seat(self._waiting + new, time.monotonic())
+        self._seat_now = False
+        for slot in seated:
             gen = slot.gen
             ref = self.rt.beacons.ref
             gen.reply_to = Keys.head_reply_to(ref.name, ref.boot)
@@ -382,6 +387,7 @@ class HeadLoop:
         gen = slot.gen
         if add:
             self.slots.pop(gen.sid, None)
+        self._seat_now = bool(self._waiting)
         try:
             gen.release()
         except Exception:

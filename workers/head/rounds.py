@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from relay_broker.streams import ReplyReader, close_session
-from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeout, ShardFlowError
+from relay_broker.streams import ReplyReader
+from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeout
 from schemas.keys import Keys
 from schemas.packets import (
     ClosePacket,
@@ -88,7 +88,9 @@ class RoundLoop:
         on_tokens: Callable[[list[int], list[int]], None] | None,
         reply_timeout_s: float | None,
         resume: list[int] | None = None,
+        seat: bool = True,
     ) -> None:
+        """`seat`: take its caches now (`seat`), else the loop seats it once a slot of its length is free."""
         self.req, self.rt, self.r, self.names, self.sid = req, runtime, r, names, session_id
         self.on_tokens, self.reply_timeout_s = on_tokens, reply_timeout_s
         self.generated: list[int] = list(resume or [])  # a checkpoint's tokens: the first round replays them
@@ -96,14 +98,10 @@ class RoundLoop:
         self.pending = list(self.committed)
         self.resumed, self.replays = len(self.generated), 0
         self.replay_next = bool(self.generated)
-        self.drafter = runtime.drafter_for(req, len(prompt))
-        try:
-            # the shard's cache holds committed tokens and a round's drafts: a short slot when they fit one
-            self.cache = runtime.engine.acquire(need=len(prompt) + req.max_new_tokens + req.draft.k + 1)
-        except BaseException:
-            if self.drafter is not None:
-                self.drafter.close()  # give the drafter's slot back
-            raise
+        self.need = len(prompt) + req.max_new_tokens + req.draft.k + 1  # positions its caches may hold
+        self.seated = False
+        if seat:
+            self.seat()
         self.stream = names.shared_requests
         self.pinned = False
         self.key = session_key()  # MACs every round and reply of this generation (schemas/packets.py)
@@ -124,6 +122,21 @@ class RoundLoop:
         self.started = time.perf_counter()
 
     # --- the steps the head's loop (workers/head/loop.py) drives: no method blocks -------------------------
+    def seat(self, overflow: bool = True) -> bool:
+        """Take its cache slot (a short one where committed tokens and a round's drafts fit one) and its drafter's.
+        False, holding nothing, where no free slot fits and not `overflow` (a spare one-slot pool, beyond the
+        memory plan): the loop tries again once generations end."""
+        cache = self.rt.engine.acquire(overflow=overflow, need=self.need)
+        if cache is None:
+            return False
+        try:
+            self.drafter = self.rt.drafter_for(self.req, len(self.prompt))
+        except BaseException:
+            self.rt.engine.release(cache)
+            raise
+        self.cache, self.seated = cache, True
+        return True
+
     def begin(self) -> FinishReason | None:
         """Start the clock; a finish if the checkpoint already ends the generation."""
         self.started = time.perf_counter()
@@ -375,25 +388,12 @@ class RoundLoop:
 
     def release(self) -> None:
         """Free this generation's slots (no Redis)."""
-        self.rt.engine.release(self.cache)
-        if self.drafter is not None:
-            self.drafter.close()
+        if self.seated:
+            self.seated = False
+            self.rt.engine.release(self.cache)
+            if self.drafter is not None:
+                self.drafter.close()
 
     def goodbye(self) -> tuple[str, dict[bytes, bytes]] | None:
         """For the loop's sender: the packet telling the tail to drop the session (None if a final verdict ended it)."""
         return None if self.tail_closed else (self.stream, encode_message(ClosePacket(session_id=self.sid), self.key))
-
-    def close(self) -> None:
-        """Free this generation's slots; unless the tail ended the session itself (a final verdict: the
-        usual end, which then costs no round trip), tell it to drop the session and delete the replies."""
-        self.release()
-        try:
-            self.reader.flush()  # dead letters of the last round
-            if self.tail_closed:
-                return
-            bye = encode_message(ClosePacket(session_id=self.sid), self.key)
-            close_session(
-                self.r, self.stream, bye, self.names.reply(self.sid), maxlen=self.settings.relay.request_stream_maxlen
-            )
-        except ShardFlowError as e:
-            log.warning("session %s: could not close cleanly: %s", self.sid, e)

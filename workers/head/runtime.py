@@ -256,6 +256,7 @@ def round_loop(
         on_tokens=on_tokens,
         reply_timeout_s=reply_timeout_s,
         resume=resume,
+        seat=False,  # the step loop seats it once a slot of its length is free (`HeadLoop._admit`)
     )
 
 

@@ -1,0 +1,28 @@
+"""Which generations submitted to the head's step loop (workers/head/loop.py) can begin now: each needs a cache slot
+of its length (`RoundLoop.seat`: a short slot where its prompt, new tokens and drafts fit one). One that no free slot
+fits waits, in submission order, until a generation ends, rather than taking a spare pool beyond the worker's memory
+plan: a batch of jobs longer than the short slots shares the full-length ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rq.timeouts import JobTimeoutException
+
+
+def seat(waiting: list[Any], now: float) -> tuple[list[Any], list[Any]]:
+    """(seated, still waiting) of the loop's `Slot`s, in order. One past its deadline, or whose seating failed (a
+    drafter its request names that this head lacks), holds nothing and is never watched: its Future hears why."""
+    seated, still = [], []
+    for slot in waiting:
+        try:
+            if slot.deadline is not None and now > slot.deadline:
+                raise JobTimeoutException("the job ran past its timeout waiting for a cache slot")
+            if not slot.gen.seated and not slot.gen.seat(overflow=False):
+                still.append(slot)
+                continue
+        except BaseException as e:
+            slot.future.set_exception(e)
+            continue
+        seated.append(slot)
+    return seated, still
