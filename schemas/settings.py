@@ -186,7 +186,7 @@ class EngineSettings(_Group):
         "whose prompt and new tokens fit (most jobs), beside full-length ones; 0: full-length slots only. Where "
         "max_slots do not fit, short slots shrink in steps of 256 positions until they do, to short_cache_min.",
     )
-    short_cache_min: int = Field(1024, ge=1, description="Fewest positions a short slot shrinks to (short_cache_len).")
+    short_cache_min: int = Field(1024, ge=256, description="Fewest positions a short slot shrinks to.")
     long_slots_share: float = Field(
         0.25, gt=0, le=1, description="Share of the KV memory for full-length slots when there are short ones."
     )

@@ -170,7 +170,8 @@ class HeadLoop:
         if ready:
             size = math.ceil(len(self.slots) / self.rt.batcher.plan.groups(len(self.slots)))
             return self._linger_s(ready, size, now)
-        dues = [s.due for s in self.slots.values()] + [s.deadline for s in self.slots.values() if s.deadline]
+        slots = [*self.slots.values(), *self._waiting]  # a waiting generation's timeout wakes the loop too
+        dues = [s.due for s in self.slots.values()] + [s.deadline for s in slots if s.deadline]
         return max(min(dues) - now, 0.0) if dues else None  # 0: a deadline has come (a resend, a timeout)
 
     def _admit(self, new: list[Slot]) -> None:

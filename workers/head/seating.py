@@ -22,7 +22,9 @@ def seat(waiting: list[Any], now: float) -> tuple[list[Any], list[Any]]:
                 still.append(slot)
                 continue
         except BaseException as e:
-            slot.future.set_exception(e)
+            slot.gen.release()  # one seated when made (a direct RoundLoop) gives its slots back
+            if not slot.future.done():
+                slot.future.set_exception(e)
             continue
         seated.append(slot)
     return seated, still
