@@ -193,3 +193,21 @@ def test_generations_longer_than_the_free_slots_wait_for_one(models, hf_models, 
     assert [r.token_ids for r in results] == want
     assert runtime.engine._spare == [] and runtime.draft_model.engine._spare == []  # no pool beyond the plan
     assert not any(g.seated for g in gens)  # every slot given back
+
+
+def test_a_draft_model_with_no_free_slot_says_so_rather_than_growing(models):
+    """Asked without overflow, a draft model whose pools are taken raises NoFreeSlot (its head's loop seats the
+    generation later) instead of making a spare pool beyond the memory plan."""
+    import pytest
+
+    from workers.speculative.drafters import NoFreeSlot
+
+    shard = load_shard(models["qwen2"].drafter, None, embed=True, head=True)
+    engine = Engine(shard, Settings(engine={"static": True, "max_len": 64}), step_tokens=2, slots=SlotPlan(1))
+    drafter = ModelDrafter(shard, engine)
+    first = drafter.new_session(40, overflow=False)
+    with pytest.raises(NoFreeSlot):
+        drafter.new_session(40, overflow=False)
+    assert engine._spare == []
+    first.close()
+    drafter.new_session(40, overflow=False).close()  # free again

@@ -37,7 +37,7 @@ from workers.head.round_times import add_round
 from workers.head.sealing import part_tokens
 from workers.head.verdicts import refusal, verdict_problem
 from workers.speculative.adaptive import DraftLength
-from workers.speculative.drafters import Draft
+from workers.speculative.drafters import Draft, NoFreeSlot
 from workers.speculative.sampling import encode_q, round_generator
 from workers.speculative.stopping import StopStrings
 
@@ -123,16 +123,17 @@ class RoundLoop:
 
     # --- the steps the head's loop (workers/head/loop.py) drives: no method blocks -------------------------
     def seat(self, overflow: bool = True) -> bool:
-        """Take its cache slot (a short one where committed tokens and a round's drafts fit one) and its drafter's.
-        False, holding nothing, where no free slot fits and not `overflow` (a spare one-slot pool, beyond the
-        memory plan): the loop tries again once generations end."""
+        """Take its cache slot (a short one where its tokens and drafts fit) and its drafter's; False, holding nothing,
+        where no free slot fits and not `overflow` (a spare pool beyond the plan): the loop tries again later."""
         cache = self.rt.engine.acquire(overflow=overflow, need=self.need)
         if cache is None:
             return False
         try:
-            self.drafter = self.rt.drafter_for(self.req, len(self.prompt))
-        except BaseException:
+            self.drafter = self.rt.drafter_for(self.req, len(self.prompt), overflow)
+        except BaseException as e:
             self.rt.engine.release(cache)
+            if isinstance(e, NoFreeSlot):  # the draft model's slots of its length are taken: seated later
+                return False
             raise
         self.cache, self.seated = cache, True
         return True

@@ -182,16 +182,17 @@ class HeadRuntime:
         # the vocabulary, or a smaller per-layer table (Gemma 4) whose lookups are unchecked: `per_layer.id_limit`
         return encode_prompt(self.tokenizer, req, id_limit(self.shard.config), self.context_length)
 
-    def drafter_for(self, req: GenerationRequest, prompt_len: int) -> DraftSession | None:
-        """The draft session a request asks for ('model' falls back to n-gram without a draft model)."""
+    def drafter_for(self, req: GenerationRequest, prompt_len: int, overflow: bool = True) -> DraftSession | None:
+        """The draft session a request asks for ('model' falls back to n-gram without a draft model); NoFreeSlot
+        where the draft model has no free slot its length fits and not `overflow`."""
         if req.draft.kind == "none" or req.draft.k == 0:
             return None
         need = prompt_len + req.max_new_tokens + req.draft.k + 1  # positions the draft cache may hold
         if req.draft.kind == "model" and self.draft_model is not None:
-            return self.draft_model.new_session(need)
+            return self.draft_model.new_session(need, overflow)
         if req.draft.kind in ("model", "ngram"):
             return NgramDrafter(req.draft.ngram_max, req.draft.ngram_min)
-        inner = self.draft_model.new_session(need) if self.draft_model is not None else None
+        inner = self.draft_model.new_session(need, overflow) if self.draft_model is not None else None
         ctx = DrafterContext(prompt_len, self.shard.config.vocab_size, inner)
         try:
             return self.plugins.drafter(req.draft.kind, dict(req.draft.options), ctx)

@@ -73,14 +73,22 @@ class ModelDrafter:
         self.shard = shard
         self.engine = engine or Engine(shard, step_tokens=2, pad=False, max_draft=max_draft)
 
-    def new_session(self, need: int | None = None) -> ModelDraftSession:
-        """A session whose cache holds up to `need` positions (None: the engine's full length)."""
-        return ModelDraftSession(self.engine, need)
+    def new_session(self, need: int | None = None, overflow: bool = True) -> ModelDraftSession:
+        """A session whose cache holds up to `need` positions (None: the engine's full length); NoFreeSlot where no
+        free slot fits and not `overflow` (a spare one-slot pool)."""
+        return ModelDraftSession(self.engine, need, overflow)
+
+
+class NoFreeSlot(LookupError):
+    """A draft model's pools have no free slot of the length asked (the head's loop seats the generation later)."""
 
 
 class ModelDraftSession:
-    def __init__(self, engine: Engine, need: int | None = None) -> None:
-        self.engine, self.cache = engine, engine.acquire(need=need)
+    def __init__(self, engine: Engine, need: int | None = None, overflow: bool = True) -> None:
+        cache = engine.acquire(need=need, overflow=overflow)
+        if cache is None:
+            raise NoFreeSlot(f"no free draft slot of {need} positions")
+        self.engine, self.cache = engine, cache
         self.tokens: list[int] = []  # what the cache holds
 
     def close(self) -> None:
