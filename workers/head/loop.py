@@ -176,7 +176,7 @@ class HeadLoop:
 
     def _admit(self, new: list[Slot]) -> None:
         """Begin the generations that have a cache slot of their length (workers/head/seating.py); others wait."""
-        seated, self._waiting = seat(self._waiting + new, time.monotonic())
+        seated, self._waiting = seat(self._waiting, new, time.monotonic(), self._seat_now)
         self._seat_now = False
         for slot in seated:
             gen = slot.gen

@@ -10,11 +10,19 @@ from typing import Any
 from rq.timeouts import JobTimeoutException
 
 
-def seat(waiting: list[Any], now: float) -> tuple[list[Any], list[Any]]:
-    """(seated, still waiting) of the loop's `Slot`s, in order. One past its deadline, or whose seating failed (a
-    drafter its request names that this head lacks), holds nothing and is never watched: its Future hears why."""
+def seat(waiting: list[Any], new: list[Any], now: float, freed: bool) -> tuple[list[Any], list[Any]]:
+    """(seated, still waiting) of the loop's `Slot`s, in order: the new ones, and those waiting where a slot was
+    freed since (`freed`) or a deadline passed (otherwise none of them can be seated: no acquire a step for each).
+    One past its deadline, or whose seating failed (a drafter its request names that this head lacks), holds
+    nothing and is never watched: its Future hears why."""
+    retry = freed or any(s.deadline is not None and now > s.deadline for s in waiting)
+    seated, still = _seat(waiting + new if retry else new, now)
+    return seated, still if retry else waiting + still
+
+
+def _seat(slots: list[Any], now: float) -> tuple[list[Any], list[Any]]:
     seated, still = [], []
-    for slot in waiting:
+    for slot in slots:
         try:
             if slot.deadline is not None and now > slot.deadline:
                 raise JobTimeoutException("the job ran past its timeout waiting for a cache slot")
