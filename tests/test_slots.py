@@ -211,3 +211,41 @@ def test_a_draft_model_with_no_free_slot_says_so_rather_than_growing(models):
     assert engine._spare == []
     first.close()
     drafter.new_session(40, overflow=False).close()  # free again
+
+
+def test_a_generation_cancelled_while_it_waits_for_a_slot_ends_then(models, hf_models, tokenizers, tails, redis_client):
+    """A generation waiting for a full-length slot that its job's user cancels (the dispatcher's heartbeat sees the
+    cancel key: no verdict yet, so no progress flush would) ends at once with why, holding nothing; the others run
+    on, each equal to HF `generate`."""
+    import time
+
+    import pytest
+
+    from schemas.requests import GenerationRequest
+    from tests.conftest import PROMPTS
+    from tests.job_env import SPLIT, reference
+    from workers.head.progress import JobCancelled
+    from workers.head.runtime import HeadRuntime, round_loop
+
+    ms = models["qwen2"]
+    names = tails.get(ms.target, SPLIT, ms.n_layers)
+    cfg = Settings(engine={"cpu_slots": 4, "long_slots_share": 0.5, "max_len": 64, "short_cache_len": 32})
+    runtime = HeadRuntime.load(ms.target, (0, SPLIT), draft=ms.drafter, settings=cfg)
+    reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=30) for p in PROMPTS[:3]]
+    gens = [round_loop(req, runtime, redis_client, names=names) for req in reqs]
+    loop = runtime.loop_for(redis_client)
+    futures = [loop.submit(g) for g in gens]  # two full-length slots: the third waits
+    deadline = time.monotonic() + 30
+    while not (gens[0].seated and gens[1].seated):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    loop.cancel(futures[2], JobCancelled("cancelled by its user while waiting for a cache slot"))
+    loop.cancel(futures[0], JobCancelled("never seen: seated already, it ends at a progress flush"))
+    with pytest.raises(JobCancelled, match="waiting for a cache slot"):
+        futures[2].result(timeout=30)
+    assert time.monotonic() - t0 < 5 and not futures[0].done()  # before either seated one ended
+    assert not gens[2].seated
+    want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 30) for p in PROMPTS[:2]]
+    assert [f.result(timeout=120).token_ids for f in futures[:2]] == want
+    assert not any(g.seated for g in gens)

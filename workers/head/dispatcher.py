@@ -1,26 +1,27 @@
 """A head worker's job loop: many generation jobs in flight in one RQ worker, a few Redis round trips each.
 
-RQ's own loop runs one job at a time and spends ~25 sequential round trips per job on bookkeeping
-(heartbeats, state, registries, maintenance) between dequeues, which over a WAN link costs seconds per
-job. `Dispatcher` keeps RQ's records and semantics (started/finished/failed registries, executions, retries
-through RQ's scheduler, abandoned-job cleanup by heartbeat expiry) and changes how they are written:
+RQ's own loop runs one job at a time and spends ~25 sequential round trips per job on bookkeeping (heartbeats, state,
+registries, maintenance) between dequeues, which over a WAN link costs seconds per job. `Dispatcher` keeps RQ's
+records and semantics (started/finished/failed registries, executions, retries through RQ's scheduler, abandoned-job
+cleanup by heartbeat expiry) and changes how they are written:
 
-- **dequeue**: as many jobs as there are free slots, `LMOVE`d to the queue's intermediate list in one
-  pipelined round trip (when the queue was empty, `BLMOVE` with a short timeout, pipelined with the
-  `LMOVE`s that take the rest of a batch enqueued at once);
-- **fetch + start**: one pipeline reads the records, one transaction starts them all (execution records,
-  started registry, status, the worker's state), sent while the jobs begin to compute (a job records its
-  end only after that transaction);
+- **dequeue**: as many jobs as there are free slots, `LMOVE`d to the queue's intermediate list in one pipelined round
+  trip (when the queue was empty, `BLMOVE` with a short timeout, pipelined with the `LMOVE`s that take the rest of a
+  batch enqueued at once);
+- **fetch + start**: one pipeline reads the records, one transaction starts them all (execution records, started
+  registry, status, the worker's state), sent while the jobs begin to compute (a job records its end only after that
+  transaction);
 - **run**: each job's generation goes to the head's step loop (workers/head/loop.py: one thread steps every
-  generation in flight); no thread per job: its start (`start_generation`) runs on this loop's thread, its
-  end (`end_generation`: the result stored, then RQ's records) on one of a fixed few `finisher` threads once
-  the step loop has resolved it;
-- **finish**: one transaction per job (result, finished registry, execution cleanup, worker counters);
-  a failure goes through RQ's `handle_job_failure` (retries, failed registry); a job its user cancelled
-  (JobCancelled, workers/head/job_function.py) ends `canceled` (status, canceled registry), as RQ's own
-  cancel leaves a queued job: never failed, never retried by RQ (`shardflow retry` resumes it);
-- **housekeeping** on a thread of its own, never between a free slot and the next dequeue: one pipelined
-  heartbeat of the worker and every running job each `heartbeat_s`, RQ's maintenance each `maintenance_s`.
+  generation in flight); no thread per job: its start (`start_generation`) runs on this loop's thread, its end
+  (`end_generation`: the result stored, then RQ's records) on one of a fixed few `finisher` threads once the step
+  loop has resolved it;
+- **finish**: one transaction per job (result, finished registry, execution cleanup, worker counters); a failure goes
+  through RQ's `handle_job_failure` (retries, failed registry); a job its user cancelled (JobCancelled,
+  workers/head/job_function.py) ends `canceled` (status, canceled registry), as RQ's own cancel leaves a queued job:
+  never failed, never retried by RQ (`shardflow retry` resumes it);
+- **housekeeping** on a thread of its own, never between a free slot and the next dequeue: one pipelined heartbeat of
+  the worker and every running job each `heartbeat_s` (which also asks whether a job still waiting for a cache slot
+  was cancelled), RQ's maintenance each `maintenance_s`.
 
 Capacity (jobs in flight) is the head's `--concurrency`, by default what its batch slots hold.
 """
@@ -68,6 +69,7 @@ class Running:
     queue: Queue
     execution: Execution
     recorded: threading.Event = field(default_factory=threading.Event)  # its start transaction has run
+    started: Started | None = None  # its generation on the step loop, once begun
 
 
 class Dispatcher:
@@ -213,6 +215,7 @@ class Dispatcher:
         except BaseException:
             self._ends.put((run, None, sys.exc_info()))
             return
+        run.started = started
         if started.future is None:
             self._ends.put((run, started, None))
         else:
@@ -373,17 +376,24 @@ class Dispatcher:
                 log.warning("worker %s: housekeeping failed: %s", self.w.name, e)
 
     def beat(self) -> None:
-        """One pipelined heartbeat: the worker's record and each running job and execution."""
+        """One pipelined heartbeat: the worker's record and each running job and execution; with it, whether the user
+        of a job whose generation waits for a cache slot (no verdict yet, so no progress flush asks) cancelled it."""
         w = self.w
         with self.cond:
             runs = list(self.running.values())
         ttl = w.get_heartbeat_ttl(runs[0].job) if runs else 0
+        unseated = [s for r in runs if (s := r.started) and s.future and not (s.progress and s.progress.rounds)]
         with w.connection.pipeline(transaction=False) as pipe:
             w.heartbeat(w.job_monitoring_interval + 60, pipeline=pipe)
             for run in runs:
                 run.execution.heartbeat(run.job.started_job_registry, ttl, pipeline=pipe)
                 run.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
-            pipe.execute()
+            for started in unseated:
+                pipe.exists(w.names.cancel(started.job.id))
+            replies = pipe.execute()
+        for started in (s for s, yes in zip(unseated, replies[len(replies) - len(unseated) :], strict=True) if yes):
+            loop = w.job_context.runtime.loop_for(w.job_context.r)
+            loop.cancel(started.future, JobCancelled("cancelled by its user while waiting for a cache slot"))
 
 
 def _text(x: bytes | str) -> str:

@@ -11,13 +11,11 @@ Each step it
    generations outside the group, as in 2), and queues the group to a sender thread, which seals each round and
    publishes the group as one entry per tail stream (schemas/groups.py).
 
-The loop never waits on Redis: a sender thread publishes what it queues and a receiver thread reads the head's own
-reply stream, where tails put every reply to its sessions (workers/head/relay_io.py). With nothing to compute it
-sleeps until a reply, a submission or the next deadline. Groups are sized from measured stage and link times
-(workers/head/groups.py: about live / G generations, so that while one group computes the others' rounds are on
-the wire); a CPU head lingers briefly for a group's worth of ready generations (`Batcher.linger_s`). Nothing runs a
-thread per generation: callers (the dispatcher's jobs, `generate`) submit a `RoundLoop` and get a Future; once
-submitted, a generation's state changes on this thread only.
+The loop never waits on Redis: sender threads publish what it queues, receivers read the head's own reply stream
+(workers/head/relay_io.py). With nothing to compute it sleeps until a reply, a submission or the next deadline.
+Groups are about live / G generations (workers/head/groups.py, from measured stage and link times); a CPU head lingers
+briefly for a group's worth of ready ones (`Batcher.linger_s`). No thread per generation: callers submit a
+`RoundLoop` and get a Future; once submitted, a generation's state changes on this thread only.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from schemas.requests import GenerationResult
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
 from workers.head.sealing import entries, hidden_bytes, packets
-from workers.head.seating import seat
+from workers.head.seating import seat, withdraw
 from workers.phases import PhaseClock
 from workers.shares import Shares
 
@@ -74,6 +72,7 @@ class HeadLoop:
         self._inbox: list[Slot] = []
         self._waiting: list[Slot] = []  # submitted, waiting for a free slot of their length (`_admit`)
         self._seat_now = False  # a generation ended while others wait: the next step seats them
+        self._cancels: list[tuple[Future, BaseException]] = []  # asked to end before they were seated (`cancel`)
         self._replies: list[Reply] = []
         self._failed: list[tuple[list[Slot], BaseException]] = []
         self._cv = threading.Condition()
@@ -99,9 +98,11 @@ class HeadLoop:
             self._cv.notify()
         return future
 
-    @property
-    def live(self) -> int:
-        return len(self.slots)
+    def cancel(self, future: Future, why: BaseException) -> None:
+        """End `future`'s generation with `why` if it still waits for a slot (seated: at its next progress flush)."""
+        with self._cv:
+            self._cancels.append((future, why))
+            self._cv.notify()
 
     def _deliver(self, replies: list[Reply]) -> None:
         with self._cv:
@@ -151,7 +152,7 @@ class HeadLoop:
     def _wait(self) -> tuple[list[Slot], list[Reply], list]:
         """What the I/O threads and callers brought; sleeps while there is nothing to do."""
         with self._cv:
-            while not (self._inbox or self._replies or self._failed or self._seat_now):
+            while not (self._inbox or self._replies or self._failed or self._seat_now or self._cancels):
                 wait = self._sleep_s()
                 if wait is not None and wait <= 0:
                     break
@@ -160,6 +161,7 @@ class HeadLoop:
             replies, self._replies = self._replies, []
             self._lag(replies)
             failed, self._failed = self._failed, []
+            (self._waiting, new), self._cancels = withdraw((self._waiting, new), self._cancels), []
         return new, replies, failed
 
     def _sleep_s(self) -> float | None:
@@ -277,8 +279,7 @@ class HeadLoop:
                 log.debug("head: a round's header could not be made ahead; it is made when sealed", exc_info=True)
 
     def _send(self, slots: list[Slot], build: bool = False) -> None:
-        """Put these rounds on the wire: sealed on a sender's thread (`build`: just computed), or as sealed
-        before (a resend to a full tail)."""
+        """Put these rounds on the wire: sealed on a sender thread (`build`: just computed), or as before (resent)."""
         if not slots:
             return
         for slot in slots:
@@ -301,9 +302,8 @@ class HeadLoop:
             self.sender.put(Outgoing(entries(sealed, self.settings.relay), on_error=failed))
 
     def _seal(self, slots: list[Slot]) -> list[tuple[str, dict]]:
-        """On a sender's thread: each round's sealed fields (a round that cannot be sealed fails alone, on the
-        loop), then the group entries. The loop touches none of these generations' rounds until a reply or a
-        timeout, which come after this send."""
+        """On a sender's thread: each round's sealed fields (one that cannot be sealed fails alone, on the loop), then
+        the group entries. The loop touches none of these rounds until a reply or a timeout, after this send."""
         t0 = time.perf_counter()
         sealed = self.shares.map(packets, slots, hidden_bytes(slots))  # mostly HMACs: side by side where large
         out = [(stream, got) for _, stream, got in sealed if not isinstance(got, Exception)]

@@ -1,10 +1,12 @@
 """Which generations submitted to the head's step loop (workers/head/loop.py) can begin now: each needs a cache slot
 of its length (`RoundLoop.seat`: a short slot where its prompt, new tokens and drafts fit one). One that no free slot
 fits waits, in submission order, until a generation ends, rather than taking a spare pool beyond the worker's memory
-plan: a batch of jobs longer than the short slots shares the full-length ones."""
+plan: a batch of jobs longer than the short slots shares the full-length ones. One its job's user cancels while it waits
+ends then (`withdraw`), not once seated."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 from rq.timeouts import JobTimeoutException
@@ -36,3 +38,15 @@ def _seat(slots: list[Any], now: float) -> tuple[list[Any], list[Any]]:
             continue
         seated.append(slot)
     return seated, still
+
+
+def withdraw(lists: tuple[list[Any], ...], cancels: list[tuple[Future, BaseException]]) -> tuple[list[Any], ...]:
+    """Each list of not yet seated `Slot`s without those whose Future `cancels` names, which end with its exception
+    (a cancel for a generation seated already is dropped: it ends at its next progress flush)."""
+    why = {id(f): e for f, e in cancels}
+    if not why:
+        return lists
+    for slot in (s for slots in lists for s in slots if id(s.future) in why):
+        if not slot.future.done():
+            slot.future.set_exception(why[id(slot.future)])
+    return tuple([s for s in slots if id(s.future) not in why] for slots in lists)
