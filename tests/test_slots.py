@@ -249,3 +249,29 @@ def test_a_generation_cancelled_while_it_waits_for_a_slot_ends_then(models, hf_m
     want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 30) for p in PROMPTS[:2]]
     assert [f.result(timeout=120).token_ids for f in futures[:2]] == want
     assert not any(g.seated for g in gens)
+
+
+def test_a_slot_freed_on_one_loop_seats_a_generation_waiting_on_another(
+    models, hf_models, tokenizers, tails, redis_client, redis_server
+):
+    """A head runs a loop per Redis connection over one set of cache slots: a generation waiting on one loop is seated
+    when a generation on another ends (it waited for a timeout it may not have before)."""
+    from relay_broker.connection import connect
+    from schemas.requests import GenerationRequest
+    from tests.conftest import PROMPTS
+    from tests.job_env import SPLIT, reference
+    from workers.head.runtime import HeadRuntime, round_loop
+
+    ms = models["qwen2"]
+    names = tails.get(ms.target, SPLIT, ms.n_layers)
+    cfg = Settings(engine={"cpu_slots": 4, "long_slots_share": 0.5, "max_len": 64, "short_cache_len": 32})
+    runtime = HeadRuntime.load(ms.target, (0, SPLIT), draft=ms.drafter, settings=cfg)
+    other = connect(redis_server.url)
+    reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=20) for p in PROMPTS[:3]]
+    conns = [redis_client, redis_client, other]
+    gens = [round_loop(req, runtime, r, names=names) for req, r in zip(reqs, conns, strict=True)]
+    futures = [runtime.loop_for(redis_client).submit(g) for g in gens[:2]]  # both full-length slots
+    futures.append(runtime.loop_for(other).submit(gens[2]))  # no timeout: only a freed slot seats it
+    want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 20) for p in PROMPTS[:3]]
+    assert [f.result(timeout=120).token_ids for f in futures] == want
+    assert not any(g.seated for g in gens)

@@ -1,15 +1,13 @@
 """The head's step loop: one thread owns every generation in flight on one Redis connection.
 
 Each step it
-1. admits the generations submitted since the last one, once a cache slot of their length is free (their first
-   round carries the prompt, so prompts run batched with the other rounds of their group);
-2. hands each generation the replies that came for it (commits verdicts, which streams text and progress through its
-   callback; waits after a full tail's "busy"; replays after a tail's error), fails the sends that failed, replays
-   the sessions whose tail went silent, and retires finished generations;
-3. computes one group of the generations that are ready: drafts for all of them at once and the lower shard once
-   over all of them (`Batcher.compute`, workers/head/batching.py; meanwhile the loop takes the replies that come for
-   generations outside the group, as in 2), and queues the group to a sender thread, which seals each round and
-   publishes the group as one entry per tail stream (schemas/groups.py).
+1. admits the generations submitted since the last one once a cache slot of their length is free (their first round
+   carries the prompt, so prompts run batched with the other rounds of their group);
+2. hands each generation the replies that came for it (commits verdicts, streaming text and progress through its
+   callback; waits after a full tail's "busy"; replays after a tail's error or silence), and retires finished ones;
+3. computes one group of the ready generations: drafts for all at once and the lower shard once over all
+   (`Batcher.compute`, workers/head/batching.py; meanwhile it takes the replies for generations outside the group),
+   and queues the group to a sender thread, which seals each round and publishes the group (schemas/groups.py).
 
 The loop never waits on Redis: sender threads publish what it queues, receivers read the head's own reply stream
 (workers/head/relay_io.py). With nothing to compute it sleeps until a reply, a submission or the next deadline.
@@ -104,6 +102,11 @@ class HeadLoop:
             self._cancels.append((future, why))
             self._cv.notify()
 
+    def slot_freed(self) -> None:  # a loop of this head gave cache slots back: generations waiting here try again
+        with self._cv:
+            self._seat_now = True
+            self._cv.notify()
+
     def _deliver(self, replies: list[Reply]) -> None:
         with self._cv:
             if not self._replies:
@@ -139,7 +142,8 @@ class HeadLoop:
             self._route(replies)
         now = time.monotonic()
         self._expire(now)
-        self._resend(now)
+        # rounds a full tail refused, whose wait is over: the same packets again
+        self._send([s for s in self.slots.values() if s.state is State.BUSY and s.due <= now and s.gen.round])
         ready = [s for s in self.slots.values() if s.state is State.READY]
         size = math.ceil(max(len(self.slots), 1) / self.rt.batcher.plan.groups(len(self.slots)))
         if ready and self._linger_s(ready, size, now) <= 0:
@@ -256,8 +260,8 @@ class HeadLoop:
             self.clock.add("replies", dt)
 
     def _after_group(self, failed: list[tuple[list[Slot], BaseException]]) -> list[tuple[list[Slot], BaseException]]:
-        """The failed sends to take while a group computes: those of the group's own generations are held until it
-        is done (failing one now would free caches its queued forward, or its retry alone, still writes)."""
+        """Failed sends to take while a group computes: its own generations' are held until it is done (failing one
+        now would free caches its queued forward, or its retry alone, still writes)."""
         group = {id(s) for s in self._group}
         self._held += [(mine, e) for slots, e in failed if (mine := [s for s in slots if id(s) in group])]
         return [(rest, e) for slots, e in failed if (rest := [s for s in slots if id(s) not in group])]
@@ -316,10 +320,6 @@ class HeadLoop:
         self.seal_clock.add("seal", time.perf_counter() - t0)
         return group
 
-    def _resend(self, now: float) -> None:
-        """Rounds a full tail refused, whose wait is over: the same packets again."""
-        self._send([s for s in self.slots.values() if s.state is State.BUSY and s.due <= now and s.gen.round])
-
     # --- replies --------------------------------------------------------------------------------------
     def _route(self, replies: list[Reply]) -> None:
         touched: list[Slot] = []
@@ -350,8 +350,7 @@ class HeadLoop:
                 self._done(slot)
             elif outcome is not Outcome.IGNORED:  # committed, or a replay: the next round is computed
                 slot.state, slot.since = State.READY, time.monotonic()
-        # what is left (READY: its round is being computed, or was just settled) is checked against its next round
-        # once that is sent: a stale verdict is dropped then, a forged entry dead-lettered
+        # what is left (READY) is checked against its next round once sent: stale dropped, forged dead-lettered
         del slot.replies[:-MAX_HELD]
 
     def _expire(self, now: float) -> None:
@@ -388,7 +387,7 @@ class HeadLoop:
         gen = slot.gen
         if add:
             self.slots.pop(gen.sid, None)
-        self._seat_now = bool(self._waiting)
+        self.rt.slot_freed()  # on every loop of this head: its caches are shared
         try:
             gen.release()
         except Exception:

@@ -100,6 +100,13 @@ class HeadRuntime:
                 self._loops[id(r)] = (r, HeadLoop(self, r))
             return self._loops[id(r)][1]
 
+    def slot_freed(self) -> None:
+        """A generation gave its cache slots back: every loop's waiting generations try again (`HeadLoop._admit`)."""
+        with self._loops_lock:
+            loops = [loop for _, loop in self._loops.values()]
+        for loop in loops:
+            loop.slot_freed()
+
     @classmethod
     def load(
         cls,
