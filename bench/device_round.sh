@@ -7,6 +7,7 @@
 # What comes back (flat, at most 8 files): jobs.json, jobs.md, spy-summary.txt (the raw spy-head.txt and
 # spy-tail.txt too with KEEP_SPY=1), cpu.txt, phases.txt, stages.json, attn.json.
 #   SPY_ARGS=--gil NS=256 OUT=$OUT bash bench/device_round.sh 250 0 0   # which threads spend the interpreter lock
+#   SPY=0 ...                                                            # without py-spy (its samples perturb the stages)
 set -uo pipefail
 OUT=${OUT:-bench/out/device_round}
 mkdir -p "$OUT" /tmp/o
@@ -14,7 +15,8 @@ source bench/device_env.sh
 variants=()
 IFS=';' read -ra vs <<< "${VARIANTS:-default=}"
 for v in "${vs[@]}"; do variants+=(--variant "$v"); done
-timeout "${1:-330}" bench/spy.sh /tmp/o python3 -m bench.jobs --target random:qwen2.5-7b --split 14 \
+spy=(bench/spy.sh /tmp/o); [ "${SPY:-1}" = 0 ] && spy=()  # SPY=0: no py-spy on the workers (stage times unperturbed)
+timeout "${1:-330}" "${spy[@]}" python3 -m bench.jobs --target random:qwen2.5-7b --split 14 \
   --draft random:qwen2.5-0.5b --synthetic 0.78 --head-device cuda:0 --tail-device cuda:0 --dtype bfloat16 \
   --delay-ms 43 --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,64,256}" --distinct 16 --singles 3 \
   --head-args "--gpu-memory 0.45" --tail-args "--gpu-memory 0.45" "${variants[@]}" ${JOBS_ARGS:-} --out /tmp/o/jobs 2>&1 \
