@@ -244,7 +244,7 @@ def test_a_generation_cancelled_while_it_waits_for_a_slot_ends_then(models, hf_m
     loop.cancel(futures[0], JobCancelled("never seen: seated already, it ends at a progress flush"))
     with pytest.raises(JobCancelled, match="waiting for a cache slot"):
         futures[2].result(timeout=30)
-    assert time.monotonic() - t0 < 5 and not futures[0].done()  # before either seated one ended
+    assert time.monotonic() - t0 < 5  # at once, not once a slot frees (the seated one ends as asked, below)
     assert not gens[2].seated
     want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 30) for p in PROMPTS[:2]]
     assert [f.result(timeout=120).token_ids for f in futures[:2]] == want
