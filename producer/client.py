@@ -355,15 +355,22 @@ class Client:
                 continue
             status = job.get_status(refresh=False)
             if status == JobStatus.STARTED:
-                ttl = min(
-                    self.settings.jobs.timeout_s, job_ttl(job, self.settings.jobs.result_ttl_s)
-                )  # never outlives what the job itself leaves
-                self.r.set(self.keys.cancel(job.id), 1, ex=ttl)
+                self._ask_to_stop(job)
                 done.append(job.id)
             elif status not in DONE:
-                job.cancel()
+                try:
+                    job.cancel()
+                except redis.ResponseError:  # a head started it meanwhile (a producer may not touch its registries)
+                    if job.get_status(refresh=True) != JobStatus.STARTED:
+                        raise
+                    self._ask_to_stop(job)
                 done.append(job.id)
         return done
+
+    def _ask_to_stop(self, job: Job) -> None:
+        """A running job's cancel flag, which its head reads at the job's next progress update or heartbeat."""
+        ttl = min(self.settings.jobs.timeout_s, job_ttl(job, self.settings.jobs.result_ttl_s))  # never outlives the job
+        self.r.set(self.keys.cancel(job.id), 1, ex=ttl)
 
     def info(self) -> dict:
         """Queues, live workers and jobs per state, for `shardflow info`. Read only: registries are counted
