@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from schemas.settings import Settings
@@ -219,8 +220,6 @@ def test_a_generation_cancelled_while_it_waits_for_a_slot_ends_then(models, hf_m
     on, each equal to HF `generate`."""
     import time
 
-    import pytest
-
     from schemas.requests import GenerationRequest
     from tests.conftest import PROMPTS
     from tests.job_env import SPLIT, reference
@@ -251,6 +250,7 @@ def test_a_generation_cancelled_while_it_waits_for_a_slot_ends_then(models, hf_m
     assert not any(g.seated for g in gens)
 
 
+@pytest.mark.slow  # 16 s here: a second loop's threads and reply stream
 def test_a_slot_freed_on_one_loop_seats_a_generation_waiting_on_another(
     models, hf_models, tokenizers, tails, redis_client, redis_server
 ):
