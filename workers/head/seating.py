@@ -47,6 +47,7 @@ def withdraw(lists: tuple[list[Any], ...], cancels: list[tuple[Future, BaseExcep
     if not why:
         return lists
     for slot in (s for slots in lists for s in slots if id(s.future) in why):
+        slot.gen.release()  # one seated when made (a direct RoundLoop) gives its slots back, as in `_seat`
         if not slot.future.done():
             slot.future.set_exception(why[id(slot.future)])
     return tuple([s for s in slots if id(s.future) not in why] for slots in lists)
