@@ -3,7 +3,8 @@
 the keys and values of layers 3 (sliding) and 2 (full), wider full-attention heads with keys as values, double-wide
 MLPs, a window shorter than the prompts, the final soft cap; and a mixture-of-experts variant. Shards' logits equal
 the model's at every split that keeps each shared layer beside its source, through prompts, rounds and a rejected
-draft's rollback; the other splits are refused at load and by the plan, naming the layer; a split generation with a
+draft's rollback; the other splits are refused at load and by the plan, naming the layer; static pools (each layer's
+own width, nothing for a shared layer) batch sequences as a growing cache runs each alone; a split generation with a
 real tail process equals HF `generate`."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
 from tests.relay_util import announce, sealed_round
-from workers.engine.kvcache import KVCache
+from workers.engine.kvcache import KVCache, KVPool, StaticKVCache
 from workers.engine.per_layer import kv_sources
 from workers.engine.plan import GiB, kv_bytes, model_shape, plan_split, shard_weights
 from workers.engine.runner import Engine
@@ -122,29 +123,89 @@ def test_a_split_that_parts_a_shared_layer_is_refused_and_the_plan_avoids_it(gem
     with pytest.raises(ModelLoadError, match=r"layer 4 attends over the keys and values layer 3"):
         plan_split(config, [GiB, GiB], dtype=torch.float32, split=4)
     shape = model_shape(config, torch.float32)  # shared layers cache nothing; full layers 1 head of 32 (keys, values)
-    assert shape.kv_layer == (256, 256, 256, 256, 0, 0) and shape.window_layer == (None,) * 6
+    assert shape.kv_layer == (256, 256, 256, 256, 0, 0) and shape.window_layer == (8, 8, None, 8, 8, None)
     assert kv_bytes(shape, (2, 6), 100, 0) == 2 * 256 * 100
 
 
-def test_gemma4_shards_run_dynamic_caches_and_refuse_float16(gemma4):
+def test_gemma4_shards_run_static_caches_without_graphs_and_refuse_float16(gemma4):
+    """Static caches by default, as every family: a pool of each layer's own width and heads, none for a shared
+    layer (the tail 2:6 caches layers 2 and 3: full attention 1 head of 32, sliding 2 heads of 16); graphs refused."""
     target = gemma4["gemma4"]
     shard = load_shard(target, (2, 6), embed=False, head=True)
-    with pytest.raises(ValueError, match=r"gemma4_text's layers \(per-layer inputs .* dynamic caches, without graphs"):
-        Engine(shard, Settings(engine={"static": True}))
-    assert isinstance(Engine(shard).acquire(), KVCache)  # the default for this shard: dynamic
+    with pytest.raises(ValueError, match=r"gemma4_text's layers \(per-layer inputs .* run without CUDA graphs"):
+        Engine(shard, Settings(engine={"static": True, "graphs": True}))
+    engine = Engine(shard, Settings(engine={"max_len": 256}), slots=2)
+    assert isinstance(engine.acquire(), StaticKVCache) and set(engine.pool.keys) == {2, 3}
+    assert engine.pool.keys[2].shape[1::2] == (1, 32) and engine.pool.values[3].shape[1::2] == (2, 16)
+    assert Engine(shard, Settings(engine={"static": False})).acquire().__class__ is KVCache
+    shape = model_shape(AutoConfig.from_pretrained(target), torch.float32)  # the plan counts the pool as it is held
+    for slack in (None, 80):
+        assert kv_bytes(shape, (2, 6), 256, 16, slack) == KVPool.slot_bytes(shard, 256, 16, ring_slack=slack)
     with pytest.raises(ModelLoadError, match="gemma4_text overflows float16"):
         load_shard(target, (0, 2), embed=True, head=False, dtype=torch.float16)
     with pytest.raises(ValueError, match="pass the token ids"), torch.inference_mode():
         shard.forward(torch.zeros(3, 64), 0, KVCache(), logits_last=1)
 
 
-@pytest.mark.parametrize("name", ["gemma4", pytest.param("wrapper", marks=pytest.mark.slow)])
-def test_split_generation_equals_generate(name, gemma4, tokenizers, tails, redis_client):
+@pytest.mark.parametrize(("name", "slack"), [("gemma4", None), ("gemma4", 64), ("gemma4_moe", 64)])
+def test_static_batches_equal_each_sequence_on_a_growing_cache(name, slack, gemma4):
+    """Three sequences batched over static pools, head (0:s) and tail (s:n, given each row's ids) and the whole
+    model drafting: prompts of 20-110 tokens (past the window of 8 and, with a slack of 64, past the sliding layers'
+    rings of 80), then 30 rounds of 1-4 tokens each rolled back to a random prefix, then a whole draft of 4; each
+    row's logits equal the whole model's on a growing cache of its own, and its drafts are that model's greedy."""
+    (_, (split, *_)), target = MODELS[name], gemma4[name]
+    settings = Settings(engine={"static": True, "max_len": 256, "window_slack": slack, "graph_k": 3})
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=gen))  # noqa: E731
+    with torch.inference_mode():
+        whole = load_shard(target, None, embed=True, head=True)
+        n, vocab = whole.config.num_hidden_layers, whole.config.vocab_size
+        head, tail = (
+            load_shard(target, (0, split), embed=True, head=False),
+            load_shard(target, (split, n), embed=False, head=True),
+        )
+        engines = [Engine(shard, settings, slots=4) for shard in (head, tail)] + [
+            Engine(whole, settings, slots=4, max_draft=4)
+        ]
+        assert (slack is not None) == bool(engines[1].pool.rings or engines[0].pool.rings)
+        caches = [[e.acquire(need=256) for _ in range(3)] for e in engines]
+        mine = [KVCache() for _ in range(3)]
+        lens, steps = [0] * 3, [torch.randint(0, vocab, (m,), generator=gen) for m in (20, 64, 110)]
+        for _ in range(31):
+            hidden = engines[0].forward_many(caches[0], steps, lens)
+            wants = [s.shape[0] for s in steps]
+            got = engines[1].forward_many(caches[1], hidden, lens, wants, ids=steps)
+            alone = engines[2].forward_many(caches[2], steps, lens, wants)
+            for b, (step, at) in enumerate(zip(steps, lens, strict=True)):
+                want = whole.forward(step, at, mine[b], logits_last=step.shape[0])
+                torch.testing.assert_close(got[b], want, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(alone[b], want, rtol=1e-4, atol=1e-4)
+            lens = [at + rand(1, s.shape[0]) for at, s in zip(lens, steps, strict=True)]  # the prefix kept
+            for cache, keep in ((c, at) for row in (*caches, mine) for c, at in zip(row, lens, strict=True)):
+                cache.crop(keep)
+            steps = [torch.randint(0, vocab, (rand(1, 4),), generator=gen) for _ in range(3)]
+        feeds = [[rand(0, vocab - 1)] for _ in range(3)]
+        drafts = engines[2].draft_many(caches[2], feeds, lens, [4] * 3)
+        for b, (feed, at) in enumerate(zip(feeds, lens, strict=True)):
+            tokens, x = [], torch.tensor(feed)
+            for _ in range(4):
+                tokens.append(int(whole.forward(x, at, mine[b], logits_last=1)[-1].argmax()))
+                at, x = at + x.shape[0], torch.tensor(tokens[-1:])
+            assert drafts[b, :4].tolist() == tokens, b
+
+
+@pytest.mark.parametrize(
+    ("name", "static"),
+    [("gemma4", True), pytest.param("gemma4", False, marks=pytest.mark.slow)]
+    + [pytest.param("wrapper", True, marks=pytest.mark.slow)],
+)
+def test_split_generation_equals_generate(name, static, gemma4, tokenizers, tails, redis_client):
     """Greedy, model drafts (the model itself) and n-gram drafts, split 2/4 through a real tail process (which
-    embeds each round's ids for its per-layer inputs), prompts short and longer than the window."""
+    embeds each round's ids for its per-layer inputs), prompts short and longer than the window; on static caches
+    (the default) and growing ones."""
     target, tok = gemma4[name], tokenizers["qwen2"]
-    hf, names = _hf(target), tails.get(target, 2, 6)
-    runtime = HeadRuntime.load(target, (0, 2), draft=str(target))
+    hf, names = _hf(target), tails.get(target, 2, 6, () if static else ("--dynamic-cache",))
+    runtime = HeadRuntime.load(target, (0, 2), draft=str(target), settings=Settings(engine={"static": static}))
     for prompt in (PROMPTS[1], LONG):
         ids = torch.tensor([tok.encode(prompt)])
         want = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW)

@@ -5,12 +5,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from workers.engine.kvcache import KVPool
 
 
 def pick_last(m: int, p: int) -> list[int]:
     """The last p of a row's m rows (the first repeated where m < p: the row wants fewer)."""
     return [max(m - p + j, 0) for j in range(p)]
+
+
+def padded(rows: Sequence[torch.Tensor], t: int) -> torch.Tensor:
+    """Rows [m_b, ...] as one [B, t, ...] batch, zeros after each row's own m_b (no copy beyond the stack where every
+    row is t long)."""
+    if min(r.shape[0] for r in rows) == t:
+        return torch.stack(list(rows))
+    out = rows[0].new_zeros((len(rows), t, *rows[0].shape[1:]))
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out
 
 
 def prefill_parts(

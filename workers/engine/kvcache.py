@@ -30,21 +30,9 @@ from typing import Any
 
 import torch
 
+from workers.engine.layouts import pool_dims
 from workers.engine.linear_pool import LinearStates, View, furthest_base, linear_modules, rollback_error
-from workers.engine.rings import attention_layers, is_long, ring_mask, ring_sizes, shard_windows, write_ring
-
-
-def kv_dims(cfg: Any, attention: Any = None) -> tuple[int, int, int]:
-    """(key/value heads, key width, value width) a layer caches per position. A head's width for both; with latent
-    attention (DeepSeek-V3, GLM-4 MoE Lite: an `attention` module that expands its cache), one compressed latent
-    (kv_lora_rank wide) and one rotary key (qk_rope_head_dim); with latent attention whose cache is expanded
-    (DeepSeek-V2), qk_nope + qk_rope wide keys and v_head_dim wide values, one of each per query head."""
-    if hasattr(type(attention), "expand_kv"):
-        return 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    if getattr(cfg, "qk_nope_head_dim", None) and getattr(cfg, "v_head_dim", None):
-        return cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim, head_dim
+from workers.engine.rings import is_long, ring_mask, ring_sizes, shard_windows, write_ring
 
 
 def causal(index: torch.Tensor, pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -108,7 +96,8 @@ class KVPool:
 
     With `ring_slack`, a layer of `windows` (layer -> its sliding window) keeps [slots + 1, kv_heads, R, width],
     R = window + ring_slack rounded up (workers/engine/rings.py), where that is shorter than a slot; with `linear`
-    (layer -> its linear-attention mixer), their states and last scratch + 1 inputs (workers/engine/linear_pool.py)."""
+    (layer -> its linear-attention mixer), their states and last scratch + 1 inputs (workers/engine/linear_pool.py).
+    `dims` (layer -> heads, key width, value width; `pool_dims`): each layer's own, where they vary."""
 
     def __init__(
         self,
@@ -125,7 +114,9 @@ class KVPool:
         windows: dict[int, int] | None = None,
         ring_slack: int | None = None,
         linear: dict[int, Any] | None = None,
+        dims: dict[int, tuple[int, int, int]] | None = None,
     ) -> None:
+        dims = dims or dict.fromkeys(layer_ids, (kv_heads, head_dim, value_dim or head_dim))
         depth = scratch + 1  # how far back a linear layer's states roll
         scratch = -(-(max_len + scratch) // 16) * 16 - max_len  # total length a multiple of 16 (kernel alignment)
         self.ring_slack = ring_slack
@@ -139,11 +130,9 @@ class KVPool:
         self.padding = self.pad_slot if padded else None  # the slot only padding rows use, if there is one
         rows = slots + padded
 
-        def zeros(i: int, width: int) -> torch.Tensor:
-            return torch.zeros(rows, kv_heads, self.length_of(i, max_len + scratch), width, dtype=dtype, device=device)
-
-        self.keys = {i: zeros(i, head_dim) for i in layer_ids}
-        self.values = {i: zeros(i, value_dim or head_dim) for i in layer_ids}
+        shape = {i: (rows, dims[i][0], self.length_of(i, max_len + scratch)) for i in layer_ids}
+        self.keys = {i: torch.zeros(*shape[i], dims[i][1], dtype=dtype, device=device) for i in layer_ids}
+        self.values = {i: torch.zeros(*shape[i], dims[i][2], dtype=dtype, device=device) for i in layer_ids}
         self.linear = LinearStates(linear, rows, depth, dtype, device) if linear else None
         self.slots, self.max_len, self.scratch = slots, max_len, scratch
         self.index = torch.arange(max_len + scratch, device=device)
@@ -172,31 +161,29 @@ class KVPool:
     @staticmethod
     def slot_bytes(shard: Any, max_len: int, scratch: int, ring_slack: int | None = None) -> int:
         """Bytes one slot of a pool for `shard` takes (keys and values of every layer; rings where windowed)."""
-        ids, attention = attention_layers(shard)
-        heads, key_dim, value_dim = kv_dims(shard.config, attention)
+        dims = pool_dims(shard)
         length = -(-(max_len + scratch) // 16) * 16
         rings = ring_sizes(shard_windows(shard), ring_slack, length)
         size = torch.empty((), dtype=shard.dtype).element_size()
         states = LinearStates.slot_bytes(linear_modules(shard.layers), scratch + 1, size)
-        return states + sum(heads * (key_dim + value_dim) * rings.get(i, (length, 0))[0] * size for i in ids)
+        return states + sum(h * (k + v) * rings.get(i, (length, 0))[0] * size for i, (h, k, v) in dims.items())
 
     @classmethod
     def for_shard(cls, shard: Any, *, slots: int, max_len: int, scratch: int, ring_slack: int | None = None) -> KVPool:
-        ids, attention = attention_layers(shard)
-        heads, key_dim, value_dim = kv_dims(shard.config, attention)
+        dims = pool_dims(shard)
         return cls(
-            ids,
-            heads,
-            key_dim,
-            value_dim=value_dim,
+            list(dims),
+            0,
+            0,
             slots=slots,
             max_len=max_len,
             scratch=scratch,
             dtype=shard.dtype,
             device=shard.device,
-            windows=shard_windows(shard),
+            windows={i: w for i, w in shard_windows(shard).items() if i in dims},
             ring_slack=ring_slack,
             linear=linear_modules(shard.layers),
+            dims=dims,
         )
 
     @property

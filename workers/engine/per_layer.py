@@ -18,9 +18,10 @@ beyond the hidden states, and how a split keeps them exact.
   shared layers, a mixture of experts beside the MLP (`enable_moe_block`): transformers' own layers run them, over
   the masks a shard builds (sliding windows as Gemma 3's); the final logit soft cap is `Shard._logits`'.
 
-Such shards run transformers' layers over dynamic caches, one sequence at a time (`sizing.cache_modes`): a static
-pool holds one head width for every layer and its graphs take no ids. A rejected draft rolls back by cropping the
-cache, exactly as for any other family.
+Such shards run transformers' layers over static caches as every family does (a batch of sequences in one forward):
+the pool holds each layer's own head width and key/value heads and nothing for a KV-shared layer (`cached_dims`), and
+a tail's batch carries its rows' ids (`Engine.forward_many(..., ids=)`). They run without CUDA graphs
+(`sizing.cache_modes`): a captured forward takes no ids yet. A rejected draft rolls back as for any other family.
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ from workers.engine.checkpoint import Source, materialise, prefix_of, read_slice
 
 # families whose layers take inputs beyond the hidden states (per-layer inputs, keys and values of another layer)
 LAYER_INPUTS = {"gemma4_text"}
-DYNAMIC_ONLY = (
-    "{}'s layers (per-layer inputs from the token ids, keys and values shared across layers, head widths per layer "
-    "type) run dynamic caches, without graphs"
+NO_GRAPHS = (
+    "{}'s layers (per-layer inputs from the token ids, keys and values shared across layers) run without CUDA graphs"
 )
 
 
@@ -214,6 +214,16 @@ def load_layer_inputs(
     return LayerInputs(b - a, PerLayerInputs(config, b - a, tokens, table, projection, norm))
 
 
+def cached_dims(shard: nn.Module) -> dict[int, tuple[int, int, int]] | None:
+    """Where widths vary by layer (`LAYER_INPUTS`): each layer that caches keys and values -> (key/value heads, key
+    width, value width) as its attention module has them. A KV-shared layer caches none: it reads its source's,
+    returned by the source's cache update within the same forward. None for other families (one width for all)."""
+    if not takes_layer_inputs(shard.config):
+        return None
+    attending = [layer.self_attn for layer in shard.layers if not layer.self_attn.is_kv_shared_layer]
+    return {a.layer_idx: (a.k_proj.out_features // a.head_dim, a.head_dim, a.head_dim) for a in attending}
+
+
 def widest_kv(config: PretrainedConfig) -> tuple[int, int, int]:
     """(key/value heads, key width, value width) of the layer that caches the most a position: Gemma 4's head width
     and key/value heads vary by layer type (its config refuses to give one global `head_dim`)."""
@@ -224,8 +234,8 @@ def widest_kv(config: PretrainedConfig) -> tuple[int, int, int]:
 
 def shape_fields(config: PretrainedConfig, base: nn.Module, dtype_bytes: int) -> dict[str, object]:
     """`plan.ModelShape`'s fields for these families: each layer's keys + values a position at its own head width
-    (0 for a KV-shared layer: its source's are counted), no windows (dynamic caches keep every position), and the
-    bytes of each layer's per-layer-input weights (its columns of the table, rows of the projection) and the norm."""
+    (0 for a KV-shared layer: its source's are counted), and the bytes of each layer's per-layer-input weights (its
+    columns of the table, rows of the projection) and the norm."""
     n, width = config.num_hidden_layers, per_layer_width(config)
     kv = tuple(
         0 if layer.self_attn.is_kv_shared_layer else 2 * layer.self_attn.k_proj.out_features * dtype_bytes
@@ -234,7 +244,6 @@ def shape_fields(config: PretrainedConfig, base: nn.Module, dtype_bytes: int) ->
     per_layer = width * (config.vocab_size_per_layer_input + config.hidden_size) * dtype_bytes
     return {
         "kv_layer": kv,
-        "window_layer": (None,) * n,
         "per_layer": (per_layer,) * n if width else (),
         "per_layer_norm": width * dtype_bytes,
     }

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
 from schemas.settings import Settings
-from workers.engine.kvcache import kv_dims
+from workers.engine.layouts import kv_dims
 from workers.engine.linear_pool import ring_row_bytes
 from workers.engine.per_layer import plan_cuts, shape_fields, takes_layer_inputs, widest_kv
 from workers.engine.quant import quantized_bytes

@@ -26,7 +26,7 @@ import torch._dynamo
 
 from schemas.settings import Settings
 from workers.engine import decode_kernels, pool_attention
-from workers.engine.batches import pick_last, prefill_parts
+from workers.engine.batches import padded, pick_last, prefill_parts
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
@@ -170,10 +170,10 @@ class Engine:
         Returns per sequence its hidden states [m, h], or the logits [n, vocab] of its last n rows
         (n = logits_last, one int or one per sequence). Static caches of one pool run as one batch. `ids`: each
         x's token ids [m], for a shard that takes them beside hidden states (`Shard.needs_ids`: Gemma 4's per-layer
-        inputs), whose caches are dynamic."""
+        inputs)."""
         n = len(caches)
-        if ids is not None and self.static:
-            raise ValueError("token ids beside hidden states run over dynamic caches only")
+        if ids is not None and any(i.shape[0] != x.shape[0] for i, x in zip(ids, xs, strict=True)):
+            raise ValueError("each row's token ids must be as many as its hidden states")
         wants = [logits_last] * n if isinstance(logits_last, int) else list(logits_last)
         for cache, x, start in zip(caches, xs, starts, strict=True):  # check every row before any runs
             self.check(cache, start, x.shape[0])
@@ -193,6 +193,7 @@ class Engine:
                     [starts[i] for i in part],
                     [wants[i] for i in part],
                     eager=True,
+                    ids=[ids[i] for i in part] if ids is not None else None,
                 )
                 for i, o in zip(part, got, strict=True):
                     out[i] = o
@@ -204,6 +205,7 @@ class Engine:
                 [xs[i] for i in part],
                 [starts[i] for i in part],
                 [wants[i] for i in part],
+                ids=[ids[i] for i in part] if ids is not None else None,
             )
             for i, o in zip(part, got, strict=True):  # a graph's result lives until the next replay
                 out[i] = o.clone() if self.graphs and n_part < len(parts) - 1 else o
@@ -230,21 +232,18 @@ class Engine:
         starts: list[int],
         wants: list[int],
         eager: bool = False,
+        ids: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """One batched forward of these rows: through a graph (rows padded to step_tokens, logits of 0, 1 or all
-        rows), or with `eager` (prompts) padded to the longest and the logits of each row's last max(wants)."""
+        rows), or with `eager` (prompts) padded to the longest and the logits of each row's last max(wants). `ids`:
+        the rows' token ids, padded as they are (`forward_many`)."""
         dev, pool = self.shard.device, caches[0].pool
         sizes = [x.shape[0] for x in xs]
         graph = self.graphs and not eager
         t = self.step_tokens if graph and self.pad else max(sizes)
         p = (0 if max(wants) == 0 else (1 if max(wants) == 1 else t)) if graph else max(wants)
         length = self.attended(pool, max(starts) + t)  # padding too: a window past the attended columns sees none
-        if min(sizes) == t:
-            x = torch.stack(list(xs))
-        else:
-            x = xs[0].new_zeros((len(xs), t, *xs[0].shape[1:]))
-            for b, xb in enumerate(xs):
-                x[b, : sizes[b]] = xb
+        x = padded(xs, t)
         meta = [
             [
                 c.slot,
@@ -260,7 +259,8 @@ class Engine:
             out = self._graph(pool, len(caches), t, p, length=length)(rows, x, pos, pick)
         else:  # prompts never through torch.compile: their lengths vary
             run = self.shard.run_batch if eager else self.run_batch
-            out = run(x, pos, BatchView(pool, rows, pos, length, last=last), pick)
+            extra = {"ids": padded(ids, t).to(dev, non_blocking=True)} if ids is not None else {}
+            out = run(x, pos, BatchView(pool, rows, pos, length, last=last), pick, **extra)
         for cache, start, m in zip(caches, starts, sizes, strict=True):  # padding wrote up to start + t
             cache.advance(start + m, start + t)
         if p == 0:

@@ -37,7 +37,7 @@ from workers.engine.decode_kernels import DecodeLayers
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.linear_pool import pool_backed
-from workers.engine.per_layer import DYNAMIC_ONLY, LayerInputs, load_layer_inputs, refuse_split, takes_layer_inputs
+from workers.engine.per_layer import NO_GRAPHS, LayerInputs, load_layer_inputs, refuse_split, takes_layer_inputs
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
 from workers.engine.quant_experts import quantize_experts
 from workers.engine.recurrent import RecurrentCache, linear_layers
@@ -125,9 +125,9 @@ class Shard(nn.Module):
         return self.embed is None and self.layer_inputs is not None and self.layer_inputs.needs_ids
 
     @property
-    def dynamic_reason(self) -> str | None:
-        """Why this shard runs only dynamic caches, without graphs (workers/engine/sizing.py), or None."""
-        return DYNAMIC_ONLY.format(self.config.model_type) if self.layer_inputs is not None else None
+    def graphs_reason(self) -> str | None:
+        """Why this shard runs without CUDA graphs (workers/engine/sizing.py), or None."""
+        return NO_GRAPHS.format(self.config.model_type) if self.layer_inputs is not None else None
 
     @property
     def recurrent(self) -> bool:

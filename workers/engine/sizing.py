@@ -24,10 +24,10 @@ def cache_modes(shard: Shard, engine: EngineSettings) -> tuple[bool, bool]:
     rounds of the sequences in flight run as one batched forward: on a CPU too, where 8 sequences' rounds cost
     about 3x one's, where growing caches cost 8x) and CUDA graphs on a CUDA device."""
     static, graphs, cuda = engine.static, engine.graphs, shard.device.type == "cuda"
-    if (why := shard.dynamic_reason) is not None:  # Gemma 4's layer inputs: one sequence at a time
-        if static or graphs:
+    if (why := shard.graphs_reason) is not None:  # Gemma 4's layer inputs: static caches, batched, no graphs
+        if graphs:
             raise ValueError(why)
-        return False, False
+        graphs = False
     graphs = cuda if graphs is None else graphs
     if graphs and not cuda:
         raise ValueError("CUDA graphs need a CUDA device")
@@ -104,7 +104,8 @@ def row_bytes(shard: Shard, t: int, p: int, length: int) -> int:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
-            y = shard.run_batch(x, pos, BatchView(pool, rows, pos, length), pick)
+            ids = torch.zeros(b, t, dtype=torch.long, device=dev) if shard.needs_ids else None  # a Gemma 4 tail's
+            y = shard.run_batch(x, pos, BatchView(pool, rows, pos, length), pick, ids=ids)
             torch.cuda.synchronize(dev)
             peaks.append(torch.cuda.max_memory_allocated(dev) - base)
             del y

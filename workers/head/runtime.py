@@ -216,7 +216,7 @@ def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan 
     drafter planned alone took all the memory); None: each engine decides."""
     if cfg.engine.slots is not None or shard.device.type != "cuda":
         return None
-    if not cache_modes(shard, cfg.engine)[0]:  # dynamic caches (Gemma 4's shards): its drafter holds as many
+    if not cache_modes(shard, cfg.engine)[0]:  # dynamic caches (--dynamic-cache): its drafter holds as many
         return SlotPlan(cfg.engine.cpu_slots)
     k, n_max = cfg.engine.graph_k, cache_len(shard, cfg)
 
