@@ -116,6 +116,10 @@ def _draft_body(
     return greedy_steps(run, pool, rows, x, pos, pick, steps, length, in_place)
 
 
+def _with_ids(run: Callable[..., torch.Tensor], ids: torch.Tensor, *args: object) -> torch.Tensor:
+    return run(*args, ids=ids)  # a captured forward of a shard that takes its rows' ids (Gemma 4's tail)
+
+
 class BatchGraph:
     """One captured forward of `b` rows × `t` tokens over one pool (logits of `p` rows each, or hidden),
     or with `steps` > 0 a whole greedy draft of that many tokens (`greedy_steps`; p = 1), attending over
@@ -141,6 +145,9 @@ class BatchGraph:
         self.pos = self.pad_pos.expand(b, t).clone()
         self.pick = torch.arange(t - p, t, device=dev).expand(b, p).clone() if p else None
         view = BatchView(pool, self.rows, self.pos, length)
+        self.ids = torch.zeros(b, t, dtype=torch.long, device=dev) if shard.needs_ids else None  # a Gemma 4 tail's
+        if self.ids is not None:
+            run = partial(_with_ids, run, self.ids)
         self.forward = run
         if steps:
             self.pick = torch.full((b, 1), t - 1, dtype=torch.long, device=dev)
@@ -163,10 +170,18 @@ class BatchGraph:
                 self.out.copy_(run(self.x, self.pos, view, self.pick))
 
     def __call__(
-        self, rows: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, pick: torch.Tensor | None
+        self,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        pick: torch.Tensor | None,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = rows.shape[0]
         with torch.cuda.device(self.x.device):
+            if self.ids is not None and ids is not None:  # the rows' token ids (padding rows: 0)
+                self.ids[:n].copy_(ids, non_blocking=True)
+                self.ids[n:].zero_()
             self.rows[:n].copy_(rows, non_blocking=True)
             self.rows[n:].fill_(self.pool.pad_slot)
             self.x[:n].copy_(x, non_blocking=True)

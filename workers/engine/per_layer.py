@@ -20,8 +20,9 @@ beyond the hidden states, and how a split keeps them exact.
 
 Such shards run transformers' layers over static caches as every family does (a batch of sequences in one forward):
 the pool holds each layer's own head width and key/value heads and nothing for a KV-shared layer (`cached_dims`), and
-a tail's batch carries its rows' ids (`Engine.forward_many(..., ids=)`). They run without CUDA graphs
-(`sizing.cache_modes`): a captured forward takes no ids yet. A rejected draft rolls back as for any other family.
+a tail's batch carries its rows' ids (`Engine.forward_many(..., ids=)`, a graph's `BatchGraph.ids`). CUDA graphs run
+only where asked (`sizing.cache_modes`), until measured on a device. A rejected draft rolls back as for any other
+family.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from workers.engine.checkpoint import Source, materialise, prefix_of, read_slice
 # families whose layers take inputs beyond the hidden states (per-layer inputs, keys and values of another layer)
 LAYER_INPUTS = {"gemma4_text"}
 NO_GRAPHS = (
-    "{}'s layers (per-layer inputs from the token ids, keys and values shared across layers) run without CUDA graphs"
+    "{}'s layers (per-layer inputs from the token ids, keys and values shared across layers) run CUDA graphs only "
+    "where asked (--graphs): not yet measured on a device"
 )
 
 

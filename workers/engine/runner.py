@@ -255,11 +255,11 @@ class Engine:
         ]
         meta_t = torch.tensor(meta, dtype=torch.long).to(dev, non_blocking=True)
         rows, last, pos, pick = meta_t[:, 0], meta_t[:, 1], meta_t[:, 2 : 2 + t], (meta_t[:, 2 + t :] if p else None)
+        extra = {"ids": padded(ids, t).to(dev, non_blocking=True)} if ids is not None else {}
         if graph:
-            out = self._graph(pool, len(caches), t, p, length=length)(rows, x, pos, pick)
+            out = self._graph(pool, len(caches), t, p, length=length)(rows, x, pos, pick, **extra)
         else:  # prompts never through torch.compile: their lengths vary
             run = self.shard.run_batch if eager else self.run_batch
-            extra = {"ids": padded(ids, t).to(dev, non_blocking=True)} if ids is not None else {}
             out = run(x, pos, BatchView(pool, rows, pos, length, last=last), pick, **extra)
         for cache, start, m in zip(caches, starts, sizes, strict=True):  # padding wrote up to start + t
             cache.advance(start + m, start + t)

@@ -126,7 +126,7 @@ class Shard(nn.Module):
 
     @property
     def graphs_reason(self) -> str | None:
-        """Why this shard runs without CUDA graphs (workers/engine/sizing.py), or None."""
+        """Why this shard runs CUDA graphs only where asked (workers/engine/sizing.py), or None."""
         return NO_GRAPHS.format(self.config.model_type) if self.layer_inputs is not None else None
 
     @property
