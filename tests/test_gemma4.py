@@ -150,6 +150,8 @@ def test_gemma4_shards_run_static_caches_without_graphs_and_refuse_float16(gemma
         load_shard(target, (0, 2), embed=True, head=False, dtype=torch.float16)
     with pytest.raises(ValueError, match="pass the token ids"), torch.inference_mode():
         shard.forward(torch.zeros(3, 64), 0, KVCache(), logits_last=1)
+    with pytest.raises(ValueError, match="pass the token ids"), torch.inference_mode():  # a batch on the pool too
+        engine.forward_many([engine.acquire()], [torch.zeros(3, 64)], [0], 1)
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -1,5 +1,5 @@
 """How an engine's rows make up its batched forwards (workers/engine/runner.py): which prompts of a pool run
-together, and which rows of a step are picked for logits."""
+together, which rows of a step are picked for logits, and the rows padded into one batch (their token ids too)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,13 @@ from workers.engine.kvcache import KVPool
 def pick_last(m: int, p: int) -> list[int]:
     """The last p of a row's m rows (the first repeated where m < p: the row wants fewer)."""
     return [max(m - p + j, 0) for j in range(p)]
+
+
+def check_ids(ids: Sequence[torch.Tensor] | None, xs: Sequence[torch.Tensor], needed: bool) -> None:
+    """ValueError unless each row has as many token ids as rows of x, where given or `needed` (a shard whose layers
+    take per-layer inputs: Gemma 4's)."""
+    if (ids is None and needed) or (ids is not None and any(len(i) != len(x) for i, x in zip(ids, xs, strict=True))):
+        raise ValueError("this shard's layers take per-layer inputs: pass the token ids of its rows (ids=)")
 
 
 def padded(rows: Sequence[torch.Tensor], t: int) -> torch.Tensor:

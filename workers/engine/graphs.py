@@ -179,7 +179,8 @@ class BatchGraph:
     ) -> torch.Tensor:
         n = rows.shape[0]
         with torch.cuda.device(self.x.device):
-            if self.ids is not None and ids is not None:  # the rows' token ids (padding rows: 0)
+            if self.ids is not None:  # the rows' token ids (padding rows: 0); never the last replay's
+                assert ids is not None, "this shard's captured forward takes its rows' token ids"
                 self.ids[:n].copy_(ids, non_blocking=True)
                 self.ids[n:].zero_()
             self.rows[:n].copy_(rows, non_blocking=True)

@@ -26,7 +26,7 @@ import torch._dynamo
 
 from schemas.settings import Settings
 from workers.engine import decode_kernels, pool_attention
-from workers.engine.batches import padded, pick_last, prefill_parts
+from workers.engine.batches import check_ids, padded, pick_last, prefill_parts
 from workers.engine.graphs import BatchGraph, GraphMemory, buckets, greedy_steps
 from workers.engine.kvcache import BatchView, KVPool, StaticKVCache
 from workers.engine.shard import Cache, Shard
@@ -172,8 +172,7 @@ class Engine:
         x's token ids [m], for a shard that takes them beside hidden states (`Shard.needs_ids`: Gemma 4's per-layer
         inputs)."""
         n = len(caches)
-        if ids is not None and any(i.shape[0] != x.shape[0] for i, x in zip(ids, xs, strict=True)):
-            raise ValueError("each row's token ids must be as many as its hidden states")
+        check_ids(ids, xs, self.shard.needs_ids)
         wants = [logits_last] * n if isinstance(logits_last, int) else list(logits_last)
         for cache, x, start in zip(caches, xs, starts, strict=True):  # check every row before any runs
             self.check(cache, start, x.shape[0])
