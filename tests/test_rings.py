@@ -12,6 +12,7 @@ import torch
 
 from schemas.settings import Settings
 from workers.engine.graphs import greedy_steps
+from workers.engine.isolate import run_isolated
 from workers.engine.kvcache import BatchView, KVPool
 from workers.engine.plan import kv_bytes, model_shape
 from workers.engine.rings import held, ring_mask
@@ -117,6 +118,37 @@ def test_a_rollback_past_the_slack_is_refused(shard):
         ring.forward(cache, torch.zeros(10, dtype=torch.long), 0, 1)
         ring.forward(cache, torch.zeros(3, dtype=torch.long), 10, 1)
     cache.crop(11)
+
+
+def test_a_failed_batch_whose_long_part_cannot_be_rolled_back_fails_that_part_alone(shard):
+    """A batch fails after its forward wrote: a prompt's second part (110 tokens at 20: further into the ring than a
+    rollback can undo) beside two rounds. Each is rewound and run alone (`run_isolated`, as both roles retry a batch):
+    the part, whose ring cannot go back, gets its own error; the rounds run alone as on an engine of their own."""
+    eng, alone = _engine(shard, SLACK), _engine(shard, SLACK)
+    vocab = shard.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (20,), generator=gen) for _ in range(3)]
+    steps = [torch.randint(0, vocab, (m,), generator=gen) for m in (110, 3, 4)]
+    caches, refs = [eng.acquire(need=200) for _ in range(3)], [alone.acquire(need=200) for _ in range(3)]
+
+    def run(items: list[int]) -> list[torch.Tensor]:
+        out = eng.forward_many([caches[i] for i in items], [steps[i] for i in items], [20] * len(items), 1)
+        if len(items) > 1:
+            raise RuntimeError("the batch failed after its forward wrote")
+        return out
+
+    def rewind(i: int) -> None:
+        if caches[i].length > 20:
+            caches[i].crop(20)
+
+    with torch.inference_mode():
+        for c, r, p in zip(caches, refs, prompts, strict=True):
+            eng.forward(c, p, 0, 1)
+            alone.forward(r, p, 0, 1)
+        got = run_isolated([0, 1, 2], run, rewind, lambda i, e: e)
+        assert isinstance(got[0], ValueError) and "cannot roll a windowed layer's ring back" in str(got[0])
+        for i in (1, 2):
+            torch.testing.assert_close(got[i], alone.forward(refs[i], steps[i], 20, 1), rtol=1e-4, atol=1e-4)
 
 
 def test_padding_past_a_rows_own_end_never_reaches_its_logits(shard):

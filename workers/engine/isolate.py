@@ -2,7 +2,8 @@
 
 Both roles batch every ready sequence into one forward (the head's `Batcher`, the tail's rounds). An
 exception there does not say which sequence caused it, so each item is rewound to the state it was
-submitted in (its KV cache cropped back) and run alone; the item that fails alone gets its own error.
+submitted in (its KV cache cropped back) and run alone; the item that fails alone gets its own error, as does one
+that cannot be rewound (a long step wrote further into a windowed layer's ring than a rollback can undo).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def run_isolated(
             return [on_error(batch[0], e)]
     out: list[R] = []
     for item in batch:
-        rewind(item)
+        try:
+            rewind(item)
+        except Exception as e:  # its state cannot go back (a windowed layer's ring past its slack): it alone fails
+            out.append(on_error(item, e))
+            continue
         out += run_isolated([item], run, rewind, on_error)
     return out
