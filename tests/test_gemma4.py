@@ -9,6 +9,7 @@ real tail process equals HF `generate`."""
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from types import SimpleNamespace
 
@@ -126,7 +127,7 @@ def test_a_split_that_parts_a_shared_layer_is_refused_and_the_plan_avoids_it(gem
         plan_split(config, [GiB, GiB], dtype=torch.float32, split=4)
     shape = model_shape(config, torch.float32)  # shared layers cache nothing; full layers 1 head of 32 (keys, values)
     assert shape.kv_layer == (256, 256, 256, 256, 0, 0) and shape.window_layer == (8, 8, None, 8, 8, None)
-    assert kv_bytes(shape, (2, 6), 100, 0) == 2 * 256 * 100
+    assert kv_bytes(shape, (2, 6), 100, 0) == 2 * 256 * 112  # 100 positions held as 112, a multiple of 16
 
 
 def test_gemma4_shards_run_static_caches_without_graphs_and_refuse_float16(gemma4):
@@ -144,8 +145,11 @@ def test_gemma4_shards_run_static_caches_without_graphs_and_refuse_float16(gemma
     assert engine.pool.keys[2].shape[1::2] == (1, 32) and engine.pool.values[3].shape[1::2] == (2, 16)
     assert Engine(shard, Settings(engine={"static": False})).acquire().__class__ is KVCache
     shape = model_shape(AutoConfig.from_pretrained(target), torch.float32)  # the plan counts the pool as it is held
-    for slack in (None, 80):
-        assert kv_bytes(shape, (2, 6), 256, 16, slack) == KVPool.slot_bytes(shard, 256, 16, ring_slack=slack)
+    for (positions, scratch), slack in itertools.product([(256, 16), (250, 9)], (None, 80)):
+        pool = KVPool.for_shard(shard, slots=1, max_len=positions, scratch=scratch, ring_slack=slack)
+        held = sum(t[0].nbytes for t in (*pool.keys.values(), *pool.values.values()))  # a slot, as allocated
+        assert kv_bytes(shape, (2, 6), positions, scratch, slack) == held
+        assert held == KVPool.slot_bytes(shard, positions, scratch, slack)
     with pytest.raises(ModelLoadError, match="gemma4_text overflows float16"):
         load_shard(target, (0, 2), embed=True, head=False, dtype=torch.float16)
     with pytest.raises(ValueError, match="pass the token ids"), torch.inference_mode():

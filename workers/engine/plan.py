@@ -164,11 +164,12 @@ def kv_bytes(
     shape: ModelShape, layers: tuple[int, int], positions: int, scratch: int, window_slack: int | None = None
 ) -> int:
     """What one sequence's cache holds over layers [a, b): the attention layers' keys/values of `positions` +
-    `scratch` (a windowed layer's: a ring of its window and max(window_slack, scratch), where shorter, as the
-    engines keep them: workers/engine/rings.py), and the linear-attention layers' states (which do not grow) with
-    the inputs of their last scratch + 2 positions (a static pool's ring: workers/engine/linear_pool.py)."""
+    `scratch` rounded up to a multiple of 16, as a pool holds them (a windowed layer's: a ring of its window and
+    max(window_slack, scratch), where shorter, as the engines keep them: workers/engine/rings.py), and the
+    linear-attention layers' states (which do not grow) with the inputs of their last scratch + 2 positions (a static
+    pool's ring: workers/engine/linear_pool.py)."""
     a, b = layers
-    full, windows = positions + scratch, shape.window_layer or (None,) * shape.layers
+    full, windows = -(-(positions + scratch) // 16) * 16, shape.window_layer or (None,) * shape.layers
     slack = None if window_slack is None else max(window_slack, scratch)
 
     def held(window: int | None) -> int:
