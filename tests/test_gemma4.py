@@ -130,7 +130,7 @@ def test_a_split_that_parts_a_shared_layer_is_refused_and_the_plan_avoids_it(gem
     assert kv_bytes(shape, (2, 6), 100, 0) == 2 * 256 * 112  # 100 positions held as 112, a multiple of 16
 
 
-def test_gemma4_shards_run_static_caches_without_graphs_and_refuse_float16(gemma4):
+def test_gemma4_shards_run_static_caches_graphs_only_where_asked_and_refuse_float16(gemma4):
     """Static caches by default, as every family: a pool of each layer's own width and heads, none for a shared
     layer (the tail 2:6 caches layers 2 and 3: full attention 1 head of 32, sliding 2 heads of 16); on a CUDA device,
     CUDA graphs only where asked."""
@@ -156,6 +156,27 @@ def test_gemma4_shards_run_static_caches_without_graphs_and_refuse_float16(gemma
         shard.forward(torch.zeros(3, 64), 0, KVCache(), logits_last=1)
     with pytest.raises(ValueError, match="pass the token ids"), torch.inference_mode():  # a batch on the pool too
         engine.forward_many([engine.acquire()], [torch.zeros(3, 64)], [0], 1)
+
+
+def test_a_tail_batchs_graph_is_given_its_rows_ids_padded_as_they_are(gemma4, monkeypatch):
+    """Where graphs run (asked for on a CUDA device), a tail's batch hands its graph the rows' ids, padded to the
+    graph's step as the hidden rows are (a graph's replay copies them into its own buffer: `BatchGraph.ids`)."""
+    shard = load_shard(gemma4["gemma4"], (2, 6), embed=False, head=True)
+    engine = Engine(shard, Settings(engine={"max_len": 256, "graph_k": 3}), slots=4)
+    seen: list[torch.Tensor | None] = []
+
+    def graph(pool, b, t, p, steps=0, length=None, log_it=True):
+        def replay(rows, x, pos, pick, ids=None):
+            seen.append(ids)
+            return torch.zeros(rows.shape[0], t, shard.config.hidden_size)
+
+        return replay
+
+    monkeypatch.setattr(engine, "graphs", True)
+    monkeypatch.setattr(engine, "_graph", graph)
+    caches, ids = [engine.acquire(), engine.acquire()], [torch.tensor([5, 6]), torch.tensor([7, 8, 9])]
+    engine.forward_many(caches, [torch.zeros(2, 64), torch.zeros(3, 64)], [0, 0], 0, ids=ids)
+    assert seen[0].tolist() == [[5, 6, 0, 0], [7, 8, 9, 0]]  # padded to the graph's 4 tokens a row
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
