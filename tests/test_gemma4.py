@@ -25,7 +25,7 @@ from schemas.settings import EngineSettings, Settings
 from tests.conftest import PROMPTS
 from tests.relay_util import announce, sealed_round
 from workers.engine.kvcache import KVCache, KVPool, StaticKVCache
-from workers.engine.per_layer import kv_sources
+from workers.engine.per_layer import kv_sources, widest_mlp
 from workers.engine.plan import GiB, kv_bytes, model_shape, plan_split, shard_weights
 from workers.engine.runner import Engine
 from workers.engine.shard import load_shard
@@ -127,6 +127,7 @@ def test_a_split_that_parts_a_shared_layer_is_refused_and_the_plan_avoids_it(gem
         plan_split(config, [GiB, GiB], dtype=torch.float32, split=4)
     shape = model_shape(config, torch.float32)  # shared layers cache nothing; full layers 1 head of 32 (keys, values)
     assert shape.kv_layer == (256, 256, 256, 256, 0, 0) and shape.window_layer == (8, 8, None, 8, 8, None)
+    assert shape.head_dim == 32 and widest_mlp(config) == 2 * config.intermediate_size  # full heads; double-wide MLPs
     assert kv_bytes(shape, (2, 6), 100, 0) == 2 * 256 * 112  # 100 positions held as 112, a multiple of 16
 
 

@@ -234,10 +234,18 @@ def widest_kv(config: PretrainedConfig) -> tuple[int, int, int]:
     return heads, width, width
 
 
+def widest_mlp(config: PretrainedConfig) -> int:
+    """The widest intermediate one layer computes a token: double-wide MLPs on shared layers, beside a mixture of
+    experts' top-k (`enable_moe_block`)."""
+    mlp = config.intermediate_size * (2 if getattr(config, "use_double_wide_mlp", False) else 1)
+    moe = config.top_k_experts * config.moe_intermediate_size if getattr(config, "enable_moe_block", False) else 0
+    return mlp + moe
+
+
 def shape_fields(config: PretrainedConfig, base: nn.Module, dtype_bytes: int) -> dict[str, object]:
-    """`plan.ModelShape`'s fields for these families: each layer's keys + values a position at its own head width
-    (0 for a KV-shared layer: its source's are counted), and the bytes of each layer's per-layer-input weights (its
-    columns of the table, rows of the projection) and the norm."""
+    """`plan.ModelShape`'s fields for these families: the widest head, each layer's keys + values a position at its
+    own head width (0 for a KV-shared layer: its source's are counted), and the bytes of each layer's per-layer-input
+    weights (its columns of the table, rows of the projection) and the norm."""
     n, width = config.num_hidden_layers, per_layer_width(config)
     kv = tuple(
         0 if layer.self_attn.is_kv_shared_layer else 2 * layer.self_attn.k_proj.out_features * dtype_bytes
@@ -245,6 +253,7 @@ def shape_fields(config: PretrainedConfig, base: nn.Module, dtype_bytes: int) ->
     )
     per_layer = width * (config.vocab_size_per_layer_input + config.hidden_size) * dtype_bytes
     return {
+        "head_dim": max(config.per_layer_config[i].head_dim for i in range(n)),  # the widest (full attention's)
         "kv_layer": kv,
         "per_layer": (per_layer,) * n if width else (),
         "per_layer_norm": width * dtype_bytes,

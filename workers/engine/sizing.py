@@ -12,7 +12,7 @@ import torch
 
 from schemas.settings import EngineSettings, Settings
 from workers.engine.kvcache import BatchView, KVPool
-from workers.engine.per_layer import takes_layer_inputs, widest_kv
+from workers.engine.per_layer import takes_layer_inputs, widest_kv, widest_mlp
 from workers.engine.quant_experts import dequantized_bytes
 from workers.engine.shard import FUSED_MAX_SCORE_BYTES, Shard, blank_input
 
@@ -133,12 +133,13 @@ def workspace_bytes(config: object, dtype_bytes: int, settings: Settings) -> int
     of prefill_tokens tokens (one layer's activations, and the fused attention's score budget) and allocator
     slack. On a small card this is more than graph_reserve's share."""
     heads = config.num_attention_heads  # type: ignore[attr-defined]
+    mlp = config.intermediate_size  # type: ignore[attr-defined]
     if takes_layer_inputs(config):  # type: ignore[arg-type]  # Gemma 4: dims per layer type, its widest layer's
-        kv, head_dim, _ = widest_kv(config)  # type: ignore[arg-type]
+        (kv, head_dim, _), mlp = widest_kv(config), widest_mlp(config)  # type: ignore[arg-type]
     else:
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
-    width = (heads + 2 * kv) * head_dim + 2 * config.intermediate_size + 4 * config.hidden_size  # type: ignore[attr-defined]
+    width = (heads + 2 * kv) * head_dim + 2 * mlp + 4 * config.hidden_size  # type: ignore[attr-defined]
     return settings.engine.prefill_tokens * width * dtype_bytes + FUSED_MAX_SCORE_BYTES + ALLOCATOR_SLACK
 
 
