@@ -199,7 +199,13 @@ RANDOM_PRESETS: dict[str, dict] = {
     # transformers' own Gemma4TextConfig defaults, which its docstring calls similar to google/gemma-4-e2b-it: 30
     # layers (5 sliding of 512 : 1 full), per-layer inputs 256 wide, tied embeddings of 262,144 tokens; and, our
     # choice, the last 10 layers reading the keys of layers 17 (full) and 19 (sliding), as Gemma 4's KV sharing does
-    "gemma-4-e2b": dict(family="gemma4_text", num_kv_shared_layers=10, eos_token_id=106),
+    "gemma-4-e2b": dict(
+        family="gemma4_text",
+        vocab_size=262144,
+        num_hidden_layers=30,
+        num_kv_shared_layers=10,
+        eos_token_id=106,
+    ),
     "hybrid-4b": dict(  # Qwen3.5's layout (Gated DeltaNet : full attention 3 : 1), dimensions of our choosing
         family="qwen3_5_text",
         vocab_size=151936,
