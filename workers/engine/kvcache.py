@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from workers.engine.layouts import pool_dims
+from workers.engine.layouts import pool_dims, slot_length
 from workers.engine.linear_pool import LinearStates, View, furthest_base, linear_modules, rollback_error
 from workers.engine.rings import is_long, ring_mask, ring_sizes, shard_windows, write_ring
 
@@ -118,7 +118,7 @@ class KVPool:
     ) -> None:
         dims = dims or dict.fromkeys(layer_ids, (kv_heads, head_dim, value_dim or head_dim))
         depth = scratch + 1  # how far back a linear layer's states roll
-        scratch = -(-(max_len + scratch) // 16) * 16 - max_len  # total length a multiple of 16 (kernel alignment)
+        scratch = slot_length(max_len, scratch) - max_len  # total length a multiple of 16 (kernel alignment)
         self.ring_slack = ring_slack
         self.rings = ring_sizes(windows or {}, ring_slack, max_len + scratch)  # layer -> (ring, window)
         self.ring_of = {w: r for r, w in self.rings.values()}  # window -> ring
@@ -162,7 +162,7 @@ class KVPool:
     def slot_bytes(shard: Any, max_len: int, scratch: int, ring_slack: int | None = None) -> int:
         """Bytes one slot of a pool for `shard` takes (keys and values of every layer; rings where windowed)."""
         dims = pool_dims(shard)
-        length = -(-(max_len + scratch) // 16) * 16
+        length = slot_length(max_len, scratch)
         rings = ring_sizes(shard_windows(shard), ring_slack, length)
         size = torch.empty((), dtype=shard.dtype).element_size()
         states = LinearStates.slot_bytes(linear_modules(shard.layers), scratch + 1, size)

@@ -1,5 +1,6 @@
 """What each layer of a shard caches a position: key/value heads, key width and value width (`kv_dims` for a model's
-one width, `pool_dims` for each layer of a shard, as its static pool holds them: workers/engine/kvcache.py)."""
+one width, `pool_dims` for each layer of a shard, as its static pool holds them: workers/engine/kvcache.py), and how
+many positions a slot holds (`slot_length`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ from typing import Any
 
 from workers.engine.per_layer import cached_dims
 from workers.engine.rings import attention_layers
+
+
+def slot_length(max_len: int, scratch: int) -> int:
+    """Positions a slot holds: max_len + scratch rounded up to a multiple of 16 (kernel alignment), as pools and the
+    memory plan count them."""
+    return -(-(max_len + scratch) // 16) * 16
 
 
 def kv_dims(cfg: Any, attention: Any = None) -> tuple[int, int, int]:

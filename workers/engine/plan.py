@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from schemas.errors import ModelLoadError
 from schemas.settings import Settings
-from workers.engine.layouts import kv_dims
+from workers.engine.layouts import kv_dims, slot_length
 from workers.engine.linear_pool import ring_row_bytes
 from workers.engine.per_layer import plan_cuts, shape_fields, takes_layer_inputs, widest_kv
 from workers.engine.quant import quantized_bytes
@@ -169,7 +169,7 @@ def kv_bytes(
     linear-attention layers' states (which do not grow) with the inputs of their last scratch + 2 positions (a static
     pool's ring: workers/engine/linear_pool.py)."""
     a, b = layers
-    full, windows = -(-(positions + scratch) // 16) * 16, shape.window_layer or (None,) * shape.layers
+    full, windows = slot_length(positions, scratch), shape.window_layer or (None,) * shape.layers
     slack = None if window_slack is None else max(window_slack, scratch)
 
     def held(window: int | None) -> int:

@@ -6,10 +6,13 @@ ends then (`withdraw`), not once seated."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Any
 
 from rq.timeouts import JobTimeoutException
+
+log = logging.getLogger("shardflow.head")
 
 
 def seat(waiting: list[Any], new: list[Any], now: float, freed: bool) -> tuple[list[Any], list[Any]]:
@@ -47,7 +50,10 @@ def withdraw(lists: tuple[list[Any], ...], cancels: list[tuple[Future, BaseExcep
     if not why:
         return lists
     for slot in (s for slots in lists for s in slots if id(s.future) in why):
-        slot.gen.release()  # one seated when made (a direct RoundLoop) gives its slots back, as in `_seat`
+        try:  # one seated when made (a direct RoundLoop) gives its slots back, as in `_seat`
+            slot.gen.release()
+        except Exception:  # as `HeadLoop._retire`: logged, never a failure of the loop's other generations
+            log.exception("session %s: could not release its caches", slot.gen.sid)
         if not slot.future.done():
             slot.future.set_exception(why[id(slot.future)])
     return tuple([s for s in slots if id(s.future) not in why] for slots in lists)
