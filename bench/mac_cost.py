@@ -1,32 +1,40 @@
-"""What authenticating a round costs: HMAC-SHA256 over a round's header and hidden states (schemas/packets.py
-`seal` on the head, `authentic` on the tail), per round and per group of B sessions.
+"""What authenticating a group of rounds costs a head's sender thread and a tail, with and without a busy thread
+beside it (the head's step loop holds the interpreter lock most of the time it is not waiting on the device).
 
-    python -m bench.mac_cost [--hidden 3584] [--rows 9] [--dtype float16] [--batch 1,16,64,256] [--reps 200]
+    python -m bench.mac_cost [--hidden 3584] [--rows 9] [--dtype bfloat16] [--batch 1,16,64,256] [--reps 200]
 
-Defaults are the Qwen2.5-7B split at K=8 (9 rows of 3,584 in float16: 63 KiB a session). Prints, for each
-B, the milliseconds a head spends encoding B rounds (tensor codec + header + MAC), of which sealing, and a
-tail spends checking them (one core; hashlib releases the GIL, so the MACs of a group can run beside the
-step loop); then what a tail spends taking the B rounds out of one group entry and decoding their hidden rows,
-as it does (tensor bytes as views of the entry's, rows decoded uncopied: "views") and as it did (each part's
-bytes copied, each tensor decoded from a copy: "copies").
+Defaults are the Qwen2.5-7B split at K=8 (9 rows of 3,584 in bfloat16: 63 KiB a session). For each B and each
+number of busy threads (0, 1; the interpreter's switch interval set to a worker's, `engine.switch_interval_ms`),
+milliseconds to:
+- seal B rounds one HMAC each over its header and rows (`seal`, as every round was before relay protocol 4, and
+  as a round that goes alone still is);
+- seal them as one group entry (`seal_group`: one SHA-256 over the group's tensors, then B small HMACs);
+- check them on a tail: each alone (`authentic`), or the group (`unpack_group`, then `authentic` on each part).
+hashlib lets go of the interpreter lock while it hashes a buffer of 2 KiB or more and must take it back after:
+with a busy thread beside, each take waits for it to let go (up to a switch interval). A round a HMAC is a take a
+session; a group's one digest is one take.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
-from schemas.groups import pack_group, unpack_group
-from schemas.packets import MAC, HeadRef, authentic, decode_head_header, encode_round, round_tensors, seal, session_key
+from schemas.groups import seal_group, unpack_group
+from schemas.packets import HeadRef, authentic, make_round, seal, session_key
 from schemas.requests import SamplingParams
+from schemas.settings import EngineSettings
 
 HEAD = HeadRef(name="bench", boot="0123456789abcdef", reply_timeout_s=15.0)
 
 
-def round_fields(rows: int, hidden: int, dtype: torch.dtype, key: bytes, start: int) -> tuple[dict, dict]:
+def round_fields(rows: int, hidden: int, dtype: torch.dtype, key: bytes, start: int) -> dict:
     header = dict(
         session_id=f"bench-{start}",
         head=HEAD,
@@ -39,10 +47,10 @@ def round_fields(rows: int, hidden: int, dtype: torch.dtype, key: bytes, start: 
         max_new=64,
         q_kind="none",
     )
-    return header, {"hidden": torch.randn(rows, hidden).to(dtype)}
+    return make_round(header, {"hidden": torch.randn(rows, hidden).to(dtype)}, key)[1]
 
 
-def time_ms(fn, reps: int) -> float:
+def time_ms(fn: Callable[[], object], reps: int) -> float:
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -51,44 +59,63 @@ def time_ms(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
+class Busy:
+    """`n` threads running Python beside the measurement, as a step loop does."""
+
+    def __init__(self, n: int) -> None:
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._spin, daemon=True) for _ in range(n)]
+
+    def _spin(self) -> None:
+        x = 0
+        while not self.stop.is_set():
+            for _ in range(1000):
+                x += 1
+
+    def __enter__(self) -> Busy:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=3584)
     ap.add_argument("--rows", type=int, default=9)
-    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", default="1,16,64,256")
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args()
-    dtype = getattr(torch, a.dtype)
-    print(f"hidden {a.hidden}, {a.rows} rows, {a.dtype}: {a.rows * a.hidden * dtype.itemsize / 1024:.1f} KiB a round")
-    print(f"{'B':>5} {'encode ms':>10} {'seal ms':>8} {'check ms':>9} {'us/session (seal, check)':>26}")
+    dtype, interval = getattr(torch, a.dtype), EngineSettings().switch_interval_ms
+    if interval is not None:
+        sys.setswitchinterval(interval / 1000)
+    kib = a.rows * a.hidden * dtype.itemsize / 1024
+    print(f"hidden {a.hidden}, {a.rows} rows, {a.dtype}: {kib:.1f} KiB a round; switch interval {interval} ms")
+    print("| B | busy threads | seal each round ms | seal the group ms | check each round ms | check the group ms |")
+    print("|---|---|---|---|---|---|")
     for b in (int(x) for x in a.batch.split(",")):
         keys = [session_key() for _ in range(b)]
-        rounds = [round_fields(a.rows, a.hidden, dtype, keys[i], 10 + i) for i in range(b)]
-        sealed = [encode_round(h, t, k)[1] for (h, t), k in zip(rounds, keys, strict=True)]
-        bare = [{n: v for n, v in f.items() if n != MAC} for f in sealed]
-        pairs, reps = list(zip(keys, sealed, bare, strict=True)), max(a.reps // b, 5)
-        encode = time_ms(
-            lambda pairs=pairs, rounds=rounds: [encode_round(*r, p[0]) for r, p in zip(rounds, pairs, strict=True)],
-            reps,
-        )
-        mac = time_ms(lambda pairs=pairs: [seal(k, f) for k, _, f in pairs], reps)
-        check = time_ms(lambda pairs=pairs: [authentic(k, f) for k, f, _ in pairs], reps)
-        per = f"{1000 * mac / b:.1f}, {1000 * check / b:.1f}"
-        print(f"{b:>5} {encode:>10.3f} {mac:>8.3f} {check:>9.3f} {per:>26}")
-        if b > 1:
-            group = pack_group(sealed)
-            views = time_ms(lambda g=group: _unpacked(g, copies=False), reps)
-            copies = time_ms(lambda g=group: _unpacked(g, copies=True), reps)
-            print(f"{b:>5} group entry unpacked, hidden rows decoded: views {views:.3f} ms, copies {copies:.3f}")
+        rounds = [(k, round_fields(a.rows, a.hidden, dtype, k, 10 + i)) for i, k in enumerate(keys)]
+        alone = [(k, seal(k, f)) for k, f in rounds]
+        group = seal_group(rounds)
+        reps = max(a.reps // b, 5)
+        for busy in (0, 1):
+            with Busy(busy):
+                each = time_ms(lambda rounds=rounds: [seal(k, f) for k, f in rounds], reps)
+                grouped = time_ms(lambda rounds=rounds: seal_group(rounds), reps)
+                check_each = time_ms(lambda a=alone: [authentic(k, f) for k, f in a], reps)
+                check_group = time_ms(lambda g=group, ks=keys: _checked(g, ks), reps)
+            print(f"| {b} | {busy} | {each:.3f} | {grouped:.3f} | {check_each:.3f} | {check_group:.3f} |")
 
 
-def _unpacked(group: dict, copies: bool) -> list:
+def _checked(group: dict, keys: list[bytes]) -> list[bool]:
     parts = unpack_group(group, max_bytes=1 << 31)
-    if copies:  # as the tail did before 2026-12-05
-        parts = [{k: bytes(v) for k, v in p.items()} for p in parts]
-    views = frozenset() if copies else frozenset({"hidden"})
-    return [round_tensors(decode_head_header(p), p, views=views)["hidden"] for p in parts]
+    return [authentic(k, p) for k, p in zip(keys, parts, strict=True)]
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 A stream entry holds field `h` (the JSON header, one of the models below), one binary field `t.<name>` per
 tensor the header declares, and `m`, an HMAC-SHA256 of the header and those tensors' bytes under the
-session's key. Decoding validates size caps, the JSON, the version, each tensor's dtype/shape/byte length,
-and the packet's own consistency before anything is computed.
+session's key (a group entry's part: of its header and its binding to the group's tensors, schemas/groups.py).
+Decoding validates size caps, the JSON, the version, each tensor's dtype/shape/byte length, and the packet's own
+consistency before anything is computed.
 
 **Sessions are authenticated.** The head draws a random 32-byte key per generation; only the rounds that
 open a session on a tail (start_pos 0: the first round, and replays) carry it, and every head -> tail packet
@@ -36,16 +37,18 @@ from pydantic import (
 from schemas.errors import PacketError
 from schemas.requests import FinishReason, SamplingParams, SessionId, TokenId
 from schemas.settings import RelaySettings
-from schemas.tensors import TensorMeta, decode_tensor, encode_tensor
+from schemas.tensors import TensorMeta, decode_tensor, encode_tensor, tensor_meta
 
 CAPS = RelaySettings()  # the documented caps, for callers that pass none (a worker passes settings.relay)
 HEADER = b"h"
 TENSOR_PREFIX = b"t."
 MAC = b"m"
+DIGEST = b"d"  # a group's part: its binding to the group's tensors (schemas/groups.py), set on unpacking, never sent
 # Relay packets (head <-> tail) speak their own protocol version; stored shapes keep SCHEMA_VERSION.
 # 2: per-session keys and MACs, the head's identity in every round. 3: long prompts in parts (prefill_more,
-# seed_round), a replay's last part past position 0.
-PROTOCOL_VERSION = 3
+# seed_round), a replay's last part past position 0. 4: a group's parts MAC their header and their place in the
+# group's tensors, whose one digest binds the bytes (schemas/groups.py), rather than each its own tensors' bytes.
+PROTOCOL_VERSION = 4
 KEY_BYTES = 32
 _REQUEST, _REPLY = b"shardflow-round\x00", b"shardflow-reply\x00"  # MACs of one direction never pass for the other
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -84,7 +87,7 @@ class RoundPacket(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[3] = PROTOCOL_VERSION
+    v: Literal[4] = PROTOCOL_VERSION
     kind: Literal["round"] = "round"
     session_id: SessionId
     head: HeadRef
@@ -149,7 +152,7 @@ class ClosePacket(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[3] = PROTOCOL_VERSION
+    v: Literal[4] = PROTOCOL_VERSION
     kind: Literal["close"] = "close"
     session_id: SessionId
 
@@ -159,7 +162,7 @@ class Verdict(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[3] = PROTOCOL_VERSION
+    v: Literal[4] = PROTOCOL_VERSION
     kind: Literal["verdict"] = "verdict"
     session_id: SessionId
     round_id: int = Field(ge=0)
@@ -176,7 +179,7 @@ class ErrorReply(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[3] = PROTOCOL_VERSION
+    v: Literal[4] = PROTOCOL_VERSION
     kind: Literal["error"] = "error"
     session_id: SessionId
     round_id: int | None = None
@@ -211,13 +214,24 @@ def session_key() -> bytes:
 
 
 def _mac(key: bytes, direction: bytes, fields: dict) -> bytes:
-    """HMAC-SHA256 over the header and every tensor field (in name order), each length-prefixed."""
+    """HMAC-SHA256 over the header and every tensor field (in name order), each length-prefixed; for a group's part
+    (one with DIGEST) over its header and DIGEST, which binds its tensors' bytes (schemas/groups.py)."""
     mac = hmac.new(key, direction, hashlib.sha256)
-    for name in sorted(k for k in fields if k != MAC):
+    for name in _maced(fields):
         value = fields[name]
         mac.update(len(name).to_bytes(4, "big") + name + len(value).to_bytes(8, "big"))
         mac.update(value)
     return mac.digest()
+
+
+def mac_bytes(fields: dict) -> int:  # the bytes `_mac` hashes for these fields
+    return sum(len(fields[k]) for k in _maced(fields))
+
+
+def _maced(fields: dict) -> list:
+    """The names of the fields a MAC covers, in order (a group's part: not its tensors, which DIGEST binds)."""
+    bound = DIGEST in fields
+    return sorted(k for k in fields if k != MAC and not (bound and k.startswith(TENSOR_PREFIX)))
 
 
 def seal(key: bytes, fields: dict[bytes, bytes], *, reply: bool = False) -> dict[bytes, bytes]:
@@ -235,16 +249,17 @@ def authentic(key: bytes, fields: dict, *, reply: bool = False) -> bool:
     return hmac.compare_digest(got, _mac(key, _REPLY if reply else _REQUEST, fields))
 
 
-def encode_round(
-    packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes
-) -> tuple[RoundPacket, dict[bytes, bytes]]:
+def encode_round(packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes) -> tuple[RoundPacket, dict]:
     """Build a RoundPacket from header fields + tensors and return it with its sealed stream fields (a round
     that opens a session, start_pos 0, carries the key)."""
-    metas, raws = {}, {}
-    for name, t in tensors.items():
-        metas[name], raws[TENSOR_PREFIX + name.encode()] = encode_tensor(t)
-    packet, header = round_header(packet_fields, metas, key)
-    return packet, seal(key, {HEADER: header, **raws})
+    packet, fields = make_round(packet_fields, tensors, key)
+    return packet, seal(key, fields)
+
+
+def make_round(packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes) -> tuple[RoundPacket, dict]:
+    """`encode_round` but unsealed: the fields that `seal`, or `schemas.groups.seal_group` with other rounds, MACs."""
+    packet, header = round_header(packet_fields, {name: tensor_meta(t) for name, t in tensors.items()}, key)
+    return packet, round_fields(packet, header, tensors)
 
 
 def round_header(packet_fields: dict, metas: dict[str, TensorMeta], key: bytes) -> tuple[RoundPacket, bytes]:
@@ -255,8 +270,8 @@ def round_header(packet_fields: dict, metas: dict[str, TensorMeta], key: bytes) 
     return packet, packet.model_dump_json().encode()
 
 
-def seal_round(packet: RoundPacket, header: bytes, tensors: dict[str, torch.Tensor], key: bytes) -> dict[bytes, bytes]:
-    """The sealed stream fields of a round whose header `round_header` made, with these tensors, which must be
+def round_fields(packet: RoundPacket, header: bytes, tensors: dict[str, torch.Tensor]) -> dict[bytes, bytes]:
+    """The unsealed stream fields of a round whose header `round_header` made, with these tensors, which must be
     what the header says (PacketError otherwise)."""
     if set(tensors) != set(packet.tensors):
         raise PacketError(f"tensors {sorted(tensors)} are not the header's {sorted(packet.tensors)}")
@@ -265,7 +280,7 @@ def seal_round(packet: RoundPacket, header: bytes, tensors: dict[str, torch.Tens
         meta, raws[TENSOR_PREFIX + name.encode()] = encode_tensor(t)
         if packet.tensors[name] != meta:
             raise PacketError(f"tensor {name!r} is {meta.dtype}{meta.shape}, its header says otherwise")
-    return seal(key, {HEADER: header, **raws})
+    return {HEADER: header, **raws}
 
 
 def encode_message(msg: BaseModel, key: bytes | None = None) -> dict[bytes, bytes]:
@@ -342,8 +357,8 @@ def decode_head_header(fields: dict, *, caps: RelaySettings = CAPS, capped: bool
     msg = _validated(_HEAD, head)
     names = msg.tensors if isinstance(msg, RoundPacket) else {}
     expected = {TENSOR_PREFIX + n.encode() for n in names} | {HEADER, MAC}
-    if set(fields) != expected:
-        extra = sorted(k.decode(errors="replace") if isinstance(k, bytes) else str(k) for k in set(fields) ^ expected)
+    if (got := set(fields) - {DIGEST}) != expected:  # DIGEST: a group's part (schemas/groups.py `entry_parts`)
+        extra = sorted(k.decode(errors="replace") if isinstance(k, bytes) else str(k) for k in got ^ expected)
         raise PacketError(f"packet fields do not match its header: {extra}")
     return msg
 

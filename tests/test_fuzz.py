@@ -18,7 +18,7 @@ from producer.cli import main
 from relay_broker.streams import publish
 from schemas.dead_letters import DeadLetterRecord
 from schemas.keys import Keys
-from schemas.packets import HEADER, MAC, Verdict, encode_message
+from schemas.packets import HEADER, MAC, PROTOCOL_VERSION, Verdict, encode_message
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
@@ -181,8 +181,8 @@ def junk_replies(sid: str, vocab: int) -> list[dict]:
     return [
         {b"x": b"1"},
         {HEADER: b"\xff\x00 not json"},
-        {HEADER: b'{"v": 3, "kind": "verdict"}'},
-        {HEADER: b'{"v": 3, "kind": "verdict"}'},
+        {HEADER: b'{"v": %d, "kind": "verdict"}' % PROTOCOL_VERSION},
+        {HEADER: b'{"v": %d, "kind": "verdict"}' % PROTOCOL_VERSION},
         {HEADER: b'{"v": 1, "kind": "verdict", "session_id": "' + sid.encode() + b'"}'},
         {HEADER: b"[]", b"t.x": b"\x00" * 64},
         {HEADER: b"[" * 100_000},  # deeper than the JSON parser's recursion limit

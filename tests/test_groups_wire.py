@@ -1,6 +1,7 @@
-"""Group messages (schemas/groups.py): one entry holds a group's rounds; each part comes back exactly as its head
-sealed it; a malformed container is refused whole; a garbage session inside a valid group fails that session
-alone (a real tail process)."""
+"""Group messages (schemas/groups.py): one entry holds a group's rounds; each part comes back as its head sealed
+it, its MAC verifying over its header and its binding to the group's tensors, and over nothing else; a malformed
+container is refused whole; a garbage session inside a valid group fails that session alone (a real tail
+process)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 
 from relay_broker.streams import ReplyReader, publish
 from schemas.errors import PacketError
-from schemas.groups import GROUP, pack_group, unpack_group
-from schemas.packets import HEADER, MAC, ErrorReply, Verdict, authentic, decode_tail_message, session_key
+from schemas.groups import GROUP, entry_parts, pack_group, part_mac, seal_group, unpack_group
+from schemas.packets import DIGEST, HEADER, MAC, ErrorReply, Verdict, authentic, decode_tail_message, session_key
 from schemas.requests import SamplingParams
 from tests.relay_util import TEST_HEAD, announce, sealed_round
 
@@ -34,12 +35,42 @@ def _round(sid: str, n: int = 3, hidden: int = 64, key: bytes | None = None, **o
     return sealed_round(header, {"hidden": torch.randn(n, hidden)}, key or session_key())
 
 
+def _unsealed(sid: str, key: bytes, **kw) -> tuple[bytes, dict]:
+    return key, {k: v for k, v in _round(sid, key=key, **kw).items() if k != MAC}
+
+
 def test_parts_come_back_exactly_as_sealed():
-    rounds = [_round(f"g{i}", n=2 + i) for i in range(5)]
-    packed = pack_group(rounds)
+    rounds = [_unsealed(f"g{i}", session_key(), n=2 + i) for i in range(5)]
+    packed = seal_group(rounds)
     assert set(packed) == {GROUP, HEADER, MAC, b"t.hidden"}
-    assert len(packed[b"t.hidden"]) == sum(len(r[b"t.hidden"]) for r in rounds)  # one [sum of rows, hidden] tensor
-    assert unpack_group(packed, max_bytes=1 << 24) == rounds
+    assert len(packed[b"t.hidden"]) == sum(len(f[b"t.hidden"]) for _, f in rounds)  # one [sum of rows, hidden] tensor
+    parts = unpack_group(packed, max_bytes=1 << 24)
+    for i, ((key, fields), part) in enumerate(zip(rounds, parts, strict=True)):
+        assert {k: v for k, v in part.items() if k != DIGEST} == {**fields, MAC: part_mac(packed, i)}
+        assert authentic(key, part) and not authentic(rounds[i - 1][0], part)
+    assert len({p[DIGEST] for p in parts}) == 5  # one digest, each part's own place in it
+
+
+def test_a_group_whose_tensor_bytes_changed_verifies_no_part():
+    """The parts' MACs bind the group's tensors as sealed: a byte changed anywhere in them fails every part, rows
+    moved from one part to another through the index fail those two; an entry alone may not bring a binding of its
+    own."""
+    rounds = [_unsealed(f"t{i}", session_key()) for i in range(3)]
+    packed = seal_group(rounds)
+    flipped = bytearray(packed[b"t.hidden"])
+    flipped[-1] ^= 1
+    parts = unpack_group({**packed, b"t.hidden": bytes(flipped)}, max_bytes=1 << 24)
+    assert not any(authentic(k, p) for (k, _), p in zip(rounds, parts, strict=True))
+    index = json.loads(packed[GROUP])
+    index["parts"][0]["t"]["hidden"] -= 256  # one row of part 0 handed to part 1
+    index["parts"][1]["t"]["hidden"] += 256
+    parts = unpack_group({**packed, GROUP: json.dumps(index).encode()}, max_bytes=1 << 24)
+    assert [authentic(k, p) for (k, _), p in zip(rounds, parts, strict=True)] == [False, False, True]  # 2's untouched
+    good = unpack_group(packed, max_bytes=1 << 24)
+    assert all(authentic(k, p) for (k, _), p in zip(rounds, good, strict=True))
+    with pytest.raises(PacketError, match="group part"):  # a part's binding on an entry alone: its tensors unchecked
+        entry_parts({**good[0], b"t.hidden": bytes(len(good[0][b"t.hidden"]))}, max_bytes=1 << 24)
+    assert entry_parts(_round("alone"), max_bytes=1 << 24)[0][HEADER]
 
 
 def test_a_parts_tensor_bytes_are_views_never_written():
@@ -49,7 +80,7 @@ def test_a_parts_tensor_bytes_are_views_never_written():
     from workers.tail.rounds import HostToDevice
 
     keys = [session_key() for _ in range(3)]
-    packed = pack_group([_round(f"v{i}", n=2 + i, key=k) for i, k in enumerate(keys)])
+    packed = seal_group([_unsealed(f"v{i}", k, n=2 + i) for i, k in enumerate(keys)])
     before = bytes(packed[b"t.hidden"])
     parts = unpack_group(packed, max_bytes=1 << 24)
     assert all(isinstance(p[b"t.hidden"], memoryview) and isinstance(p[HEADER], bytes) for p in parts)
@@ -92,10 +123,10 @@ def test_a_garbage_session_inside_a_valid_group_fails_alone(models, tails, redis
     announce(redis_client, names, TEST_HEAD)
     keys = {f"grp-{i}-{secrets.token_hex(3)}": session_key() for i in range(4)}
     sids = list(keys)
-    rounds = [_round(sid, key=keys[sid]) for sid in sids]
-    rounds[1] = {**rounds[1], b"t.hidden": torch.full((3, 64), float("nan")).numpy().tobytes()}  # its MAC fails
-    rounds[2] = _round(sids[2], key=keys[sids[2]], n=3, hidden=32)  # wrong hidden size: a clear error
-    publish(redis_client, names.shared_requests, pack_group(rounds), maxlen=1000)
+    rounds = [_unsealed(sid, keys[sid]) for sid in sids]
+    rounds[1] = (session_key(), rounds[1][1])  # sealed under another key than the one its header opens with: forged
+    rounds[2] = _unsealed(sids[2], keys[sids[2]], n=3, hidden=32)  # wrong hidden size: a clear error
+    publish(redis_client, names.shared_requests, seal_group(rounds), maxlen=1000)
     for i in (0, 3):
         fields = ReplyReader(redis_client, names.reply(sids[i])).next(30)
         assert authentic(keys[sids[i]], fields, reply=True)
@@ -118,8 +149,9 @@ def test_a_group_larger_than_the_packet_cap_goes_in_several_entries(models, tail
     from tests.job_env import reference
     from workers.head.runtime import HeadRuntime, generate
 
-    assert [len(c) for c in chunk_rounds([{b"h": b"x" * 10}] * 7, 35)] == [3, 3, 1]
-    assert [len(c) for c in chunk_rounds([{b"h": b"x" * 100}], 35)] == [1]  # too large alone: it goes alone
+    assert chunk_rounds([{b"h": b"x" * 10}] * 7, 3 * 43) == [[0, 1, 2], [3, 4, 5], [6]]  # 11 bytes + a 32-byte MAC
+    assert chunk_rounds([{b"h": b"x" * 100}], 3 * 43) == [[0]]  # too large alone: it goes alone
+    assert chunk_rounds([{b"h": b"x"}] * 3, 0) == [[0], [1], [2]]  # cap 0: each alone
     ms, cap = models["qwen2"], 24_000
     names = tails.get(ms.target, 2, ms.n_layers, ("--max-packet-bytes", str(cap)))
     runtime = HeadRuntime.load(ms.target, (0, 2), settings=Settings(relay={"max_packet_bytes": cap}))

@@ -99,17 +99,17 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
 
     from workers.head import rounds
 
-    ahead, seal_round = [0], rounds.seal_round
+    ahead, round_fields = [0], rounds.round_fields
 
     def sealing(*args, **kwargs):  # a round sealed under the header the loop made while its forward ran
         ahead[0] += 1
-        return seal_round(*args, **kwargs)
+        return round_fields(*args, **kwargs)
 
     monkeypatch.setattr(Engine, "draft_many", slow_draft)
     monkeypatch.setattr(Engine, "forward_many", lower)
     monkeypatch.setattr(GreedyLaunch, "drafts", reading)
     monkeypatch.setattr(HeadLoop, "_meanwhile", counting)
-    monkeypatch.setattr(rounds, "seal_round", sealing)
+    monkeypatch.setattr(rounds, "round_fields", sealing)
     prompts = PROMPTS[:8]
 
     def one(p: str) -> list[int]:

@@ -20,8 +20,8 @@ from schemas.packets import (
     decode_head_message,
     decode_tail_message,
     encode_round,
+    round_fields,
     seal,
-    seal_round,
 )
 from schemas.packets import round_header as make_header
 from schemas.peek import head_batch_incomplete, peek_head_batch
@@ -159,20 +159,20 @@ def test_head_batch_hint_is_read_defensively():
 
 
 def test_a_header_made_ahead_seals_the_same_round():
-    """`round_header` before the tensors exist, then `seal_round`: the same stream fields as `encode_round`; a
+    """`round_header` before the tensors exist, then `round_fields`: the same stream fields as `encode_round`; a
     tensor that is not what the header says is refused rather than sealed under it."""
     fields = {"head": TEST_HEAD, **round_header("s" * 32, start_pos=5, draft_ids=[4, 5])}
     hidden = torch.randn(5, 8, dtype=torch.float16)
     packet, header = make_header(fields, {"hidden": TensorMeta(dtype="float16", shape=[5, 8])}, TEST_KEY)
     assert (
-        seal_round(packet, header, {"hidden": hidden}, TEST_KEY)
+        seal(TEST_KEY, round_fields(packet, header, {"hidden": hidden}))
         == encode_round(fields, {"hidden": hidden}, TEST_KEY)[1]
     )
     for other in (hidden.float(), torch.randn(4, 8, dtype=torch.float16)):
         with pytest.raises(PacketError, match="its header says otherwise"):
-            seal_round(packet, header, {"hidden": other}, TEST_KEY)
+            round_fields(packet, header, {"hidden": other})
     with pytest.raises(PacketError, match="not the header's"):
-        seal_round(packet, header, {"hidden": hidden, "q": hidden}, TEST_KEY)
+        round_fields(packet, header, {"hidden": hidden, "q": hidden})
 
 
 @pytest.mark.parametrize("size", [100, 64 * 1024 + 5])

@@ -14,7 +14,7 @@ from producer.local import spawn_tail
 from relay_broker.connection import connect
 from relay_broker.embedded import EmbeddedRedis, free_port
 from schemas.errors import ReplyTimeout
-from schemas.groups import is_group, unpack_group
+from schemas.groups import entry_parts
 from schemas.keys import Keys
 from schemas.packets import Verdict, decode_tail_message
 from schemas.requests import GenerationRequest
@@ -50,7 +50,7 @@ def sessions_by_tail(r, names: Keys) -> dict[str, int]:
     last: dict[str, Verdict] = {}
     for key in r.scan_iter(match=f"{names.prefix}:reply:*"):
         for _, fields in r.xrange(key):
-            for part in unpack_group(fields, max_bytes=1 << 30) if is_group(fields) else [fields]:
+            for part in entry_parts(fields, max_bytes=1 << 30):
                 msg = decode_tail_message(part)
                 if isinstance(msg, Verdict):
                     last[msg.session_id] = msg

@@ -7,9 +7,12 @@ import secrets
 import threading
 
 from relay_broker.streams import publish_many
+from schemas.packets import authentic, session_key
 from schemas.settings import Settings
 from workers.head.relay_io import Outgoing, Sender
 from workers.head.sealing import VIEW_BYTES, entries
+
+KEY = session_key()
 
 
 def test_a_build_that_fails_fails_its_item_and_the_sender_goes_on(redis_client) -> None:
@@ -36,8 +39,8 @@ def test_large_fields_go_as_views_and_arrive_whole(redis_client) -> None:
     bytes, and the small ones stay bytes."""
     big, small = secrets.token_bytes(VIEW_BYTES + 3), b"header"
     stream = f"sender-{secrets.token_hex(4)}"
-    ((to, fields),) = entries([(stream, {b"h": small, b"t.hidden": big})], Settings().relay)
+    ((to, fields),), (mac,) = entries([(stream, KEY, {b"h": small, b"t.hidden": big})], Settings().relay)
     assert isinstance(fields[b"t.hidden"], memoryview) and isinstance(fields[b"h"], bytes)
     publish_many(redis_client, [(to, fields)], maxlen=10)
     ((_, got),) = redis_client.xrange(stream)
-    assert got == {b"h": small, b"t.hidden": big}
+    assert got == {b"h": small, b"t.hidden": big, b"m": mac} and authentic(KEY, got)

@@ -33,7 +33,7 @@ from schemas.keys import Keys
 from schemas.requests import GenerationResult
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
-from workers.head.sealing import entries, hidden_bytes, packets
+from workers.head.sealing import hidden_bytes, packets, sealed
 from workers.head.seating import seat, withdraw
 from workers.phases import PhaseClock
 from workers.shares import Shares
@@ -302,21 +302,20 @@ class HeadLoop:
         if build:
             self.sender.put(Outgoing([], on_error=failed, build=lambda: self._seal(slots)))
         else:
-            sealed = [(s.gen.stream, s.gen.round.fields) for s in slots if s.gen.round]
-            self.sender.put(Outgoing(entries(sealed, self.settings.relay), on_error=failed))
+            again = [(s, s.gen.round.fields) for s in slots if s.gen.round]  # sealed anew, as when first sent
+            self.sender.put(Outgoing([], on_error=failed, build=lambda: sealed(again, self.settings.relay)))
 
     def _seal(self, slots: list[Slot]) -> list[tuple[str, dict]]:
         """On a sender's thread: each round's sealed fields (one that cannot be sealed fails alone, on the loop), then
         the group entries. The loop touches none of these rounds until a reply or a timeout, after this send."""
         t0 = time.perf_counter()
-        sealed = self.shares.map(packets, slots, hidden_bytes(slots))  # mostly HMACs: side by side where large
-        out = [(stream, got) for _, stream, got in sealed if not isinstance(got, Exception)]
-        bad: list[tuple[list[Slot], BaseException]] = [([s], got) for s, _, got in sealed if isinstance(got, Exception)]
+        made = self.shares.map(packets, slots, hidden_bytes(slots))  # the tensors' bytes: side by side where large
+        bad: list[tuple[list[Slot], BaseException]] = [([s], got) for s, _, got in made if isinstance(got, Exception)]
         if bad:
             with self._cv:
                 self._failed += bad
                 self._cv.notify()
-        group = entries(out, self.settings.relay)
+        group = sealed([(s, got) for s, _, got in made if not isinstance(got, Exception)], self.settings.relay)
         self.seal_clock.add("seal", time.perf_counter() - t0)
         return group
 

@@ -29,7 +29,7 @@ import redis
 from relay_broker.streams import publish_many
 from schemas.dead_letters import dead_letter
 from schemas.errors import PacketError
-from schemas.groups import is_group, unpack_group
+from schemas.groups import entry_parts
 from schemas.packets import decode_tail_message
 from schemas.peek import peek_session
 from schemas.settings import RelaySettings, Settings
@@ -221,9 +221,7 @@ class Receiver:
         malformed container) is dead-lettered here; a reply naming a session goes to that session's generation,
         which checks it (one for a session no longer in flight, a late duplicate say, is dropped)."""
         try:
-            parts = (
-                unpack_group(fields, max_bytes=self.settings.relay.max_packet_bytes) if is_group(fields) else [fields]
-            )
+            parts = entry_parts(fields, max_bytes=self.settings.relay.max_packet_bytes)
         except PacketError as e:
             self._refuse(stream, dead_stream, entry_id, fields, str(e))
             return []

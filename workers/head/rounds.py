@@ -24,10 +24,9 @@ from schemas.packets import (
     authentic,
     decode_tail_message,
     encode_message,
-    encode_round,
-    mac_hex,
+    make_round,
+    round_fields,
     round_header,
-    seal_round,
     session_key,
 )
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
@@ -62,9 +61,9 @@ class OpenRound:
     start: int
     remaining: int
     work: HeadWork
-    fields: dict[bytes, bytes] = field(default_factory=dict)
+    fields: dict[bytes, bytes] = field(default_factory=dict)  # unsealed (sealed when sent: workers/head/sealing.py)
     header: tuple[tuple, RoundPacket, bytes] | None = None  # (what it was made from, packet, JSON): `prepare`
-    mac: str = ""
+    mac: str = ""  # its MAC as last sent (hex): what a tail's unsigned error reply echoes
     sent_at: float = 0.0
     sent_wall: float = 0.0  # time.time() when sent (beside the tail's wall-clock timings)
     busy: int = 0  # "busy" answers so far (the resend waits double each time)
@@ -171,7 +170,7 @@ class RoundLoop:
         rnd.header = (basis, *round_header(fields, metas, self.key))
 
     def packet(self) -> dict[bytes, bytes]:
-        """The computed round as sealed stream fields (kept for a resend to a full tail)."""
+        """The computed round as unsealed stream fields (kept for a resend to a full tail; sealed when sent)."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None and rnd.work.hidden is not None
         basis, fields, q_tensors = self._header_fields()
@@ -179,10 +178,9 @@ class RoundLoop:
         made, rnd.fields = rnd.header, {}
         if made is not None and made[0] == basis:
             with contextlib.suppress(PacketError):  # not what `prepare` foresaw (another dtype, say): made whole
-                rnd.fields = seal_round(made[1], made[2], tensors, self.key)
+                rnd.fields = round_fields(made[1], made[2], tensors)
         if not rnd.fields:
-            _, rnd.fields = encode_round(fields, tensors, self.key)
-        rnd.mac = mac_hex(rnd.fields)
+            _, rnd.fields = make_round(fields, tensors, self.key)
         return rnd.fields
 
     def _header_fields(self) -> tuple[tuple, dict, dict[str, torch.Tensor]]:

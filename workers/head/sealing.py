@@ -1,13 +1,14 @@
 """What a head puts on the wire: how much of a long prompt a round carries (`part_tokens`), and on a sender thread
-for a computed group each round sealed (its header, tensors and MAC), then one group entry per tail stream
-(schemas/groups.py)."""
+for a computed group each round's fields (its header and tensors), then one group entry per tail stream, its parts
+MAC'd under their sessions' keys (schemas/groups.py `seal_group`; a round alone, `seal`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from schemas.groups import chunk_rounds, pack_group
+from schemas.groups import chunk_rounds, part_mac, seal_group
+from schemas.packets import MAC, seal
 from schemas.settings import RelaySettings
 
 # A field this large goes to Redis as a view: redis-py then sends it as it is, rather than having hiredis copy it
@@ -17,7 +18,7 @@ MAX_DRAFT_ROWS = 65  # a round's drafts (at most 64, schemas/packets.py) and its
 
 
 def packets(slots: Sequence[Any]) -> list[tuple[Any, str, dict | Exception]]:
-    """(slot, its tail stream, its round's sealed stream fields, or what keeps it from being sealed: it fails
+    """(slot, its tail stream, its round's unsealed stream fields, or what keeps them from being made: it fails
     alone) for each of the loop's slots (workers/head/loop.py's `Slot`)."""
     out: list[tuple[Any, str, dict | Exception]] = []
     for slot in slots:
@@ -34,20 +35,40 @@ def hidden_bytes(slots: Sequence[Any]) -> int:
     return sum(h.numel() * h.element_size() for r in rounds if r is not None and (h := r.work.hidden) is not None)
 
 
-def entries(rounds: Sequence[tuple[str, dict]], relay: RelaySettings) -> list[tuple[str, dict]]:
-    """The stream entries for these (stream, sealed fields): one group entry per tail stream (one round goes
-    alone), each under half a tail's packet cap (a tail refuses a group over it whole)."""
-    by_stream: dict[str, list[dict]] = {}
-    for stream, fields in rounds:
-        by_stream.setdefault(stream, []).append(fields)
-    if not relay.group_messages:
-        return [(stream, _viewed(fields)) for stream, group in by_stream.items() for fields in group]
-    cap = relay.max_packet_bytes // 2
-    return [
-        (stream, _viewed(pack_group(chunk) if len(chunk) > 1 else chunk[0]))
-        for stream, group in by_stream.items()
-        for chunk in chunk_rounds(group, cap)
-    ]
+def entries(
+    rounds: Sequence[tuple[str, bytes, dict]], relay: RelaySettings
+) -> tuple[list[tuple[str, dict]], list[bytes]]:
+    """The stream entries for these (stream, session key, unsealed fields): one group entry per tail stream (one
+    round goes alone), each under half a tail's packet cap (a tail refuses a group over it whole); and each
+    round's MAC as sent, in the order given."""
+    by_stream: dict[str, list[int]] = {}
+    for i, (stream, _, _) in enumerate(rounds):
+        by_stream.setdefault(stream, []).append(i)
+    cap = relay.max_packet_bytes // 2 if relay.group_messages else 0
+    out: list[tuple[str, dict]] = []
+    macs = [b""] * len(rounds)
+    for stream, group in by_stream.items():
+        for chunk in chunk_rounds([rounds[i][2] for i in group], cap):
+            picked = [group[j] for j in chunk]
+            if len(picked) == 1:
+                sealed = seal(rounds[picked[0]][1], rounds[picked[0]][2])
+                macs[picked[0]] = sealed[MAC]
+            else:
+                sealed = seal_group([(rounds[i][1], rounds[i][2]) for i in picked])
+                for j, i in enumerate(picked):
+                    macs[i] = part_mac(sealed, j)
+            out.append((stream, _viewed(sealed)))
+    return out, macs
+
+
+def sealed(rounds: Sequence[tuple[Any, dict]], relay: RelaySettings) -> list[tuple[str, dict]]:
+    """These (slot, unsealed fields) rounds as stream entries (`entries`), each slot's round told the MAC it goes
+    out under (`OpenRound.mac`: what a tail's unsigned error reply echoes)."""
+    out, macs = entries([(slot.gen.stream, slot.gen.key, fields) for slot, fields in rounds], relay)
+    for (slot, _), mac in zip(rounds, macs, strict=True):
+        if slot.gen.round is not None:
+            slot.gen.round.mac = mac.hex()
+    return out
 
 
 def _viewed(fields: dict) -> dict:

@@ -1,8 +1,9 @@
 """A tail's first look at a batch of head packets: each header validated and the key its MAC must verify under
 (the session's, as this tail holds it, or for a round that opens a session the key it carries), then every MAC
-of the batch checked, side by side on `relay.mac_threads` threads (hashlib lets go of the interpreter lock over
-a round's hidden states, so a group's HMACs need not run one after another on the tail's loop), a contiguous share
-of the batch a thread (workers/shares.py). Nothing here touches a session: a packet whose MAC does not
+of the batch checked, side by side on `relay.mac_threads` threads where they hash much (hashlib lets go of the
+interpreter lock over a round's hidden states, so rounds that came alone need not be hashed one after another on
+the tail's loop; a group's parts hash only their headers, its tensors hashed once on unpacking), a contiguous
+share of the batch a thread (workers/shares.py). Nothing here touches a session: a packet whose MAC does not
 verify is refused before anything else reads it."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas.errors import ForgedPacket, SessionError
-from schemas.packets import ClosePacket, Oversized, RoundPacket, authentic, decode_head_header
+from schemas.packets import ClosePacket, Oversized, RoundPacket, authentic, decode_head_header, mac_bytes
 from schemas.settings import RelaySettings
 from workers.shares import Shares
 from workers.tail.sessions import SessionStore
@@ -42,7 +43,7 @@ class Authenticator:
         signed = [
             (fields, h[1]) for fields, h in zip(entries, heads, strict=True) if not isinstance(h, Exception) and h[1]
         ]
-        oks = self._shares.map(_verify, signed, sum(len(v) for fields, _ in signed for v in fields.values()))
+        oks = self._shares.map(_verify, signed, sum(mac_bytes(fields) for fields, _ in signed))
         verified = {id(f): ok for (f, _), ok in zip(signed, oks, strict=True)}
         out: list[Authenticated | Exception] = []
         for fields, h in zip(entries, heads, strict=True):

@@ -16,7 +16,7 @@ import torch
 from relay_broker.streams import Entry
 from schemas.dead_letters import dead_letter
 from schemas.errors import PacketError, SessionError, ShardFlowError
-from schemas.groups import is_group, unpack_group
+from schemas.groups import entry_parts
 from schemas.packets import RoundPacket
 from workers.engine.shard import Cache
 from workers.speculative.sampling import decode_q, round_generator, warp
@@ -216,11 +216,8 @@ def expand_groups(entries: list[Entry], max_bytes: int) -> tuple[list[Entry], li
     out: list[Entry] = []
     bad: list[tuple[bytes, bytes, DeadLetter]] = []
     for stream, entry_id, fields in entries:
-        if not is_group(fields):
-            out.append((stream, entry_id, fields))
-            continue
         try:
-            parts = unpack_group(fields, max_bytes=max_bytes)
+            parts = entry_parts(fields, max_bytes=max_bytes)
         except PacketError as e:
             bad.append((stream, entry_id, DeadLetter(fields, str(e), None, None)))
             continue
