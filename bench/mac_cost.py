@@ -7,7 +7,7 @@ Defaults are the Qwen2.5-7B split at K=8 (9 rows of 3,584 in bfloat16: 63 KiB a 
 number of busy threads (0, 1; the interpreter's switch interval set to a worker's, `engine.switch_interval_ms`),
 milliseconds to:
 - seal B rounds one HMAC each over its header and rows (`seal`, as every round was before relay protocol 4, and
-  as a round that goes alone still is);
+  as a round that goes alone still is), then pack them into one entry (`pack_group`), as protocol 3 did;
 - seal them as one group entry (`seal_group`: one SHA-256 over the group's tensors, then B small HMACs);
 - check them on a tail: each alone (`authentic`), or the group (`unpack_group`, then `authentic` on each part).
 hashlib lets go of the interpreter lock while it hashes a buffer of 2 KiB or more and must take it back after:
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from schemas.groups import seal_group, unpack_group
+from schemas.groups import pack_group, seal_group, unpack_group
 from schemas.packets import HeadRef, authentic, make_round, seal, session_key
 from schemas.requests import SamplingParams
 from schemas.settings import EngineSettings
@@ -96,7 +96,7 @@ def main() -> None:
         sys.setswitchinterval(interval / 1000)
     kib = a.rows * a.hidden * dtype.itemsize / 1024
     print(f"hidden {a.hidden}, {a.rows} rows, {a.dtype}: {kib:.1f} KiB a round; switch interval {interval} ms")
-    print("| B | busy threads | seal each round ms | seal the group ms | check each round ms | check the group ms |")
+    print("| B | busy threads | seal each, pack ms | seal the group ms | check each round ms | check the group ms |")
     print("|---|---|---|---|---|---|")
     for b in (int(x) for x in a.batch.split(",")):
         keys = [session_key() for _ in range(b)]
@@ -106,7 +106,7 @@ def main() -> None:
         reps = max(a.reps // b, 5)
         for busy in (0, 1):
             with Busy(busy):
-                each = time_ms(lambda rounds=rounds: [seal(k, f) for k, f in rounds], reps)
+                each = time_ms(lambda rounds=rounds: pack_group([seal(k, f) for k, f in rounds]), reps)
                 grouped = time_ms(lambda rounds=rounds: seal_group(rounds), reps)
                 check_each = time_ms(lambda a=alone: [authentic(k, f) for k, f in a], reps)
                 check_group = time_ms(lambda g=group, ks=keys: _checked(g, ks), reps)
