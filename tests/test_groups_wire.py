@@ -394,3 +394,18 @@ def test_a_seeded_sampled_generation_samples_the_same_text_in_parts_or_whole(mod
         req = GenerationRequest(prompt=prompt, max_new_tokens=16, chat_template=False, draft=draft, sampling=sampling)
         outs.append(generate(req, runtime, redis_client, names=names).token_ids)
     assert outs[0] == outs[1] and len(outs[0]) == 16
+
+
+def test_groups_unpacked_side_by_side_come_back_in_order_a_bad_one_refused_alone():
+    """A tail's batch of entries unpacked on its MAC threads (each group's tensors hashed once): the same rounds in
+    the same order as on one thread, a malformed group refused alone, an entry alone passed through."""
+    from workers.shares import Shares
+    from workers.tail.rounds import expand_groups
+
+    groups = [seal_group([_unsealed(f"s{g}-{i}", session_key(), n=8, hidden=4096) for i in range(4)]) for g in range(5)]
+    groups[2] = {**groups[2], HEADER: groups[2][HEADER][:-1]}  # its index no longer adds up
+    entries = [(b"s", f"{i}-0".encode(), g) for i, g in enumerate(groups)] + [(b"s", b"9-0", _round("alone"))]
+    flat, bad = expand_groups(entries, 1 << 26, Shares(3, "test-unpack"))
+    assert (flat, bad) == expand_groups(entries, 1 << 26)
+    assert [b[1] for b in bad] == [b"2-0"] and len(flat) == 4 * 4 + 1
+    assert [f[1] for f in flat] == [f"{g}-0".encode() for g in (0, 1, 3, 4) for _ in range(4)] + [b"9-0"]

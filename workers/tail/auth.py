@@ -30,7 +30,7 @@ class Authenticator:
 
     def __init__(self, sessions: SessionStore, caps: RelaySettings) -> None:
         self.sessions, self.caps = sessions, caps
-        self._shares = Shares(caps.mac_threads, "tail-mac")
+        self.shares = Shares(caps.mac_threads, "tail-mac")  # its loop's unpacking uses them too
 
     def check(self, entries: list[dict]) -> list[Authenticated | Exception]:
         """For each entry, its `Authenticated` once its MAC verifies, or the error that refuses it."""
@@ -43,7 +43,7 @@ class Authenticator:
         signed = [
             (fields, h[1]) for fields, h in zip(entries, heads, strict=True) if not isinstance(h, Exception) and h[1]
         ]
-        oks = self._shares.map(_verify, signed, sum(mac_bytes(fields) for fields, _ in signed))
+        oks = self.shares.map(_verify, signed, sum(mac_bytes(fields) for fields, _ in signed))
         verified = {id(f): ok for (f, _), ok in zip(signed, oks, strict=True)}
         out: list[Authenticated | Exception] = []
         for fields, h in zip(entries, heads, strict=True):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -19,6 +21,7 @@ from schemas.errors import PacketError, SessionError, ShardFlowError
 from schemas.groups import entry_parts
 from schemas.packets import RoundPacket
 from workers.engine.shard import Cache
+from workers.shares import Shares
 from workers.speculative.sampling import decode_q, round_generator, warp
 from workers.speculative.verify import BatchVerify, RoundCheck, greedy_replay_ok, verify_greedy, verify_sampling
 from workers.tail.sessions import TailSession
@@ -209,20 +212,34 @@ class BatchClock:
         return forward, max(total - forward, 0.0)
 
 
-def expand_groups(entries: list[Entry], max_bytes: int) -> tuple[list[Entry], list[tuple[bytes, bytes, DeadLetter]]]:
+def expand_groups(
+    entries: list[Entry], max_bytes: int, shares: Shares | None = None
+) -> tuple[list[Entry], list[tuple[bytes, bytes, DeadLetter]]]:
     """The stream entries with each group entry (schemas/groups.py) replaced by its sessions' rounds, each keeping
     the group's stream and entry id; a group whose container is malformed is refused whole (no part of it can
-    be trusted to be where the index says)."""
+    be trusted to be where the index says). Unpacking hashes each group's tensors once (their binding): with
+    `shares`, several groups' side by side."""
+    unpack = partial(_parts_of, max_bytes=max_bytes)
+    nbytes = sum(len(v) for _, _, fields in entries for v in fields.values())
+    got = shares.map(unpack, entries, nbytes) if shares is not None else unpack(entries)
     out: list[Entry] = []
     bad: list[tuple[bytes, bytes, DeadLetter]] = []
-    for stream, entry_id, fields in entries:
-        try:
-            parts = entry_parts(fields, max_bytes=max_bytes)
-        except PacketError as e:
-            bad.append((stream, entry_id, DeadLetter(fields, str(e), None, None)))
-            continue
-        out += [(stream, entry_id, part) for part in parts]
+    for (stream, entry_id, fields), parts in zip(entries, got, strict=True):
+        if isinstance(parts, PacketError):
+            bad.append((stream, entry_id, DeadLetter(fields, str(parts), None, None)))
+        else:
+            out += [(stream, entry_id, part) for part in parts]
     return out, bad
+
+
+def _parts_of(entries: Sequence[Entry], max_bytes: int) -> list[list[dict] | PacketError]:
+    out: list[list[dict] | PacketError] = []
+    for _, _, fields in entries:
+        try:
+            out.append(entry_parts(fields, max_bytes=max_bytes))
+        except PacketError as e:
+            out.append(e)
+    return out
 
 
 def reason_of(e: Exception) -> str:

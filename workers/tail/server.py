@@ -180,7 +180,7 @@ class TailWorker:
             return
         clock.add("read", moved)
         with clock("unpack"):
-            flat, bad = expand_groups(entries, self.max_packet_bytes)  # a group entry: its sessions' rounds
+            flat, bad = expand_groups(entries, self.max_packet_bytes, self.auth.shares)  # a group: its rounds
         done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
         dead = [letter.record(stream, entry_id, self.tail_id) for stream, entry_id, letter in bad]
         for at in range(0, len(flat), self.engine.slots):  # a batch's sessions never outnumber the slots
