@@ -305,8 +305,8 @@ class RelaySettings(_Group):
     mac_threads: int = Field(
         4,
         ge=1,
-        description="Threads a tail checks a batch's MACs on, and a head seals a group's rounds on (hashlib lets go "
-        "of the interpreter lock over large buffers, so a group's HMACs run side by side, not one after another).",
+        description="Threads a tail unpacks a batch's group entries (one hash over each group's tensors) and checks "
+        "its rounds' MACs on (hashlib lets go of the interpreter lock over large buffers, so they run side by side).",
     )
     reply_timeout_s: float = Field(
         15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."

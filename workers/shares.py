@@ -1,10 +1,10 @@
-"""A batch's per-item work (sealing or checking each session's round: mostly HMAC-SHA256 over its hidden rows,
-which hashlib computes without the interpreter lock) split into contiguous shares run side by side: the calling
-thread takes the first share and a small pool the others. One task a share, never a future an item: at 256 sessions
-a batch, a tail that made a future a packet spent a third of its loop making them. A share is at least
-`MIN_SHARE_BYTES` of the buffers hashed: below that the Python around each HMAC dominates, and threads only contend
-for the interpreter lock (on this 2-core CPU, 128 rounds of 9 rows sealed on two threads: 7B-wide rows 5.2 ms
-against 8.5 on one; 64-wide rows 3.5 ms against 1.6)."""
+"""A batch's per-item work (a tail's: unpacking each group entry, one SHA-256 over its tensors, and checking each
+round's MAC; hashlib hashes large buffers without the interpreter lock) split into contiguous shares run side by
+side: the calling thread takes the first share and a small pool the others. One task a share, never a future an
+item: at 256 sessions a batch, a tail that made a future a packet spent a third of its loop making them. A share is
+at least `MIN_SHARE_BYTES` of the buffers hashed: below that the Python around each HMAC dominates, and threads only
+contend for the interpreter lock (on this 2-core CPU, 128 rounds of 9 rows sealed on two threads: 7B-wide rows 5.2
+ms against 8.5 on one; 64-wide rows 3.5 ms against 1.6)."""
 
 from __future__ import annotations
 

@@ -33,10 +33,9 @@ from schemas.keys import Keys
 from schemas.requests import GenerationResult
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
-from workers.head.sealing import hidden_bytes, packets, sealed
+from workers.head.sealing import packets, sealed
 from workers.head.seating import seat, withdraw
 from workers.phases import PhaseClock
-from workers.shares import Shares
 
 log = logging.getLogger("shardflow.head")
 MAX_HELD = 64  # reply-stream entries kept for a generation between its rounds (a flood beyond is dropped unread)
@@ -80,7 +79,6 @@ class HeadLoop:
         self._held: list[tuple[list[Slot], BaseException]] = []  # its failed sends, taken once it is computed
         self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
         self.seal_clock = PhaseClock("head senders", log)  # sealing a group's rounds, on the sender threads
-        self.shares = Shares(self.settings.relay.mac_threads, "head-seal")  # a group's rounds sealed in shares
         self.relay_clock = PhaseClock("head relay", log)  # a reply's wait from its reader to the loop ("lag")
         self._replies_at: float | None = None  # when the oldest reply not yet taken came from its reader
         self.sender = Sender(r, self.settings, self.seal_clock)
@@ -309,7 +307,7 @@ class HeadLoop:
         """On a sender's thread: each round's sealed fields (one that cannot be sealed fails alone, on the loop), then
         the group entries. The loop touches none of these rounds until a reply or a timeout, after this send."""
         t0 = time.perf_counter()
-        made = self.shares.map(packets, slots, hidden_bytes(slots))  # the tensors' bytes: side by side where large
+        made = packets(slots)  # each round's fields: its tensors' bytes copied from pinned memory, nothing hashed
         bad: list[tuple[list[Slot], BaseException]] = [([s], got) for s, _, got in made if isinstance(got, Exception)]
         if bad:
             with self._cv:

@@ -29,12 +29,6 @@ def packets(slots: Sequence[Any]) -> list[tuple[Any, str, dict | Exception]]:
     return out
 
 
-def hidden_bytes(slots: Sequence[Any]) -> int:
-    """The bytes of hidden states these slots' computed rounds carry (what sealing them hashes, mostly)."""
-    rounds = (slot.gen.round for slot in slots)
-    return sum(h.numel() * h.element_size() for r in rounds if r is not None and (h := r.work.hidden) is not None)
-
-
 def entries(
     rounds: Sequence[tuple[str, bytes, dict]], relay: RelaySettings
 ) -> tuple[list[tuple[str, dict]], list[bytes]]:
