@@ -1,5 +1,6 @@
 """Benchmark only: a worker plugin under which every MAC costs nothing (a constant tag), for an upper bound on what
-faster sealing and checking could give the job path. Both workers must load it (each checks the other's tags).
+faster sealing and checking could give the job path (a group's one SHA-256 over its tensors, relay protocol 4's
+binding, still runs on both sides). Both workers must load it (each checks the other's tags).
 Never for real use: it turns the relay's per-session authentication off. The product never imports bench.
 
     SPY=0 VARIANTS="mac=;free=--plugin bench.free_macs | --plugin bench.free_macs" NS=256 OUT=$OUT \\
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import schemas.packets as packets
+import schemas.macs as macs
 
 
 def register(registry: Any) -> None:
-    packets._mac = lambda key, direction, fields: b"\0" * 32  # type: ignore[assignment]
+    macs._mac = lambda key, direction, fields: b"\0" * 32  # type: ignore[assignment]

@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from schemas.groups import pack_group, seal_group, unpack_group
-from schemas.packets import HeadRef, authentic, make_round, seal, session_key
+from schemas.macs import authentic, seal, session_key
+from schemas.packets import HeadRef, make_round
 from schemas.requests import SamplingParams
 from schemas.settings import EngineSettings
 

@@ -32,7 +32,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas.errors import PacketError
-from schemas.packets import DIGEST, HEADER, MAC, PROTOCOL_VERSION, TENSOR_PREFIX, seal
+from schemas.macs import DIGEST, Binding, seal
+from schemas.packets import HEADER, MAC, PROTOCOL_VERSION, TENSOR_PREFIX
 
 GROUP = b"g"
 MAC_BYTES = 32
@@ -80,6 +81,9 @@ def seal_group(rounds: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> dict[bytes
     over its header and its binding to the group's tensors (see the module docstring)."""
     packed = pack_group([{**fields, MAC: bytes(MAC_BYTES)} for _, fields in rounds])
     names = sorted(k for k in packed if k.startswith(TENSOR_PREFIX))
+    if not names:  # nothing to bind (as `unpack_group` then sets no DIGEST): each part MAC'd over its own fields
+        packed[MAC] = b"".join(seal(key, f)[MAC] for key, f in rounds)
+        return packed
     bindings = _bindings(packed, names, [{n: len(f[n]) for n in names if n in f} for _, f in rounds])
     macs = (seal(key, {HEADER: f[HEADER], DIGEST: b})[MAC] for (key, f), b in zip(rounds, bindings, strict=True))
     packed[MAC] = b"".join(macs)
@@ -91,7 +95,7 @@ def part_mac(fields: dict[bytes, bytes], i: int) -> bytes:
     return bytes(fields[MAC][i * MAC_BYTES : (i + 1) * MAC_BYTES])
 
 
-def _bindings(fields: dict, names: list[bytes], parts: list[dict[bytes, int]]) -> list[bytes]:
+def _bindings(fields: dict, names: list[bytes], parts: list[dict[bytes, int]]) -> list[Binding]:
     """Each part's DIGEST: the SHA-256 of the group's tensor fields `names` (in order, each length-prefixed), then
     for each of the part's own tensors (name: bytes) its name, offset and length in its field. hashlib lets go of
     the interpreter lock over each field's bytes."""
@@ -105,7 +109,7 @@ def _bindings(fields: dict, names: list[bytes], parts: list[dict[bytes, int]]) -
         for name, n in sorted(own.items()):
             spans += len(name).to_bytes(1, "big") + name + at[name].to_bytes(8, "big") + n.to_bytes(8, "big")
             at[name] += n
-        out.append(digest + spans)
+        out.append(Binding(digest + spans))
     return out
 
 

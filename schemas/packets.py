@@ -6,22 +6,19 @@ session's key (a group entry's part: of its header and its binding to the group'
 Decoding validates size caps, the JSON, the version, each tensor's dtype/shape/byte length, and the packet's own
 consistency before anything is computed.
 
-**Sessions are authenticated.** The head draws a random 32-byte key per generation; only the rounds that
-open a session on a tail (start_pos 0: the first round, and replays) carry it, and every head -> tail packet
-and every tail -> head reply is MAC'd with it (`seal`, `authentic`). A tail checks a round's MAC under the
-key of the session it holds before anything touches a cache, and a head drops a reply whose MAC does not
-verify. The one unsigned reply is a tail's "I do not hold this session" (it has no key): it carries the
-MAC of the round it answers (`echo`), which only a reader of that round could know, and it can only ever
-cost a replay. Readers of the tails' request streams see the keys: under the ACL file only tails can; on a
-Redis without ACLs anyone can, and the MACs then protect nothing. A malicious tail can always lie.
+**Sessions are authenticated.** The head draws a random 32-byte key per generation; only the rounds that open a
+session on a tail (start_pos 0: the first round, and replays) carry it, and every head -> tail packet and every tail
+-> head reply is MAC'd with it (schemas/macs.py `seal`, `authentic`). A tail checks a round's MAC under the key of
+the session it holds before anything touches a cache, and a head drops a reply whose MAC does not verify. The one
+unsigned reply is a tail's "I do not hold this session" (it has no key): it carries the MAC of the round it answers
+(`echo`), which only a reader of that round could know, and it can only ever cost a replay. Readers of the tails'
+request streams see the keys: under the ACL file only tails can; on a Redis without ACLs anyone can, and the MACs
+then protect nothing. A malicious tail can always lie.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import secrets
 from typing import Annotated, Any, Literal
 
 import torch
@@ -35,22 +32,17 @@ from pydantic import (
 )
 
 from schemas.errors import PacketError
+from schemas.macs import DIGEST, HEADER, MAC, TENSOR_PREFIX, seal
 from schemas.requests import FinishReason, SamplingParams, SessionId, TokenId
 from schemas.settings import RelaySettings
 from schemas.tensors import TensorMeta, decode_tensor, encode_tensor, tensor_meta
 
 CAPS = RelaySettings()  # the documented caps, for callers that pass none (a worker passes settings.relay)
-HEADER = b"h"
-TENSOR_PREFIX = b"t."
-MAC = b"m"
-DIGEST = b"d"  # a group's part: its binding to the group's tensors (schemas/groups.py), set on unpacking, never sent
 # Relay packets (head <-> tail) speak their own protocol version; stored shapes keep SCHEMA_VERSION.
 # 2: per-session keys and MACs, the head's identity in every round. 3: long prompts in parts (prefill_more,
 # seed_round), a replay's last part past position 0. 4: a group's parts MAC their header and their place in the
 # group's tensors, whose one digest binds the bytes (schemas/groups.py), rather than each its own tensors' bytes.
 PROTOCOL_VERSION = 4
-KEY_BYTES = 32
-_REQUEST, _REPLY = b"shardflow-round\x00", b"shardflow-reply\x00"  # MACs of one direction never pass for the other
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 # How the draft distribution q travels: none (greedy), point (deterministic drafter: q(x)=1),
@@ -208,47 +200,6 @@ _HEAD = TypeAdapter(HeadMessage)
 _TAIL = TypeAdapter(TailMessage)
 
 
-def session_key() -> bytes:
-    """A new session's key (random, KEY_BYTES long)."""
-    return secrets.token_bytes(KEY_BYTES)
-
-
-def _mac(key: bytes, direction: bytes, fields: dict) -> bytes:
-    """HMAC-SHA256 over the header and every tensor field (in name order), each length-prefixed; for a group's part
-    (one with DIGEST) over its header and DIGEST, which binds its tensors' bytes (schemas/groups.py)."""
-    mac = hmac.new(key, direction, hashlib.sha256)
-    for name in _maced(fields):
-        value = fields[name]
-        mac.update(len(name).to_bytes(4, "big") + name + len(value).to_bytes(8, "big"))
-        mac.update(value)
-    return mac.digest()
-
-
-def mac_bytes(fields: dict) -> int:  # the bytes `_mac` hashes for these fields
-    return sum(len(fields[k]) for k in _maced(fields))
-
-
-def _maced(fields: dict) -> list:
-    """The names of the fields a MAC covers, in order (a group's part: not its tensors, which DIGEST binds)."""
-    bound = DIGEST in fields
-    return sorted(k for k in fields if k != MAC and not (bound and k.startswith(TENSOR_PREFIX)))
-
-
-def seal(key: bytes, fields: dict[bytes, bytes], *, reply: bool = False) -> dict[bytes, bytes]:
-    """The stream fields with their MAC (`m`) under the session's key."""
-    return {**fields, MAC: _mac(key, _REPLY if reply else _REQUEST, fields)}
-
-
-def authentic(key: bytes, fields: dict, *, reply: bool = False) -> bool:
-    """Whether the entry's MAC verifies under `key` (constant time)."""
-    got = fields.get(MAC) if isinstance(fields, dict) else None
-    if not isinstance(got, bytes) or len(got) != hashlib.sha256().digest_size:
-        return False
-    if not all(isinstance(k, bytes) and isinstance(v, bytes | memoryview) for k, v in fields.items()):
-        return False
-    return hmac.compare_digest(got, _mac(key, _REPLY if reply else _REQUEST, fields))
-
-
 def encode_round(packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes) -> tuple[RoundPacket, dict]:
     """Build a RoundPacket from header fields + tensors and return it with its sealed stream fields (a round
     that opens a session, start_pos 0, carries the key)."""
@@ -290,12 +241,6 @@ def encode_message(msg: BaseModel, key: bytes | None = None) -> dict[bytes, byte
     if key is None:
         return fields
     return seal(key, fields, reply=isinstance(msg, Verdict | ErrorReply))
-
-
-def mac_hex(fields: dict) -> str:
-    """The entry's MAC as hex (what an unsigned error reply echoes); '' when it has none."""
-    got = fields.get(MAC) if isinstance(fields, dict) else None
-    return got.hex() if isinstance(got, bytes) else ""
 
 
 class Oversized(PacketError):

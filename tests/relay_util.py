@@ -7,7 +7,8 @@ import redis
 import torch
 
 from schemas.keys import Keys
-from schemas.packets import MAC, HeadRef, encode_round, seal
+from schemas.macs import seal
+from schemas.packets import MAC, HeadRef, encode_round
 
 TEST_HEAD = HeadRef(name="test-head", boot="0123456789abcdef", reply_timeout_s=15.0)
 TEST_KEY = bytes(range(32))

@@ -14,7 +14,8 @@ import torch
 from relay_broker.streams import ReplyReader, publish
 from schemas.errors import PacketError
 from schemas.groups import GROUP, entry_parts, pack_group, part_mac, seal_group, unpack_group
-from schemas.packets import DIGEST, HEADER, MAC, ErrorReply, Verdict, authentic, decode_tail_message, session_key
+from schemas.macs import DIGEST, authentic, session_key
+from schemas.packets import HEADER, MAC, ErrorReply, Verdict, decode_tail_message
 from schemas.requests import SamplingParams
 from tests.relay_util import TEST_HEAD, announce, sealed_round
 
@@ -68,9 +69,19 @@ def test_a_group_whose_tensor_bytes_changed_verifies_no_part():
     assert [authentic(k, p) for (k, _), p in zip(rounds, parts, strict=True)] == [False, False, True]  # 2's untouched
     good = unpack_group(packed, max_bytes=1 << 24)
     assert all(authentic(k, p) for (k, _), p in zip(rounds, good, strict=True))
+    stolen = {**good[0], DIGEST: bytes(good[0][DIGEST]), b"t.hidden": bytes(len(good[0][b"t.hidden"]))}
     with pytest.raises(PacketError, match="group part"):  # a part's binding on an entry alone: its tensors unchecked
-        entry_parts({**good[0], b"t.hidden": bytes(len(good[0][b"t.hidden"]))}, max_bytes=1 << 24)
+        entry_parts(stolen, max_bytes=1 << 24)
+    assert not authentic(rounds[0][0], stolen)  # nor does it verify, should anything hand such an entry on: only a
+    assert authentic(rounds[0][0], good[0])  # binding unpacking computed binds (a `Binding`, never an entry's bytes)
     assert entry_parts(_round("alone"), max_bytes=1 << 24)[0][HEADER]
+
+
+def test_a_group_without_tensors_seals_each_part_over_its_own_fields():
+    keys = [session_key() for _ in range(2)]
+    packed = seal_group([(k, {HEADER: f"header {i}".encode()}) for i, k in enumerate(keys)])
+    parts = unpack_group(packed, max_bytes=1 << 20)
+    assert all(DIGEST not in p and authentic(k, p) for k, p in zip(keys, parts, strict=True))
 
 
 def test_a_parts_tensor_bytes_are_views_never_written():

@@ -23,17 +23,8 @@ from relay_broker.streams import publish
 from schemas.dead_letters import DeadLetterRecord
 from schemas.groups import pack_group
 from schemas.keys import Keys
-from schemas.packets import (
-    HEADER,
-    MAC,
-    ErrorReply,
-    HeadRef,
-    Verdict,
-    decode_tail_message,
-    encode_message,
-    encode_round,
-    session_key,
-)
+from schemas.macs import session_key
+from schemas.packets import HEADER, MAC, ErrorReply, HeadRef, Verdict, decode_tail_message, encode_message, encode_round
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS

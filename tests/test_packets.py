@@ -12,16 +12,15 @@ import torch
 from relay_broker.streams import ReplyReader, publish
 from schemas.dead_letters import DeadLetterRecord
 from schemas.errors import PacketError
+from schemas.macs import authentic, seal
 from schemas.packets import (
     HEADER,
     MAC,
     TENSOR_PREFIX,
-    authentic,
     decode_head_message,
     decode_tail_message,
     encode_round,
     round_fields,
-    seal,
 )
 from schemas.packets import round_header as make_header
 from schemas.peek import head_batch_incomplete, peek_head_batch

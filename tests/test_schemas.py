@@ -7,17 +7,16 @@ import torch
 from pydantic import ValidationError
 
 from schemas.errors import PacketError
+from schemas.macs import authentic, seal
 from schemas.packets import (
     HEADER,
     MAC,
     ErrorReply,
     Verdict,
-    authentic,
     decode_head_header,
     decode_head_message,
     decode_tail_message,
     encode_message,
-    seal,
 )
 from schemas.requests import GenerationRequest, SamplingParams
 from schemas.settings import RelaySettings

@@ -7,7 +7,7 @@ import secrets
 import threading
 
 from relay_broker.streams import publish_many
-from schemas.packets import authentic, session_key
+from schemas.macs import authentic, session_key
 from schemas.settings import Settings
 from workers.head.relay_io import Outgoing, Sender
 from workers.head.sealing import VIEW_BYTES, entries

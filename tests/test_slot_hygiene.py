@@ -22,7 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from schemas.keys import Keys
-from schemas.packets import ErrorReply, Verdict, decode_tail_message, encode_round, session_key
+from schemas.macs import session_key
+from schemas.packets import ErrorReply, Verdict, decode_tail_message, encode_round
 from schemas.requests import SamplingParams
 from schemas.settings import Settings
 from workers.engine.kvcache import KVCache, StaticKVCache

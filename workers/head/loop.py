@@ -33,7 +33,7 @@ from schemas.keys import Keys
 from schemas.requests import GenerationResult
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
-from workers.head.sealing import packets, sealed
+from workers.head.sealing import outbound, packets, sealed
 from workers.head.seating import seat, withdraw
 from workers.phases import PhaseClock
 
@@ -300,7 +300,7 @@ class HeadLoop:
         if build:
             self.sender.put(Outgoing([], on_error=failed, build=lambda: self._seal(slots)))
         else:
-            again = [(s, s.gen.round.fields) for s in slots if s.gen.round]  # sealed anew, as when first sent
+            again = [outbound(s) for s in slots if s.gen.round]  # sealed anew, as when first sent
             self.sender.put(Outgoing([], on_error=failed, build=lambda: sealed(again, self.settings.relay)))
 
     def _seal(self, slots: list[Slot]) -> list[tuple[str, dict]]:
@@ -308,12 +308,12 @@ class HeadLoop:
         the group entries. The loop touches none of these rounds until a reply or a timeout, after this send."""
         t0 = time.perf_counter()
         made = packets(slots)  # each round's fields: its tensors' bytes copied from pinned memory, nothing hashed
-        bad: list[tuple[list[Slot], BaseException]] = [([s], got) for s, _, got in made if isinstance(got, Exception)]
+        bad: list[tuple[list[Slot], BaseException]] = [([s], got) for s, got in made if isinstance(got, Exception)]
         if bad:
             with self._cv:
                 self._failed += bad
                 self._cv.notify()
-        group = sealed([(s, got) for s, _, got in made if not isinstance(got, Exception)], self.settings.relay)
+        group = sealed([got for _, got in made if not isinstance(got, Exception)], self.settings.relay)
         self.seal_clock.add("seal", time.perf_counter() - t0)
         return group
 

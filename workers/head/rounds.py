@@ -16,18 +16,17 @@ import torch
 from relay_broker.streams import ReplyReader
 from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeout
 from schemas.keys import Keys
+from schemas.macs import authentic, session_key
 from schemas.packets import (
     ClosePacket,
     ErrorReply,
     RoundPacket,
     Verdict,
-    authentic,
     decode_tail_message,
     encode_message,
     make_round,
     round_fields,
     round_header,
-    session_key,
 )
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.tensors import DTYPE_NAMES, TensorMeta, tensor_meta

@@ -8,25 +8,33 @@ from collections.abc import Sequence
 from typing import Any
 
 from schemas.groups import chunk_rounds, part_mac, seal_group
-from schemas.packets import MAC, seal
+from schemas.macs import seal
+from schemas.packets import MAC
 from schemas.settings import RelaySettings
 
 # A field this large goes to Redis as a view: redis-py then sends it as it is, rather than having hiredis copy it
 # into one buffer with the command first (on this CPU an 8 MB XADD took 18 ms that way, 3.5 ms as a view)
 VIEW_BYTES = 1 << 16
 MAX_DRAFT_ROWS = 65  # a round's drafts (at most 64, schemas/packets.py) and its bonus row, beside its inputs
+Outbound = tuple[str, bytes, Any]  # (its tail stream, its session's key, its `OpenRound`, fields made)
 
 
-def packets(slots: Sequence[Any]) -> list[tuple[Any, str, dict | Exception]]:
-    """(slot, its tail stream, its round's unsealed stream fields, or what keeps them from being made: it fails
-    alone) for each of the loop's slots (workers/head/loop.py's `Slot`)."""
-    out: list[tuple[Any, str, dict | Exception]] = []
+def packets(slots: Sequence[Any]) -> list[tuple[Any, Outbound | Exception]]:
+    """(slot, its round as it goes out, or what keeps its fields from being made: it fails alone) for each of the
+    loop's slots (workers/head/loop.py's `Slot`)."""
+    out: list[tuple[Any, Outbound | Exception]] = []
     for slot in slots:
         try:
-            out.append((slot, slot.gen.stream, slot.gen.packet()))
+            slot.gen.packet()
+            out.append((slot, outbound(slot)))
         except Exception as e:
-            out.append((slot, slot.gen.stream, e))
+            out.append((slot, e))
     return out
+
+
+def outbound(slot: Any) -> Outbound:
+    """The slot's round as it stands now (its `fields` made: `RoundLoop.packet`), with its stream and key."""
+    return slot.gen.stream, slot.gen.key, slot.gen.round
 
 
 def entries(
@@ -55,13 +63,13 @@ def entries(
     return out, macs
 
 
-def sealed(rounds: Sequence[tuple[Any, dict]], relay: RelaySettings) -> list[tuple[str, dict]]:
-    """These (slot, unsealed fields) rounds as stream entries (`entries`), each slot's round told the MAC it goes
-    out under (`OpenRound.mac`: what a tail's unsigned error reply echoes)."""
-    out, macs = entries([(slot.gen.stream, slot.gen.key, fields) for slot, fields in rounds], relay)
-    for (slot, _), mac in zip(rounds, macs, strict=True):
-        if slot.gen.round is not None:
-            slot.gen.round.mac = mac.hex()
+def sealed(rounds: Sequence[Outbound], relay: RelaySettings) -> list[tuple[str, dict]]:
+    """These rounds as stream entries (`entries`), each told the MAC it goes out under (`OpenRound.mac`: what a
+    tail's unsigned error reply echoes). Each is the round object captured when it was made, not its generation's
+    round by the time it is sealed (a timed-out one's replay may have replaced it)."""
+    out, macs = entries([(stream, key, rnd.fields) for stream, key, rnd in rounds], relay)
+    for (_, _, rnd), mac in zip(rounds, macs, strict=True):
+        rnd.mac = mac.hex()
     return out
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas.errors import ForgedPacket, SessionError
-from schemas.packets import ClosePacket, Oversized, RoundPacket, authentic, decode_head_header, mac_bytes
+from schemas.macs import authentic, mac_bytes
+from schemas.packets import ClosePacket, Oversized, RoundPacket, decode_head_header
 from schemas.settings import RelaySettings
 from workers.shares import Shares
 from workers.tail.sessions import SessionStore

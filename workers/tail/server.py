@@ -28,6 +28,7 @@ from schemas.errors import (
     TransportError,
 )
 from schemas.keys import Keys
+from schemas.macs import mac_hex
 from schemas.packets import (
     MAC,
     PROTOCOL_VERSION,
@@ -36,7 +37,6 @@ from schemas.packets import (
     RoundPacket,
     Verdict,
     encode_message,
-    mac_hex,
     round_tensors,
 )
 from schemas.peek import peek_reply_to, peek_session, peek_version
