@@ -7,7 +7,8 @@ job path's per-round stage times (bench/jobs.py) can be read beside them.
     python -m bench.stages --device cpu --b 1,4,16 --iters 3
 
 Through the engine's real code paths (`Engine` with static caches, and CUDA graphs where the device is CUDA;
-one pool of max(B) slots per engine; random weights of `random:<preset>` shapes), ms per call for one group:
+one pool of max(B) slots per engine; random weights of `random:<preset>` shapes, or a model directory; a tail that
+takes token ids beside hidden states, Gemma 4's, is given each row's), ms per call for one group:
 - draft: the drafter's K greedy steps for B sequences (`propose_many`; on CUDA the whole draft is one graph
   replay), each fed one new token, as after a rejection, and read back to the host;
 - head: the lower shard over B x (K+1) token ids (`Engine.forward_many`), the hidden states copied to the
@@ -40,7 +41,7 @@ import click
 import torch
 
 from bench.profile_round import kernels
-from bench.stages_floor import FLOOR_FORMULA, Reference, Shape, floors_ms
+from bench.stages_floor import FLOOR_FORMULA, Reference, Shape, floors_ms, uniform
 from bench.synthetic import load_shard, preset_of
 from schemas.requests import SamplingParams
 from schemas.settings import Settings
@@ -115,6 +116,7 @@ class Rig:
             return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
         self.rows = [ids(k + 1) for _ in range(bmax)]  # a round's [last token, drafts]
+        self.row_ids = self._ids(self.rows)
         self.drafts = [r[1:] for r in self.rows]
         self.hs = [torch.randn(k + 1, hidden, generator=gen).to(self.dev, dtype) for _ in range(bmax)]
         self.contexts = [ids(ctx) for _ in range(bmax)]
@@ -125,11 +127,15 @@ class Rig:
             self.head.forward_many(self.hcaches, [torch.tensor(c, device=self.dev) for c in self.contexts], [0] * bmax)
             self.tcaches = [self.tail.acquire() for _ in range(bmax)]
             prompt = [torch.randn(ctx, hidden, generator=gen).to(self.dev, dtype) for _ in range(bmax)]
-            self.tail.forward_many(self.tcaches, prompt, [0] * bmax)
+            self.tail.forward_many(self.tcaches, prompt, [0] * bmax, ids=self._ids(self.contexts))
         drafter = ModelDrafter(shards["draft"], dengine)
         self.sessions = [drafter.new_session() for _ in range(bmax)]
         self.greedy = SamplingParams()
         propose_many(self.sessions, self.contexts, [k] * bmax, [self.greedy] * bmax, [None] * bmax)  # prefill
+
+    def _ids(self, rows: list[list[int]]) -> list[torch.Tensor] | None:
+        """The rows' token ids for a tail that takes them beside hidden states (Gemma 4's), else None."""
+        return [torch.tensor(r, device=self.dev) for r in rows] if self.tail.shard.needs_ids else None
 
     def draft(self, b: int) -> None:
         for c in self.contexts[:b]:
@@ -159,7 +165,8 @@ class Rig:
     def _tail_forward(self, b: int) -> list[torch.Tensor]:
         for c in self.tcaches[:b]:
             c.crop(self.ctx)
-        return self.tail.forward_many(self.tcaches[:b], self.hs[:b], [self.ctx] * b, [self.k + 1] * b)
+        ids = self.row_ids[:b] if self.row_ids is not None else None
+        return self.tail.forward_many(self.tcaches[:b], self.hs[:b], [self.ctx] * b, [self.k + 1] * b, ids=ids)
 
     def tail_round(self, b: int) -> None:
         with torch.inference_mode():
@@ -282,15 +289,24 @@ def main(device: str | None, target: str | None, draft: str | None, split: int |
         "head": load_shard(target, (0, split), embed=True, head=False, **where),
         "tail": load_shard(target, (split, n_layers), embed=False, head=True, **where),
     }
+
+    def shape(name: str, layers: int, lm_head: bool) -> Shape:
+        config = shards[name].config
+        if uniform(config):
+            return Shape.of(config, layers, lm_head, dt)
+        return Shape.of_layers(config, shards[name].layers, lm_head, dt)  # Gemma 4: each layer its own widths
+
     shapes = {
-        "draft": Shape.of(shards["draft"].config, shards["draft"].config.num_hidden_layers, True, dt),
-        "head": Shape.of(shards["head"].config, split, False, dt),
-        "tail": Shape.of(shards["tail"].config, n_layers - split, True, dt),
+        "draft": shape("draft", shards["draft"].config.num_hidden_layers, True),
+        "head": shape("head", split, False),
+        "tail": shape("tail", n_layers - split, True),
     }
     rig = Rig(shards, k, ctx, max_len, max(sizes), graphs, attention, compile_draft)
     setup = f"set up in {time.perf_counter() - t0:.0f} s: {target} split {split}/{n_layers - split}, draft {draft}"
     click.echo(f"{setup}, K={k}, {ctx} cached, {max_len}-position slots, {dt}, graphs {rig.graphs}, {dev}", err=True)
     refs = {}
+    if reference and any(sh.per_layer for sh in shapes.values()):
+        raise click.UsageError("this model's layers differ in width: the plain-PyTorch reference needs --no-reference")
     if reference:
         refs["head"] = Reference(shapes["head"], dev, dt, embed=True)
         refs["tail"] = Reference(shapes["tail"], dev, dt, embed=False, share=refs["head"])

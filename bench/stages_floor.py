@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 FLOOR_FORMULA = (
     "floor = sum over weight passes (1 for head and tail, K for the drafter) of max(W / BW, F / P) + KV / BW; "
     "W = bytes of the GEMM weights (q, k, v, o, gate, up, down of each layer, + the LM head where there is one; "
     "no embedding, norms or biases), F = 2 * tokens * W / dtype_bytes + 4 * tokens * attended * heads * head_dim "
-    "* layers, KV = keys + values of every sequence's attended positions (ctx + the step's tokens) per layer"
+    "summed over layers, KV = keys + values of every sequence's attended positions (ctx + the step's tokens) per "
+    "layer; where layers differ in width (Gemma 4), each layer's linear weights and widths as loaded (a KV-shared "
+    "layer's reads of another's keys left out)"
 )
 
 
@@ -32,6 +35,7 @@ class Shape:
     layers: int
     lm_head: bool
     dtype_bytes: int
+    per_layer: tuple[tuple[int, int, int], ...] = ()  # (GEMM params, q width, kv width) where layers differ
 
     @classmethod
     def of(cls, config: object, layers: int, lm_head: bool, dtype: torch.dtype) -> Shape:
@@ -49,31 +53,59 @@ class Shape:
             torch.empty((), dtype=dtype).element_size(),
         )
 
+    @classmethod
+    def of_layers(cls, config: object, layers: nn.ModuleList, lm_head: bool, dtype: torch.dtype) -> Shape:
+        """A stage whose layers differ in width (Gemma 4: wider full-attention heads, double-wide MLPs, KV-shared
+        layers without key/value projections), measured on the loaded layers: each one's linear weights, query
+        width and keys + values a position (0 for a layer that reads another's: those reads are left out)."""
+        per = []
+        for layer in layers:
+            attn = layer.self_attn
+            params = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+            k, v = getattr(attn, "k_proj", None), getattr(attn, "v_proj", None)
+            kv = (k.out_features + (v if v is not None else k).out_features) if k is not None else 0
+            per.append((params, attn.q_proj.out_features, kv))
+        c, size = config, torch.empty((), dtype=dtype).element_size()  # no one width: 0s (the reference is refused)
+        return cls(c.hidden_size, 0, 0, 0, 0, c.vocab_size, len(layers), lm_head, size, tuple(per))  # type: ignore[attr-defined]
+
     @property
-    def layer_params(self) -> int:
+    def widths(self) -> tuple[tuple[int, int, int], ...]:
+        """Each layer's (GEMM params, q width, keys + values a position)."""
+        if self.per_layer:
+            return self.per_layer
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.inter
+        return ((h * q + 2 * h * kv + q * h + 3 * h * self.inter, q, 2 * kv),) * self.layers
 
     @property
     def gemm_params(self) -> int:
-        return self.layers * self.layer_params + (self.vocab * self.hidden if self.lm_head else 0)
+        return sum(p for p, _, _ in self.widths) + (self.vocab * self.hidden if self.lm_head else 0)
 
     @property
     def weight_bytes(self) -> int:
         return self.gemm_params * self.dtype_bytes
 
     def flops(self, tokens: int, attended: int) -> float:
-        attention = 4 * tokens * attended * self.heads * self.head_dim * self.layers
+        attention = 4 * tokens * attended * sum(q for _, q, _ in self.widths)
         return 2.0 * tokens * self.gemm_params + attention
 
     def kv_bytes(self, seqs: int, attended: int) -> float:
-        return float(seqs * self.layers * 2 * self.kv_heads * self.head_dim * attended * self.dtype_bytes)
+        return float(seqs * sum(kv for _, _, kv in self.widths) * attended * self.dtype_bytes)
 
     def pass_floor_ms(self, seqs: int, tokens_each: int, attended: int, bw: float, peak: float) -> float:
         """One weight pass over `seqs` sequences of `tokens_each` tokens attending `attended` positions each;
         bw in bytes/s, peak in FLOP/s."""
         t = max(self.weight_bytes / bw, self.flops(seqs * tokens_each, attended) / peak)
         return (t + self.kv_bytes(seqs, attended) / bw) * 1000
+
+
+def uniform(config: object) -> bool:
+    """Whether the config gives one width for every layer (transformers' heterogeneous configs, Gemma 4's, refuse
+    a global `head_dim`)."""
+    try:
+        getattr(config, "head_dim", None)
+    except Exception:
+        return False
+    return True
 
 
 def floors_ms(
