@@ -6,7 +6,8 @@
 # growing caches (one sequence at a time, as before), and with graphs asked for.
 #   OUT=$OUT bash bench/device_gemma4.sh [JOBS_S]
 #   NS=1,16,64 VARIANTS="static=;graphs=--graphs | --graphs" ...
-# What comes back: pytest.txt, jobs.json, jobs.md, phases.txt.
+#   STAGES=150 ...     # then bench/stages.py on the same shapes (B = 1, 16, 64; STAGES_ARGS=--graphs: with graphs)
+# What comes back: pytest.txt, jobs.json, jobs.md, phases.txt (stages.json with STAGES).
 set -uo pipefail
 OUT=${OUT:-bench/out/device_gemma4}
 mkdir -p "$OUT" /tmp/g
@@ -26,4 +27,9 @@ timeout "${1:-420}" python3 -m bench.jobs --target random:gemma-4-e2b --split 15
 cp /tmp/g/jobs/jobs.json /tmp/g/jobs/jobs.md "$OUT"/ 2>/dev/null
 grep -h -E "head loop:|tail loop:|captured|memory:|Traceback|Error" /tmp/g/jobs/logs/*.log 2>/dev/null | tail -80 > "$OUT/phases.txt"
 for f in /tmp/g/jobs/logs/*.log; do grep -q Traceback "$f" && grep -v "^\[" "$f" | tail -60 > "$OUT/error-$(basename "$f")"; done
+if [ "${STAGES:-0}" != 0 ]; then
+  timeout "$STAGES" python3 -m bench.stages --device cuda:0 --target random:gemma-4-e2b --split 15 \
+    --draft random:gemma-3-1b --b 1,16,64 --iters 10 --no-reference ${STAGES_ARGS:-} --out /tmp/g/stages 2>&1 | quiet | tail -8
+  cp /tmp/g/stages/stages.json "$OUT"/ 2>/dev/null
+fi
 ls "$OUT"
