@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from relay_broker.streams import ReplyReader, publish
+from schemas.dead_letters import DeadLetterRecord
 from schemas.errors import PacketError
 from schemas.groups import GROUP, entry_parts, pack_group, part_mac, seal_group, unpack_group
 from schemas.macs import DIGEST, authentic, session_key
@@ -137,7 +138,11 @@ def test_a_garbage_session_inside_a_valid_group_fails_alone(models, tails, redis
     rounds = [_unsealed(sid, keys[sid]) for sid in sids]
     rounds[1] = (session_key(), rounds[1][1])  # sealed under another key than the one its header opens with: forged
     rounds[2] = _unsealed(sids[2], keys[sids[2]], n=3, hidden=32)  # wrong hidden size: a clear error
-    publish(redis_client, names.shared_requests, seal_group(rounds), maxlen=1000)
+    group = seal_group(rounds)
+    tampered = bytearray(group[b"t.hidden"])
+    tampered[7] ^= 0x40  # a copy of the group with one byte changed goes first: none of its parts verifies
+    publish(redis_client, names.shared_requests, {**group, b"t.hidden": bytes(tampered)}, maxlen=1000)
+    publish(redis_client, names.shared_requests, group, maxlen=1000)
     for i in (0, 3):
         fields = ReplyReader(redis_client, names.reply(sids[i])).next(30)
         assert authentic(keys[sids[i]], fields, reply=True)
@@ -145,6 +150,9 @@ def test_a_garbage_session_inside_a_valid_group_fails_alone(models, tails, redis
     bad = decode_tail_message(ReplyReader(redis_client, names.reply(sids[2])).next(30))
     assert isinstance(bad, ErrorReply) and "hidden states must be" in bad.error
     assert not redis_client.exists(names.reply(sids[1]))  # forged: dead-lettered, unanswered
+    records = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in redis_client.xrange(names.dead_letters)]
+    mine = [r for r in records if r.session_id in keys and "MAC" in r.reason]
+    assert len(mine) == 4 + 1  # the tampered copy's four parts, the forged one
 
 
 def test_a_group_larger_than_the_packet_cap_goes_in_several_entries(models, tails, redis_client, hf_models, tokenizers):
