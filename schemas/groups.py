@@ -12,14 +12,14 @@ packs them, so a tail reads, validates and acks one entry per group and a head p
 session as if it had come alone: a bad part fails its own session only. A stage that forwards a group rather
 than verifying it can pass it on unopened.
 
-**One digest for the group's tensors** (`seal_group`). A part's MAC, under its session's key, covers its header
-and its binding (`DIGEST`): the SHA-256 of every tensor field of the group and where the part's own tensors sit in
-them. `unpack_group` computes that binding from the bytes it was given, so a part's MAC verifies only if the
-group's tensors are, to the byte, what the head sealed. Hashing a group's megabytes once, rather than one HMAC a
-session, lets go of the interpreter lock once: a head's sender thread waited for it again after every session's
-rows (22-26 ms a group of 64 under load, bench/mac_cost.py). Tampered tensor bytes fail every part of the group;
-a part whose header is bad, or whose MAC is, still fails alone. Groups without tensors (a tail's replies) keep
-each part's own MAC over its header (`pack_group`).
+**One digest for the group's tensors** (`seal_group`). A part's MAC, under its session's key, covers its header and
+its binding (`DIGEST`): the SHA-256 of every tensor field of the group and where the part's own tensors sit in them.
+`unpack_group` computes that binding from the bytes it was given, so a part's MAC verifies only if the group's
+tensors are, to the byte, what the head sealed. Hashing a group's megabytes once, rather than one HMAC a session,
+lets go of the interpreter lock once: a head's sender thread waited for it again after every session's rows (22-26
+ms a group of 64 under load in run 115, docs/benchmarks.md; bench/mac_cost.py times both). Tampered tensor bytes
+fail every part of the group; a part whose header is bad, or whose MAC is, still fails alone. Groups without tensors
+(a tail's replies) keep each part's own MAC over its header (`pack_group`).
 """
 
 from __future__ import annotations
