@@ -53,13 +53,13 @@ def entries(
         for chunk in chunk_rounds([rounds[i][2] for i in group], cap):
             picked = [group[j] for j in chunk]
             if len(picked) == 1:
-                sealed = seal(rounds[picked[0]][1], rounds[picked[0]][2])
-                macs[picked[0]] = sealed[MAC]
+                entry = seal(rounds[picked[0]][1], rounds[picked[0]][2])
+                macs[picked[0]] = entry[MAC]
             else:
-                sealed = seal_group([(rounds[i][1], rounds[i][2]) for i in picked])
+                entry = seal_group([(rounds[i][1], rounds[i][2]) for i in picked])
                 for j, i in enumerate(picked):
-                    macs[i] = part_mac(sealed, j)
-            out.append((stream, _viewed(sealed)))
+                    macs[i] = part_mac(entry, j)
+            out.append((stream, _viewed(entry)))
     return out, macs
 
 
