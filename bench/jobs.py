@@ -243,7 +243,8 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
     say(
         f"variant {name}: N={n}: {row['aggregate_tokens_per_s']} tok/s aggregate, per-job p50 "
         f"{row['per_job_tokens_per_s']['p50']} tok/s, latency p50/p95 {lat['p50']}/{lat['p95']} s, TTFT p50/p95 "
-        f"{ttft['p50']}/{ttft['p95']} s, mismatches {row['mismatches']}, not finished {len(row['failed'])}; "
+        f"{ttft['p50']}/{ttft['p95']} s, mismatches {row['mismatches']} (ties {row.get('ties', 0)}), "
+        f"not finished {len(row['failed'])}; "
         f"GPU mean / share >= 50%: {gpu_use}"
         + (f" ({use.result['gpu']['note']})" if use.result["gpu"]["note"] else "")
         + f"; max threads head / tail {threads}"
@@ -364,7 +365,7 @@ def main(
         if len({tuple(p) for p in base}) != len(base):
             raise click.ClickException("the prompts built are not distinct; try another --seed")
         prompts = cycle(base, jobs)
-        refs = cycle(hf_references(model, base, new_tokens, check_device), jobs) if check else None
+        refs = cycle(hf_references(model, base, new_tokens, check_device, dtype), jobs) if check else None
         server = stack.enter_context(EmbeddedRedis(die_with_parent=True))
         proxy_port = stack.enter_context(spawn_proxy(server.port, delay_ms / 1000)) if delay_ms > 0 else None
         urls = (server.url, f"redis://127.0.0.1:{proxy_port}/0" if proxy_port else server.url)

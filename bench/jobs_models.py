@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from workers.tiny_models import divergence_ulps
+
 
 def say(msg: str) -> None:
     click.echo(f"[jobs {time.strftime('%H:%M:%S')}] {msg}", err=True)
@@ -96,18 +98,53 @@ def build_prompts(model: Model, count: int, length: int, seed: int) -> list[list
     return out
 
 
-def hf_references(model: Model, prompts: list[list[int]], new: int, device: str) -> list[list[int]]:
-    """Greedy continuations of the unsplit target: `generate(do_sample=False)` per prompt."""
+class Reference(list):
+    """One prompt's greedy continuation from HF `generate` (a list of token ids), with each step's best logits
+    (`tops`: ids and values, generate's own) and the dtype it ran in: where a half-precision job parts from it,
+    `tie_ulps` says whether that was at a rounding tie."""
+
+    tops: list[tuple[list[int], list[float]]]
+    dtype: str
+
+    def tie_ulps(self, got: list[int]) -> float | None:
+        """Where `got` first parts from this reference, how many units in the last place of the dtype generate's
+        logits put its token and `got`'s apart (None: no logit kept for it, or float32, where no tie is taken)."""
+        import torch
+
+        i = next((i for i, (a, b) in enumerate(zip(got, self, strict=False)) if a != b), None)
+        if i is None or self.dtype == "float32" or i >= len(self.tops) or got[i] not in self.tops[i][0]:
+            return None
+        ids, values = self.tops[i]
+        logits = torch.full((max(ids) + 1,), float("-inf"))
+        logits[ids] = torch.tensor(values)
+        return divergence_ulps([got[i]], [self[i]], [logits], getattr(torch, self.dtype))
+
+
+def hf_references(model: Model, prompts: list[list[int]], new: int, device: str, dtype: str) -> list[Reference]:
+    """Greedy continuations of the unsplit target: `generate(do_sample=False)` per prompt, in the workers' dtype
+    (`auto`: the checkpoint's), each step's four best logits kept (`Reference`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model.target, dtype=torch.float32).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model.target, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+    hf = hf.to(device).eval()
+    ran = str(next(hf.parameters()).dtype).removeprefix("torch.")
     refs = []
     with torch.no_grad():
         for i, p in enumerate(prompts):
             ids = torch.tensor([p], device=device)
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
-            refs.append(out[0, ids.shape[1] :].tolist())
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            ref = Reference(out.sequences[0, ids.shape[1] :].tolist())
+            tops = [step[0].float().topk(4) for step in out.logits]
+            ref.tops, ref.dtype = [(t.indices.tolist(), t.values.tolist()) for t in tops], ran
+            refs.append(ref)
             if (i + 1) % 16 == 0:
                 say(f"references: {i + 1}/{len(prompts)}")
     del hf

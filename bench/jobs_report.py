@@ -17,7 +17,9 @@ from pathlib import Path
 import redis
 from rq.job import Job
 
+from bench.jobs_models import Reference
 from bench.usage import brief
+from workers.tiny_models import TIE_ULPS
 
 
 def git_state(repo: Path) -> str | None:
@@ -129,7 +131,9 @@ class BatchRun:
 
 
 def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
-    """One row of the report: a batch of N jobs (N = len(run.job_ids))."""
+    """One row of the report: a batch of N jobs (N = len(run.job_ids)). An output that parts from a `Reference`
+    (HF `generate`) in half precision where generate's logits were within `TIE_ULPS` counts as a tie, not a
+    mismatch."""
     done = [v for v in run.views if v.status == "finished" and v.result]
     results = [v.result for v in done]
     completion = sum(int(x.get("completion_tokens", 0)) for x in results)
@@ -191,20 +195,23 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
         "timeline": timeline(run, done),
     }
     if refs is not None:
-        bad = []
+        bad, ties = [], 0
         for v in done:
             want = refs[v.index]
             got = v.result["token_ids"] if v.result else []
-            if got != want:
+            ulps = want.tie_ulps(got) if got != want and isinstance(want, Reference) else None
+            if ulps is not None and ulps <= TIE_ULPS:
+                ties += 1
+            elif got != want:
                 at = next(
                     (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
                 )
                 bad.append({"index": v.index, "first_diff_at": at, "got_len": len(got), "want_len": len(want)})
         row["checked"] = len(done)
-        row["mismatches"] = len(bad)
+        row["mismatches"], row["ties"] = len(bad), ties
         row["mismatch_detail"] = bad[:20]
     else:
-        row["checked"], row["mismatches"] = 0, None
+        row["checked"], row["mismatches"], row["ties"] = 0, None, 0
     return row
 
 
@@ -282,6 +289,7 @@ def markdown(rows: list[dict], seeds: str | None = None) -> str:
     for x in rows:
         lat, ttft, mem = x["latency_s"], x["ttft_s"], x.get("memory_gb", {})
         mism = "—" if x["mismatches"] is None else f"{x['mismatches']}/{x['checked']}"
+        mism += f" ({x['ties']} at a tie)" if x.get("ties") else ""
         n, jobs = x.get("n_label", x["n"]), x.get("one_at_a_time", x["n"])  # N=1: maybe jobs one at a time
         gpu, threads = brief(x.get("usage"))
         lines.append(

@@ -38,6 +38,7 @@ def merge_singles(rows: list[dict]) -> dict:
         resumed_tokens=sum(r["resumed_tokens"] for r in rows),
         checked=sum(r["checked"] for r in rows),
         mismatches=None if rows[0]["mismatches"] is None else sum(r["mismatches"] for r in rows),
+        ties=sum(r.get("ties", 0) for r in rows),
         mismatch_detail=[d for r in rows for d in r.get("mismatch_detail", [])][:20],
     )
     for key in DISTS:
