@@ -47,8 +47,10 @@ def timed(fn: Callable[[], object], dev: torch.device, n: int, gap_s: float) -> 
 
 
 def kernels(fn: Callable[[], object], dev: torch.device, calls: int = 3) -> dict:
-    """Kernel count per call, summed device ms per call and the top kernels (name, ms per call, count)."""
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    """Kernel count per call, summed device ms per call and the top kernels (name, ms per call, count); on a CPU
+    device, the operators' own CPU time."""
+    cpu = dev.type == "cpu"
+    with profile(activities=[ProfilerActivity.CPU] if cpu else [ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         sync(dev)
@@ -56,7 +58,8 @@ def kernels(fn: Callable[[], object], dev: torch.device, calls: int = 3) -> dict
     total_us, count = 0.0, 0
     for ev in prof.key_averages():
         dev_us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
-        if ev.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
+        dev_us = ev.self_cpu_time_total if cpu else dev_us
+        if (cpu or ev.device_type == torch.autograd.DeviceType.CUDA) and dev_us > 0:
             rows.append((ev.key[:90], dev_us / calls / 1000, ev.count // calls))
             total_us += dev_us
             count += ev.count
