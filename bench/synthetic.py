@@ -30,7 +30,8 @@ from workers.speculative.drafters import Draft, DraftSession, ModelDraftSession
 
 
 def random_source(seed: int, std: float = 0.02) -> Source:
-    """Random weights (benchmarks of model shapes whose weights cannot be fetched); norms are ones.
+    """Random weights (benchmarks of model shapes whose weights cannot be fetched); norms and Gemma 4's layer
+    scalars are ones (random scalars near 0 would wash the token out of every layer: near-tied greedy choices).
 
     The LM head copies the embedding and the residual branches' output projections are small, so the
     model's greedy choice has a wide margin (it mostly repeats a token): speculative and plain paths,
@@ -43,7 +44,7 @@ def random_source(seed: int, std: float = 0.02) -> Source:
             gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(key.encode()))
             scale = 0.01 if ckpt.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else 1.0
             scale = 50.0 if key == "model.embed_tokens.weight" else scale  # token identity dominates the residual
-            if "norm" in ckpt:
+            if "norm" in ckpt or ckpt.endswith("layer_scalar"):  # Gemma 4 scales each layer's output by its scalar
                 out[local] = torch.ones(shapes[local], dtype=dtype, device=device)
             elif ckpt.endswith("bias"):
                 out[local] = torch.zeros(shapes[local], dtype=dtype, device=device)
