@@ -33,6 +33,12 @@ def finite_by_row(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.isfinite(low) & torch.isfinite(high), high
 
 
+def row_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension (the first of equal greatest values, NaN greatest, as `argmax`): on a CPU
+    through `max`, 4x faster there in bfloat16 ([72, 49,152]: 1.5 against 6.5 ms); on CUDA `argmax` itself."""
+    return rows.argmax(dim=-1) if rows.is_cuda else rows.max(dim=-1).indices
+
+
 def non_finite_error(what: str, layer_range: tuple[int, int], dtype: torch.dtype) -> NonFiniteError:
     a, b = layer_range
     name = str(dtype).removeprefix("torch.")

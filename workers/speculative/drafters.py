@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from schemas.requests import SamplingParams
+from workers.engine.numerics import row_argmax
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.speculative.model_steps import argmax_pick, draft_steps, prefilled
@@ -202,7 +203,7 @@ class _Sampler:
             else:
                 warps.setdefault((s.temperature, s.top_k, s.top_p), []).append(j)
         if greedy:
-            top = logits.argmax(-1)
+            top = row_argmax(logits)
             for j in greedy:
                 picked[j] = top[j : j + 1]
         for js in warps.values():

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from workers.engine.numerics import row_argmax
 from workers.engine.runner import Engine
 
 
@@ -30,7 +31,7 @@ def prefilled(engine: Engine, caches: list, plans: list[tuple[list[int], int]]) 
 
 
 def argmax_pick(logits: torch.Tensor, live: list[int]) -> torch.Tensor:
-    return logits.argmax(-1)
+    return row_argmax(logits)
 
 
 def draft_steps(

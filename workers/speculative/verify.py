@@ -20,14 +20,14 @@ import torch
 
 from schemas.errors import NonFiniteError, PacketError, SessionError
 from schemas.requests import SamplingParams
-from workers.engine.numerics import finite_by_row
+from workers.engine.numerics import finite_by_row, row_argmax
 from workers.speculative.sampling import round_generator, warp
 
 
 def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
     """(accepted drafts, next token) for greedy decoding; logits are [k+1, V], drafts host ids: the
     argmax's copy is the round's one device sync."""
-    target = logits.argmax(dim=-1).tolist()
+    target = row_argmax(logits).tolist()
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == target[accepted]:
         accepted += 1
@@ -282,7 +282,7 @@ class BatchVerify:
             return
         size = self.greedy_rows
         want, starts = (self.ids[s] for s in self.g_ids)
-        best = rows[:size].argmax(dim=-1)
+        best = row_argmax(rows[:size])
         missed = torch.where(best != want, torch.arange(size, device=rows.device), size)
         next_miss = missed.flip(0).cummin(0).values.flip(0)  # per row, the first miss at or after it
         first = next_miss[starts].clamp_max(size - 1)  # the clamp only guards the indexing
