@@ -91,6 +91,17 @@ def test_greedy_ignores_the_logit_scale_and_takes_the_argmax():
 # --- rejection sampling: which drafts are accepted ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cpu_greedy_pick_is_argmax_ties_and_nan_alike(dtype):
+    from workers.engine.numerics import row_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (7, 4096, 49152):
+        rows = torch.randint(0, 4, (32, n), generator=gen).to(dtype)  # many equal greatest values a row
+        rows[3, 5] = float("nan")
+        assert torch.equal(row_argmax(rows), rows.argmax(dim=-1))
+
+
 def test_sampling_accepts_every_draft_when_q_equals_p():
     """With q == p, u·q(x) < p(x) for every uniform u in [0, 1): every draft is accepted, the bonus comes from
     row k (here a point mass, so it is known)."""
