@@ -12,8 +12,6 @@ from pathlib import Path
 
 import click
 
-from workers.tiny_models import divergence_ulps
-
 
 def say(msg: str) -> None:
     click.echo(f"[jobs {time.strftime('%H:%M:%S')}] {msg}", err=True)
@@ -98,25 +96,33 @@ def build_prompts(model: Model, count: int, length: int, seed: int) -> list[list
     return out
 
 
-class Reference(list):
-    """One prompt's greedy continuation from HF `generate` (a list of token ids), with each step's best logits
+class Reference(list[int]):
+    """One prompt's greedy continuation from HF `generate` (a list of token ids), with each step's best raw logits
     (`tops`: ids and values, generate's own) and the dtype it ran in: where a half-precision job parts from it,
     `tie_ulps` says whether that was at a rounding tie."""
 
-    tops: list[tuple[list[int], list[float]]]
-    dtype: str
+    def __init__(self, ids: list[int], tops: list[tuple[list[int], list[float]]], dtype: str) -> None:
+        super().__init__(ids)
+        self.tops, self.dtype = tops, dtype
 
     def tie_ulps(self, got: list[int]) -> float | None:
         """Where `got` first parts from this reference, how many units in the last place of the dtype generate's
-        logits put its token and `got`'s apart (None: no logit kept for it, or float32, where no tie is taken)."""
+        logits put its token and `got`'s apart. None where no tie can be told: float32, both tokens not among the
+        kept logits (generate's processors may pick other than the raw best), or a kept logit not finite."""
+        import math
+
         import torch
 
+        from workers.tiny_models import divergence_ulps
+
         i = next((i for i, (a, b) in enumerate(zip(got, self, strict=False)) if a != b), None)
-        if i is None or self.dtype == "float32" or i >= len(self.tops) or got[i] not in self.tops[i][0]:
+        if i is None or self.dtype == "float32" or i >= len(self.tops):
             return None
-        ids, values = self.tops[i]
-        logits = torch.full((max(ids) + 1,), float("-inf"))
-        logits[ids] = torch.tensor(values)
+        kept = dict(zip(*self.tops[i], strict=True))
+        if got[i] not in kept or self[i] not in kept or not all(map(math.isfinite, kept.values())):
+            return None
+        logits = torch.full((max(kept) + 1,), float("-inf"))
+        logits[list(kept)] = torch.tensor(list(kept.values()))
         return divergence_ulps([got[i]], [self[i]], [logits], getattr(torch, self.dtype))
 
 
@@ -141,10 +147,9 @@ def hf_references(model: Model, prompts: list[list[int]], new: int, device: str,
                 output_logits=True,
                 return_dict_in_generate=True,
             )
-            ref = Reference(out.sequences[0, ids.shape[1] :].tolist())
             tops = [step[0].float().topk(4) for step in out.logits]
-            ref.tops, ref.dtype = [(t.indices.tolist(), t.values.tolist()) for t in tops], ran
-            refs.append(ref)
+            kept = [(t.indices.tolist(), t.values.tolist()) for t in tops]
+            refs.append(Reference(out.sequences[0, ids.shape[1] :].tolist(), kept, ran))
             if (i + 1) % 16 == 0:
                 say(f"references: {i + 1}/{len(prompts)}")
     del hf

@@ -19,7 +19,6 @@ from rq.job import Job
 
 from bench.jobs_models import Reference
 from bench.usage import brief
-from workers.tiny_models import TIE_ULPS
 
 
 def git_state(repo: Path) -> str | None:
@@ -195,6 +194,8 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
         "timeline": timeline(run, done),
     }
     if refs is not None:
+        from workers.tiny_models import TIE_ULPS
+
         bad, ties = [], 0
         for v in done:
             want = refs[v.index]

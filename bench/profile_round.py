@@ -48,7 +48,7 @@ def timed(fn: Callable[[], object], dev: torch.device, n: int, gap_s: float) -> 
 
 def kernels(fn: Callable[[], object], dev: torch.device, calls: int = 3) -> dict:
     """Kernel count per call, summed device ms per call and the top kernels (name, ms per call, count); on a CPU
-    device, the operators' own CPU time."""
+    device, every operator with CPU time of its own (views and allocations too) and that time."""
     cpu = dev.type == "cpu"
     with profile(activities=[ProfilerActivity.CPU] if cpu else [ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
