@@ -131,14 +131,18 @@ def test_a_split_that_parts_a_shared_layer_is_refused_and_the_plan_avoids_it(gem
     assert kv_bytes(shape, (2, 6), 100, 0) == 2 * 256 * 112  # 100 positions held as 112, a multiple of 16
 
 
-def test_gemma4_shards_run_static_caches_graphs_only_where_asked_and_refuse_float16(gemma4):
+def test_gemma4_shards_run_static_caches_graphs_moe_only_where_asked_and_refuse_float16(gemma4):
     """Static caches by default, as every family: a pool of each layer's own width and heads, none for a shared
     layer (the tail 2:6 caches layers 2 and 3: full attention 1 head of 32, sliding 2 heads of 16); on a CUDA device,
-    CUDA graphs only where asked."""
+    CUDA graphs by default, the mixture-of-experts variant's only where asked."""
     target = gemma4["gemma4"]
     shard = load_shard(target, (2, 6), embed=False, head=True)
-    on_cuda = SimpleNamespace(device=torch.device("cuda"), graphs_reason=shard.graphs_reason)
-    assert shard.graphs_reason.endswith("run CUDA graphs only where asked (--graphs): not yet measured on a device")
+    assert shard.graphs_reason is None
+    dense_on_cuda = SimpleNamespace(device=torch.device("cuda"), graphs_reason=None)
+    assert cache_modes(dense_on_cuda, EngineSettings()) == (True, True)
+    moe = load_shard(gemma4["gemma4_moe"], (0, 1), embed=True, head=False)
+    on_cuda = SimpleNamespace(device=torch.device("cuda"), graphs_reason=moe.graphs_reason)
+    assert moe.graphs_reason.startswith("gemma4_text's mixture-of-experts layers run CUDA graphs only where asked")
     assert cache_modes(on_cuda, EngineSettings()) == (True, False)
     assert cache_modes(on_cuda, EngineSettings(graphs=True)) == (True, True)
     engine = Engine(shard, Settings(engine={"max_len": 256}), slots=2)

@@ -39,8 +39,8 @@ from workers.engine.checkpoint import Source, materialise, prefix_of, read_slice
 # families whose layers take inputs beyond the hidden states (per-layer inputs, keys and values of another layer)
 LAYER_INPUTS = {"gemma4_text"}
 NO_GRAPHS = (
-    "{}'s layers (per-layer inputs from the token ids, keys and values shared across layers) run CUDA graphs only "
-    "where asked (--graphs): not yet measured on a device"
+    "{}'s mixture-of-experts layers run CUDA graphs only where asked (--graphs): captured in float32 their experts' "
+    "grouped products copy a host tensor (run 116), and bfloat16 is not yet measured on a device"
 )
 
 

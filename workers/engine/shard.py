@@ -126,8 +126,10 @@ class Shard(nn.Module):
 
     @property
     def graphs_reason(self) -> str | None:
-        """Why this shard runs CUDA graphs only where asked (workers/engine/sizing.py), or None."""
-        return NO_GRAPHS.format(self.config.model_type) if self.layer_inputs is not None else None
+        """Why this shard runs CUDA graphs only where asked (workers/engine/sizing.py), or None: Gemma 4's
+        mixture-of-experts variant (its dense layers ran graphs in the job path equal to the reference, run 119)."""
+        moe = self.layer_inputs is not None and bool(getattr(self.config, "enable_moe_block", False))
+        return NO_GRAPHS.format(self.config.model_type) if moe else None
 
     @property
     def recurrent(self) -> bool:
