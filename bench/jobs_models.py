@@ -96,19 +96,57 @@ def build_prompts(model: Model, count: int, length: int, seed: int) -> list[list
     return out
 
 
+class PathCheck:
+    """HF's own logits along a job's whole output, teacher-forced in one forward (the target loaded once, where first
+    needed): how far, at worst, the output's tokens were from generate's best choice at each step."""
+
+    def __init__(self, target: str, dtype: str, device: str) -> None:
+        self.target, self.dtype, self.device = target, dtype, device
+        self._model = None
+
+    def worst_ulps(self, prompt: list[int], got: list[int]) -> float:
+        """Over the steps of `got`, the most units in the last place (of the dtype, at the step's best logit) by
+        which its token's logit fell short of the best one (0: `got` is HF's greedy path throughout)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from workers.tiny_models import divergence_ulps
+
+        if self._model is None:
+            dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
+            self._model = AutoModelForCausalLM.from_pretrained(self.target, dtype=dtype).to(self.device).eval()
+        hf = self._model
+        with torch.no_grad():
+            ids = torch.tensor([prompt + got[:-1]], device=self.device)
+            logits = hf(ids).logits[0, len(prompt) - 1 :].float().cpu()
+        dtype = next(hf.parameters()).dtype
+        steps = [divergence_ulps([g], [int(row.argmax())], [row], dtype) for g, row in zip(got, logits, strict=True)]
+        return max((u for u in steps if u is not None), default=0.0)
+
+
 class Reference(list[int]):
     """One prompt's greedy continuation from HF `generate` (a list of token ids), with each step's best raw logits
     (`tops`: ids and values, generate's own) and the dtype it ran in: where a half-precision job parts from it,
-    `tie_ulps` says whether that was at a rounding tie."""
+    `tie_ulps` says whether that was at a rounding tie, and (with a `PathCheck`) whether the job's whole output is
+    HF's greedy path up to such ties."""
 
-    def __init__(self, ids: list[int], tops: list[tuple[list[int], list[float]]], dtype: str) -> None:
+    def __init__(
+        self,
+        ids: list[int],
+        tops: list[tuple[list[int], list[float]]],
+        dtype: str,
+        prompt: list[int] | None = None,
+        path: PathCheck | None = None,
+    ) -> None:
         super().__init__(ids)
-        self.tops, self.dtype = tops, dtype
+        self.tops, self.dtype, self.prompt, self.path = tops, dtype, prompt, path
 
     def tie_ulps(self, got: list[int]) -> float | None:
         """Where `got` first parts from this reference, how many units in the last place of the dtype generate's
-        logits put its token and `got`'s apart. None where no tie can be told: float32, both tokens not among the
-        kept logits (generate's processors may pick other than the raw best), or a kept logit not finite."""
+        logits put its token and `got`'s apart; with a `PathCheck`, the most of that and of every later step's
+        shortfall (the output after a tie must still be the greedy path from there). None where no tie can be told:
+        float32, both tokens not among the kept logits (generate's processors may pick other than the raw best),
+        or a kept logit not finite."""
         import math
 
         import torch
@@ -123,19 +161,23 @@ class Reference(list[int]):
             return None
         logits = torch.full((max(kept) + 1,), float("-inf"))
         logits[list(kept)] = torch.tensor(list(kept.values()))
-        return divergence_ulps([got[i]], [self[i]], [logits], getattr(torch, self.dtype))
+        first = divergence_ulps([got[i]], [self[i]], [logits], getattr(torch, self.dtype))
+        if first is None or self.path is None or self.prompt is None:
+            return first
+        return max(first, self.path.worst_ulps(self.prompt, got))
 
 
 def hf_references(model: Model, prompts: list[list[int]], new: int, device: str, dtype: str) -> list[Reference]:
     """Greedy continuations of the unsplit target: `generate(do_sample=False)` per prompt, in the workers' dtype
-    (`auto`: the checkpoint's), each step's four best logits kept (`Reference`)."""
+    (`auto`: the checkpoint's), each step's four best logits kept, and a `PathCheck` for outputs that part at a
+    tie (`Reference`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model.target, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
     hf = hf.to(device).eval()
     ran = str(next(hf.parameters()).dtype).removeprefix("torch.")
-    refs = []
+    path, refs = PathCheck(model.target, ran, device), []
     with torch.no_grad():
         for i, p in enumerate(prompts):
             ids = torch.tensor([p], device=device)
@@ -149,7 +191,7 @@ def hf_references(model: Model, prompts: list[list[int]], new: int, device: str,
             )
             tops = [step[0].float().topk(4) for step in out.logits]
             kept = [(t.indices.tolist(), t.values.tolist()) for t in tops]
-            refs.append(Reference(out.sequences[0, ids.shape[1] :].tolist(), kept, ran))
+            refs.append(Reference(out.sequences[0, ids.shape[1] :].tolist(), kept, ran, p, path))
             if (i + 1) % 16 == 0:
                 say(f"references: {i + 1}/{len(prompts)}")
     del hf

@@ -196,20 +196,20 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
     if refs is not None:
         from workers.tiny_models import TIE_ULPS
 
-        bad, ties = [], 0
+        bad, tied = [], []
         for v in done:
             want = refs[v.index]
             got = v.result["token_ids"] if v.result else []
             ulps = want.tie_ulps(got) if got != want and isinstance(want, Reference) else None
             if ulps is not None and ulps <= TIE_ULPS:
-                ties += 1
+                tied.append(ulps)
             elif got != want:
                 at = next(
                     (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
                 )
                 bad.append({"index": v.index, "first_diff_at": at, "got_len": len(got), "want_len": len(want)})
         row["checked"] = len(done)
-        row["mismatches"], row["ties"] = len(bad), ties
+        row["mismatches"], row["ties"], row["tie_ulps_max"] = len(bad), len(tied), max(tied, default=None)
         row["mismatch_detail"] = bad[:20]
     else:
         row["checked"], row["mismatches"], row["ties"] = 0, None, 0
@@ -290,7 +290,7 @@ def markdown(rows: list[dict], seeds: str | None = None) -> str:
     for x in rows:
         lat, ttft, mem = x["latency_s"], x["ttft_s"], x.get("memory_gb", {})
         mism = "—" if x["mismatches"] is None else f"{x['mismatches']}/{x['checked']}"
-        mism += f" ({x['ties']} at a tie)" if x.get("ties") else ""
+        mism += f" ({x['ties']} at a tie, ≤ {x['tie_ulps_max']:.0f} ulps)" if x.get("ties") else ""
         n, jobs = x.get("n_label", x["n"]), x.get("one_at_a_time", x["n"])  # N=1: maybe jobs one at a time
         gpu, threads = brief(x.get("usage"))
         lines.append(

@@ -39,6 +39,7 @@ def merge_singles(rows: list[dict]) -> dict:
         checked=sum(r["checked"] for r in rows),
         mismatches=None if rows[0]["mismatches"] is None else sum(r["mismatches"] for r in rows),
         ties=sum(r.get("ties", 0) for r in rows),
+        tie_ulps_max=max((r["tie_ulps_max"] for r in rows if r.get("tie_ulps_max") is not None), default=None),
         mismatch_detail=[d for r in rows for d in r.get("mismatch_detail", [])][:20],
     )
     for key in DISTS:
