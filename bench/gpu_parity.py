@@ -28,7 +28,15 @@ from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from workers.head.runtime import HeadRuntime, generate
-from workers.tiny_models import PROMPTS, TIE_ULPS, build_tokenizer, divergence_ulps, save_noisy_copy, save_tiny_model
+from workers.tiny_models import (
+    PROMPTS,
+    TIE_ULPS,
+    build_tokenizer,
+    divergence_ulps,
+    greedy_with_logits,
+    save_noisy_copy,
+    save_tiny_model,
+)
 
 
 @click.command()
@@ -92,16 +100,8 @@ def main(head_device: str, tail_device: str, new: int, quant: str, dtype_name: s
                 wants = []
                 for p in PROMPTS:
                     ids = torch.tensor([tok.encode(p)], device=head_device)
-                    out = hf.generate(
-                        ids,
-                        attention_mask=torch.ones_like(ids),
-                        do_sample=False,
-                        max_new_tokens=new,
-                        output_logits=True,
-                        return_dict_in_generate=True,
-                    )
-                    want = out.sequences[0, ids.shape[1] :].tolist()
-                    wants.append((want, out.logits))
+                    want, logits = greedy_with_logits(hf, ids, new)
+                    wants.append((want, logits))
                     for kind in ("model", "ngram"):
                         for k in (1, 4, 8):
                             req = GenerationRequest(
@@ -111,7 +111,7 @@ def main(head_device: str, tail_device: str, new: int, quant: str, dtype_name: s
                                 draft=DraftSettings(kind=kind, k=k, adaptive=False),
                             )
                             got = generate(req, rt, r, names=names).token_ids
-                            compare(got, want, out.logits, f"{family} {kind} k={k} {p!r}")
+                            compare(got, want, logits, f"{family} {kind} k={k} {p!r}")
                 # all 20 prompts in flight at once: batched drafter / head / tail forwards over graph buckets
                 for k in (4, 8):
 

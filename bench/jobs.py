@@ -244,8 +244,7 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
         f"variant {name}: N={n}: {row['aggregate_tokens_per_s']} tok/s aggregate, per-job p50 "
         f"{row['per_job_tokens_per_s']['p50']} tok/s, latency p50/p95 {lat['p50']}/{lat['p95']} s, TTFT p50/p95 "
         f"{ttft['p50']}/{ttft['p95']} s, mismatches {row['mismatches']} (ties {row.get('ties', 0)}), "
-        f"not finished {len(row['failed'])}; "
-        f"GPU mean / share >= 50%: {gpu_use}"
+        f"not finished {len(row['failed'])}; GPU mean / share >= 50%: {gpu_use}"
         + (f" ({use.result['gpu']['note']})" if use.result["gpu"]["note"] else "")
         + f"; max threads head / tail {threads}"
     )

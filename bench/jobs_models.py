@@ -174,24 +174,17 @@ def hf_references(model: Model, prompts: list[list[int]], new: int, device: str,
     import torch
     from transformers import AutoModelForCausalLM
 
+    from workers.tiny_models import greedy_with_logits
+
     hf = AutoModelForCausalLM.from_pretrained(model.target, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
     hf = hf.to(device).eval()
     ran = str(next(hf.parameters()).dtype).removeprefix("torch.")
     path, refs = PathCheck(model.target, ran, device), []
     with torch.no_grad():
         for i, p in enumerate(prompts):
-            ids = torch.tensor([p], device=device)
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=new,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            tops = [step[0].float().topk(4) for step in out.logits]
-            kept = [(t.indices.tolist(), t.values.tolist()) for t in tops]
-            refs.append(Reference(out.sequences[0, ids.shape[1] :].tolist(), kept, ran, p, path))
+            want, logits = greedy_with_logits(hf, torch.tensor([p], device=device), new)
+            tops = [step[0].float().topk(4) for step in logits]
+            refs.append(Reference(want, [(t.indices.tolist(), t.values.tolist()) for t in tops], ran, p, path))
             if (i + 1) % 16 == 0:
                 say(f"references: {i + 1}/{len(prompts)}")
     del hf

@@ -260,6 +260,20 @@ def save_scaled_copy(src: str | Path, out: str | Path, layer: int, factor: float
 TIE_ULPS = 8  # where a half-precision generation parts from generate's: a tie if its logits are this close
 
 
+def greedy_with_logits(hf: torch.nn.Module, ids: torch.Tensor, new: int) -> tuple[list[int], tuple[torch.Tensor, ...]]:
+    """HF `generate(do_sample=False)` over one prompt's ids [1, T]: the new tokens and each step's raw logits (what
+    `divergence_ulps` reads)."""
+    out = hf.generate(  # type: ignore[operator]
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, ids.shape[1] :].tolist(), out.logits
+
+
 def divergence_ulps(
     got: Sequence[int], want: Sequence[int], logits: Sequence[torch.Tensor], dtype: torch.dtype
 ) -> float | None:

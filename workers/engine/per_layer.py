@@ -44,6 +44,11 @@ NO_GRAPHS = (
 )
 
 
+def graphs_reason(config: PretrainedConfig) -> str | None:
+    """Why a shard of this family runs CUDA graphs only where asked, or None (its mixture-of-experts variant's)."""
+    return NO_GRAPHS.format(config.model_type) if getattr(config, "enable_moe_block", False) else None
+
+
 def takes_layer_inputs(config: PretrainedConfig) -> bool:
     """Whether the family's layers take inputs beyond the hidden states (`LAYER_INPUTS`)."""
     return config.model_type in LAYER_INPUTS

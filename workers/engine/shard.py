@@ -37,7 +37,7 @@ from workers.engine.decode_kernels import DecodeLayers
 from workers.engine.fused import FusedLayers, can_fuse, fuse_layer, fused_stack
 from workers.engine.kvcache import BatchView, KVCache, StaticKVCache
 from workers.engine.linear_pool import pool_backed
-from workers.engine.per_layer import NO_GRAPHS, LayerInputs, load_layer_inputs, refuse_split, takes_layer_inputs
+from workers.engine.per_layer import LayerInputs, graphs_reason, load_layer_inputs, refuse_split, takes_layer_inputs
 from workers.engine.quant import check_scheme, prequantized_layer, prequantized_scheme, quantize_layer, state_bytes
 from workers.engine.quant_experts import quantize_experts
 from workers.engine.recurrent import RecurrentCache, linear_layers
@@ -126,10 +126,8 @@ class Shard(nn.Module):
 
     @property
     def graphs_reason(self) -> str | None:
-        """Why this shard runs CUDA graphs only where asked (workers/engine/sizing.py), or None: Gemma 4's
-        mixture-of-experts variant (its dense layers ran graphs in the job path equal to the reference, run 119)."""
-        moe = self.layer_inputs is not None and bool(getattr(self.config, "enable_moe_block", False))
-        return NO_GRAPHS.format(self.config.model_type) if moe else None
+        """Why this shard runs graphs only where asked (sizing.py), or None: Gemma 4's mixture-of-experts variant."""
+        return graphs_reason(self.config) if self.layer_inputs is not None else None
 
     @property
     def recurrent(self) -> bool:
