@@ -251,3 +251,28 @@ def test_a_longer_reach_reads_its_keys_in_more_splits_with_the_same_result(rows,
         k.attend(q, keys, values, slots, pos, o, part, 0.25, hq, hkv, d, -1, grouped, 1)
         outs.append(o)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_silu_times_up_as_one_kernel_equals_torch_alone_and_in_a_fused_forward(drafters):
+    """What CUDA shards run for SiLU(gate) * up (`FusedLayers._gated`: one Triton kernel over rows [gate, up], rows on
+    the grid's first axis; widths no power of two) equals torch's two kernels, alone and in a whole fused forward."""
+    from torch.nn import functional as F
+
+    from schemas.settings import Settings
+    from workers.engine import decode_triton as k
+    from workers.engine.runner import Engine
+
+    gu = torch.randn(37, 400, generator=torch.Generator().manual_seed(0))
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(k.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    assert decode_kernels.silu_mul_kernel(torch.device("cpu"), torch.bfloat16, 200) is None  # CUDA only
+    shards = [load_shard(drafters["odd"], None, embed=True, head=True) for _ in range(2)]
+    assert shards[0].fused.silu_mul is None
+    calls = []
+    shards[1].fused.silu_mul = lambda gu: calls.append(gu.shape) or k.silu_mul(gu)
+    x = torch.arange(3, 23) % shards[0].config.vocab_size
+    engines = [Engine(s, Settings(engine={"static": True, "max_len": 64})) for s in shards]
+    got = [e.forward(e.acquire(), x, 0, len(x)) for e in engines]
+    torch.testing.assert_close(got[1], got[0], **TOL)
+    assert calls == [(len(x), 400)] * 2  # each layer's, through the kernel

@@ -33,6 +33,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,24 @@ def agrees(shard: Any, decode: DecodeLayers) -> bool:
     if not ok:
         log.warning("draft kernels off on %s: a step through them does not agree with the fused forward", dev)
     return ok
+
+
+def silu_mul_kernel(
+    device: torch.device, dtype: torch.dtype, inter: int
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """SiLU(gate) * up as one Triton kernel over rows [gate, up] of `inter` each (`decode_triton.silu_mul`), built
+    now (so no capture builds it) where it runs on a CUDA device in half precision; else, or if it does not build,
+    None: torch's two elementwise kernels over the strided halves took 2 x 57 us a 7B layer at 128 sequences'
+    rounds on an H100 (docs/benchmarks.md, run 120)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or inter < 1 or not available(device):
+        return None
+    try:
+        with _on(device):
+            _kernels().silu_mul(torch.zeros(1, 2 * inter, dtype=dtype, device=device))
+    except Exception as e:  # a Triton that cannot build here: torch's kernels
+        log.warning("SiLU kernel off on %s (%s: %s)", device, type(e).__name__, e)
+        return None
+    return _kernels().silu_mul
 
 
 def _kernels() -> Any:

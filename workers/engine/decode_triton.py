@@ -229,8 +229,10 @@ def _rms_norm_kernel(x_ptr, ln_ptr, out_ptr, width, eps, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
-    """out[row] = SiLU(gate) * up of gu[row] = [gate, up] (inter each), rounded as `normed_gemv` (gated) rounds."""
-    pid, row = tl.program_id(0), tl.program_id(1)
+    """out[row] = SiLU(gate) * up of gu[row] = [gate, up] (inter each), rounded as `normed_gemv` (gated) rounds and
+    as torch's `F.silu(gate) * up` does (SiLU rounded to the dtype, then the product). Rows on the grid's first axis
+    and 64-bit offsets: a prompt batch's rows x width pass 2^31."""
+    row, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
     ty = out_ptr.dtype.element_ty
     n = pid * BLOCK + tl.arange(0, BLOCK)
     nm = n < inter
@@ -281,7 +283,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     n, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(n, inter, dtype=gu.dtype, device=gu.device)
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(inter, block), n)](gu, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(n, triton.cdiv(inter, block))](gu, out, inter, BLOCK=block, num_warps=4)
     return out
 
 

@@ -8,29 +8,26 @@ as the Hugging Face layers, in about half the kernel launches (a 14-layer 7B sha
 fused_ops.py.
 
 Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall elsewhere (the
-norm's weight is applied before rounding, a residual add is fused into its GEMM, rotary rounds once), differences of
-the same size as those between the K+1-row forwards of a round and `generate`'s one-row steps. Steps whose scores
-would outgrow `shard.FUSED_MAX_SCORE_BYTES` (long prefills) run the HF layers.
+norm's weight is applied before rounding, a residual add is fused into its GEMM, rotary rounds once, SiLU's exp is
+Triton's), differences of the size of those between a round's K+1-row forwards and `generate`'s one-row steps. Steps
+with gathered keys whose scores would outgrow `shard.FUSED_MAX_SCORE_BYTES` (long prefills) run the HF layers.
 
 A lone drafter step is latency-bound: on an H200 the stock layer launched ~48 kernels per layer (7 GEMMs, a dozen
 elementwise ops for RMSNorm and rotary embeddings, K/V copies per query head), ~2 µs each. Here each layer runs:
 - one RMSNorm kernel (`F.rms_norm`) before attention and one before the MLP;
-- one GEMM for q, k and v together (weights concatenated at load; the HF modules keep views of them,
-  so no memory is duplicated) and one for gate and up;
-- rotary embeddings for q and k as one batched matmul by a per-position rotation matrix built once
-  per forward (exactly `x * cos + rotate_half(x) * sin`: two nonzero terms per output); under
-  torch.compile the elementwise form, which inductor fuses into the kernels around it;
-- attention as GEMMs with grouped-query heads folded into the query rows (no per-head K/V copies) and
-  the causal/cache mask as an additive bias built once per forward (`baddbmm`, softmax, `bmm`);
+- one GEMM for q, k and v together (weights concatenated at load; the HF modules keep views of them, so no memory is
+  duplicated) and one for gate and up, then SiLU(gate) * up as one Triton kernel on CUDA (`decode_triton.silu_mul`);
+- rotary embeddings for q and k as one batched matmul by a per-position rotation matrix built once per forward
+  (exactly `x * cos + rotate_half(x) * sin`); under torch.compile the elementwise form, which inductor fuses;
+- attention over a batch's pool in place (pool_attention.py, FlashAttention) where it runs; else as GEMMs with the
+  grouped-query heads folded into the query rows and the mask as an additive bias built once per forward, or, on CUDA
+  in half precision for round-sized steps (`SDPA_MAX_TOKENS`) of at least `SDPA_MIN_ROWS` query rows, torch's SDPA
+  over the same layout (a 7B round at 64 sequences 61 against 134 us a layer on an H200, bench/attn_variants.py);
 - the output and down projections fused with their residual adds (`addmm`).
-On CUDA in half precision, round-sized steps (`SDPA_MAX_TOKENS`) of at least `SDPA_MIN_ROWS` query rows (batch x
-tokens x query heads) attend through torch's `scaled_dot_product_attention` instead (the same folded layout and
-additive bias, one fused kernel with float32 softmax; on an H200, bench/attn_variants.py: a 7B round's attention at
-64 sequences 61 us a layer against 134 us, a 0.5B drafter step at 64 sequences 14.0 against 17.7 us). A drafter's
-steps of a few token rows over a pool read in place run as Triton kernels instead (`decode`: decode_kernels.py).
-Caches are the same objects (`update(k, v, layer_idx)`), so dynamic, static and batched caches work.
-`can_fuse(layers, config)` says whether a layout is known (otherwise the HF layers run); `fuse_layer`
-concatenates a loaded layer's weights, layer by layer as they load, so peak memory stays one layer up.
+A drafter's steps of a few token rows over a pool read in place run as Triton kernels instead (decode_kernels.py).
+Caches are the same objects (`update(k, v, layer_idx)`), so dynamic, static and batched caches work. `can_fuse(layers,
+config)` says whether a layout is known (otherwise the HF layers run); `fuse_layer` concatenates a loaded layer's
+weights as it loads, so peak memory stays one layer up.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from workers.engine import pool_attention
-from workers.engine.decode_kernels import DecodeLayers
+from workers.engine.decode_kernels import DecodeLayers, silu_mul_kernel
 from workers.engine.fused_ops import (
     attend,
     attend_sdpa,
@@ -56,18 +53,10 @@ from workers.engine.fused_ops import (
     wide_gemm_works,
 )
 
-KNOWN = {
-    "Qwen2DecoderLayer",
-    "LlamaDecoderLayer",
-    "MistralDecoderLayer",
-    "MinistralDecoderLayer",
-    "Qwen3DecoderLayer",
-    "Gemma3DecoderLayer",
-    "Qwen3MoeDecoderLayer",
-    "Qwen2MoeDecoderLayer",
-    "MixtralDecoderLayer",
-    "GptOssDecoderLayer",
-}
+KNOWN = set(  # the layer classes this module runs
+    "Qwen2DecoderLayer LlamaDecoderLayer MistralDecoderLayer MinistralDecoderLayer Qwen3DecoderLayer"
+    " Gemma3DecoderLayer Qwen3MoeDecoderLayer Qwen2MoeDecoderLayer MixtralDecoderLayer GptOssDecoderLayer".split()
+)
 ACTS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 SDPA_MIN_ROWS = 512  # query rows (batch x tokens x query heads) from which CUDA half batches attend through SDPA
 # ... for steps of up to this many tokens a row (rounds, drafts: the shapes graphs capture). cuDNN builds a plan per
@@ -101,17 +90,15 @@ class FusedLayer:
 
 
 def _fuse(mods: list[nn.Linear]) -> Linear:
-    """Concatenate Linear weights (and biases: all or none, see `_supported`) along the output dim; the
-    modules get views of them."""
+    """Concatenate Linear weights (and biases: all or none, see `_supported`); the modules get views of them."""
     w = torch.cat([m.weight.detach() for m in mods])
     b = torch.cat([m.bias.detach() for m in mods]) if mods[0].bias is not None else None
     at = 0
     for m in mods:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(w[at : at + n], requires_grad=False)
+        n, at = m.weight.shape[0], at + m.weight.shape[0]
+        m.weight = nn.Parameter(w[at - n : at], requires_grad=False)
         if b is not None:
-            m.bias = nn.Parameter(b[at : at + n], requires_grad=False)
-        at += n
+            m.bias = nn.Parameter(b[at - n : at], requires_grad=False)
     return w, b
 
 
@@ -129,15 +116,13 @@ def _supported(layer: nn.Module, config: object) -> bool:
         return True
     if _act(config) not in ACTS or getattr(mlp, "down_proj", None) is None:
         return False
-    return all(getattr(mlp, n, None) is not None for n in ("gate_proj", "up_proj")) and not getattr(
-        config, "mlp_bias", False
-    )
+    gated = all(getattr(mlp, n, None) is not None for n in ("gate_proj", "up_proj"))
+    return gated and not getattr(config, "mlp_bias", False)
 
 
 def _experts(mlp: nn.Module) -> bool:
-    """Whether an MLP is a mixture of experts' block (experts stored as 3-D tensors, a router): the fused layer calls
-    it as it is, graph-safe through transformers' grouped-GEMM experts (tokens sorted by expert, offsets on the
-    device)."""
+    """Whether an MLP is a mixture of experts' block (3-D expert tensors, a router): called as it is, graph-safe
+    through transformers' grouped-GEMM experts (tokens sorted by expert, offsets on the device)."""
     return hasattr(mlp, "experts") and (hasattr(mlp, "gate") or hasattr(mlp, "router"))
 
 
@@ -163,17 +148,15 @@ class FusedLayers:
             pool_attention.flash if pool_attention.supported(w.device, w.dtype, head_dim) and not self.sinks else None
         )
         self.decode: DecodeLayers | None = None  # steps of a few token rows as Triton kernels (drafters: `Shard`)
+        inter = next((_width(p.gate_up) // 2 for p in layers if p.gate_up), 0)  # a mixture's layers have none
+        self.silu_mul = silu_mul_kernel(w.device, w.dtype, inter)  # SiLU(gate) * up as one kernel, where it runs
 
     def attends_in_place(self, cache: object) -> bool:
         """Whether a forward over `cache` reads its pool in place (no gathered copy, no mask, any length)."""
         return self.kernel is not None and hasattr(cache, "in_place")
 
     def __call__(
-        self,
-        h: torch.Tensor,
-        cos_sin: CosSin | list[CosSin],
-        masks: list[torch.Tensor | None],
-        cache: object,
+        self, h: torch.Tensor, cos_sin: CosSin | list[CosSin], masks: list[torch.Tensor | None], cache: object
     ) -> torch.Tensor:
         """h [B, T, hidden], cos/sin [B, T, d] (the HF rotary module's; or one per layer, Gemma 3's local and global
         bases: layers of one type share one object), each layer's mask bool [B|1, 1, T, L] or None (layers with one
@@ -243,9 +226,16 @@ class FusedLayers:
         if p.moe is not None:
             y = p.moe(x.view(b, t, width))
             return (h2 + (y[0] if isinstance(y, tuple) else y).reshape(b * t, width)).view(b, t, width)
-        gate, up = _linear_cat(x, p.gate_up).chunk(2, dim=-1)
-        h2 = _out(h2, ACTS[p.act](gate) * up, p.w_down, None, p.post_mlp, p.eps2)  # type: ignore[arg-type]
+        h2 = _out(h2, self._gated(_linear_cat(x, p.gate_up), p.act), p.w_down, None, p.post_mlp, p.eps2)  # type: ignore[arg-type]
         return h2.view(b, t, width)
+
+    def _gated(self, gu: torch.Tensor, act: str) -> torch.Tensor:
+        """act(gate) * up of rows gu = [gate, up]: SiLU's as one Triton kernel where it runs (not inside
+        torch.compile, whose inductor fuses the two itself), else torch's."""
+        if self.silu_mul is not None and act == "silu" and gu.is_contiguous() and not torch.compiler.is_compiling():
+            return self.silu_mul(gu.view(-1, gu.shape[-1]))
+        gate, up = gu.chunk(2, dim=-1)
+        return ACTS[act](gate) * up
 
 
 # (queries [B, T, hq, d], this step's keys and values [B, hkv, T, d], layer index) -> attention output [B * T, hq * d]
@@ -277,6 +267,10 @@ def _in_place(
 def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     # bitsandbytes' CPU 4-bit kernel reads its input as contiguous (a strided one gives wrong numbers)
     return F.linear(x, *p) if isinstance(p, tuple) else p(x.contiguous())
+
+
+def _width(parts: list[Linear]) -> int:  # output features of these linears together
+    return sum(p[0].shape[0] if isinstance(p, tuple) else int(getattr(p, "out_features", 0)) for p in parts)
 
 
 def _linear_cat(x: torch.Tensor, parts: list[Linear]) -> torch.Tensor:
