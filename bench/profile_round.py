@@ -48,13 +48,16 @@ def timed(fn: Callable[[], object], dev: torch.device, n: int, gap_s: float) -> 
 
 def kernels(fn: Callable[[], object], dev: torch.device, calls: int = 3) -> dict:
     """Kernel count per call, summed device ms per call and the top kernels (name, ms per call, count); on a CPU
-    device, every operator with CPU time of its own (views and allocations too) and that time."""
+    device, every operator with CPU time of its own (views and allocations too) and that time. On CUDA also "ops":
+    the operators that launched them, with their input shapes (device ms of their own kernels per call, count;
+    empty where a CUDA graph's replay launches them: run with graphs off to see them)."""
     cpu = dev.type == "cpu"
-    with profile(activities=[ProfilerActivity.CPU] if cpu else [ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CPU] if cpu else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=acts, record_shapes=not cpu) as prof:
         for _ in range(calls):
             fn()
         sync(dev)
-    rows = []
+    rows, ops = [], []
     total_us, count = 0.0, 0
     for ev in prof.key_averages():
         dev_us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
@@ -63,8 +66,14 @@ def kernels(fn: Callable[[], object], dev: torch.device, calls: int = 3) -> dict
             rows.append((ev.key[:90], dev_us / calls / 1000, ev.count // calls))
             total_us += dev_us
             count += ev.count
+    for ev in [] if cpu else prof.key_averages(group_by_input_shape=True):
+        dev_us = getattr(ev, "self_device_time_total", 0.0)
+        if ev.device_type == torch.autograd.DeviceType.CPU and dev_us > 0 and not ev.key.startswith("cuda"):
+            ops.append((f"{ev.key} {str(ev.input_shapes)[:100]}", dev_us / calls / 1000, ev.count // calls))
     rows.sort(key=lambda r: -r[1])
-    return {"kernels_per_call": count // calls, "device_ms_per_call": total_us / calls / 1000, "top": rows[:12]}
+    ops.sort(key=lambda r: -r[1])
+    return {"kernels_per_call": count // calls, "device_ms_per_call": total_us / calls / 1000, "top": rows[:12],
+            "ops": ops[:16]}  # fmt: skip
 
 
 def stage(name: str, fn: Callable[[], object], dev: torch.device, gap_ms: float, report: dict) -> None:

@@ -332,6 +332,10 @@ def main(device: str | None, target: str | None, draft: str | None, split: int |
                 click.echo(f"B={b} {name}: {total}", err=True)
                 for kname, ms, cnt in got["top"]:
                     click.echo(f"    {ms:7.3f} ms  x{cnt:<4d} {kname}", err=True)
+                if got["ops"]:  # with --no-graphs: which operators launched them
+                    click.echo("  by operator (input shapes):", err=True)
+                for op, ms, cnt in got["ops"]:
+                    click.echo(f"    {ms:7.3f} ms  x{cnt:<4d} {op}", err=True)
         rows.append(row)
         click.echo(f"B={b}: " + ", ".join(f"{s} {row[s]['ms']:.2f} ms" for s in STAGES), err=True)
     table = markdown(rows, bool(refs))
