@@ -354,8 +354,8 @@ def main(
             raise click.UsageError("--check needs a checkpoint directory, not a random: target")
         kind = "synthetic" if alpha is not None else drafter
         kind = ("model" if model.draft else "ngram") if kind == "auto" else kind
-        jobs = max(sizes)
-        singles = min(jobs, 8) if singles is None else min(singles, jobs)
+        singles = min(max(sizes), 8) if singles is None else singles  # prompts enough for them, below
+        jobs = max(*sizes, singles if 1 in sizes else 0)
         job_seeds = None if same_seed else seed
         cfg = Config(kind, k, alpha, new_tokens, dtype, head_device, tail_device, timeout, singles, job_seeds)
         say(f"{model.name}: split {model.split}/{model.layers - model.split}, drafter {kind}, N = {sizes}")
