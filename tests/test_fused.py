@@ -131,6 +131,21 @@ def test_rotation_matrix_is_rotate_half():
 
 
 @torch.inference_mode()
+def test_a_forward_builds_its_rotation_once_not_once_a_layer(models, monkeypatch):
+    """Layers sharing one cos/sin share one rotation matrix (a 7B round's at 128 sequences: 38 MB, and an add and a
+    product over it, a layer each on an H100 in run 120 of docs/benchmarks.md)."""
+    from workers.engine import fused as fused_mod
+
+    shard = load_shard(models["qwen2"].target, None, embed=True, head=True, fused=True)
+    assert len(shard.fused.layers) > 1
+    built = []
+    monkeypatch.setattr(fused_mod, "rotation", lambda *a: built.append(1) or rotation(*a))
+    engine = Engine(shard, Settings(engine={"static": True, "max_len": 64}))
+    engine.forward(engine.acquire(), torch.arange(3, 12), 0, 1)
+    assert len(built) == 1
+
+
+@torch.inference_mode()
 def test_whole_drafts_equal_token_by_token(models, tokenizers):
     """draft_many (one graph per draft on CUDA; the same steps eagerly here) against the step loop, for a
     batch with different draft lengths and feeds of one and two tokens, across rollbacks."""

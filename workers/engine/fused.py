@@ -167,7 +167,8 @@ class FusedLayers:
             if self.decode.applies(pool, b, t, reach, cos_sin[0]):
                 return self.decode(h, *cos_sin, pool, rows, last, reach)
         per_layer = cos_sin if isinstance(cos_sin, list) else [cos_sin] * len(self.layers)
-        made = {id(cs): self._rope(full_width(cs, self.head_dim)) for cs in per_layer}
+        # one rotary per distinct cos/sin, not per layer: a 7B round's rotation matrices at 128 sequences are 38 MB
+        made = {i: self._rope(full_width(cs, self.head_dim)) for i, cs in {id(cs): cs for cs in per_layer}.items()}
         ropes = [made[id(cs)] for cs in per_layer]
         g = self.heads // self.kv_heads
         if self.attends_in_place(cache):
