@@ -148,7 +148,7 @@ class FusedLayers:
             pool_attention.flash if pool_attention.supported(w.device, w.dtype, head_dim) and not self.sinks else None
         )
         self.decode: DecodeLayers | None = None  # steps of a few token rows as Triton kernels (drafters: `Shard`)
-        inter = next((_width(p.gate_up) // 2 for p in layers if p.gate_up), 0)  # a mixture's layers have none
+        inter = next((_width(p.gate_up) // 2 for p in layers if p.gate_up and p.act == "silu"), 0)  # none: no kernel
         self.silu_mul = silu_mul_kernel(w.device, w.dtype, inter)  # SiLU(gate) * up as one kernel, where it runs
 
     def attends_in_place(self, cache: object) -> bool:
