@@ -21,7 +21,8 @@ beyond the hidden states, and how a split keeps them exact.
 Such shards run transformers' layers over static caches as every family does (a batch of sequences in one forward):
 the pool holds each layer's own head width and key/value heads and nothing for a KV-shared layer (`cached_dims`), and
 a tail's batch carries its rows' ids (`Engine.forward_many(..., ids=)`, a graph's `BatchGraph.ids`). CUDA graphs run
-only where asked (`sizing.cache_modes`), until measured on a device. A rejected draft rolls back as for any other
+by default on a CUDA device, except for the mixture-of-experts variant in float32, whose experts' grouped products copy
+a host tensor while captured (`graphs_reason`, `sizing.cache_modes`). A rejected draft rolls back as for any other
 family.
 """
 
@@ -39,14 +40,17 @@ from workers.engine.checkpoint import Source, materialise, prefix_of, read_slice
 # families whose layers take inputs beyond the hidden states (per-layer inputs, keys and values of another layer)
 LAYER_INPUTS = {"gemma4_text"}
 NO_GRAPHS = (
-    "{}'s mixture-of-experts layers run CUDA graphs only where asked (--graphs): captured in float32 their experts' "
-    "grouped products copy a host tensor (run 116), and bfloat16 is not yet measured on a device"
+    "{}'s mixture-of-experts layers in float32 run CUDA graphs only where asked (--graphs): captured in float32 their "
+    "experts' grouped products copy a host tensor (run 116); in bfloat16 they capture (run 121)"
 )
 
 
-def graphs_reason(config: PretrainedConfig) -> str | None:
-    """Why a shard of this family runs CUDA graphs only where asked, or None (its mixture-of-experts variant's)."""
-    return NO_GRAPHS.format(config.model_type) if getattr(config, "enable_moe_block", False) else None
+def graphs_reason(config: PretrainedConfig, dtype: torch.dtype) -> str | None:
+    """Why a shard of this family in `dtype` runs CUDA graphs only where asked, or None: its mixture-of-experts variant
+    in float32 (transformers runs the experts' grouped products there through a path that reads the group offsets on
+    the host; in bfloat16 they run `grouped_mm` on the device)."""
+    moe = getattr(config, "enable_moe_block", False)
+    return NO_GRAPHS.format(config.model_type) if moe and dtype == torch.float32 else None
 
 
 def takes_layer_inputs(config: PretrainedConfig) -> bool:

@@ -126,8 +126,9 @@ class Shard(nn.Module):
 
     @property
     def graphs_reason(self) -> str | None:
-        """Why this shard runs graphs only where asked (sizing.py), or None: Gemma 4's mixture-of-experts variant."""
-        return graphs_reason(self.config) if self.layer_inputs is not None else None
+        """Why this shard runs graphs only where asked (sizing.py), or None: Gemma 4's mixture-of-experts variant in
+        float32."""
+        return graphs_reason(self.config, self.dtype) if self.layer_inputs is not None else None
 
     @property
     def recurrent(self) -> bool:

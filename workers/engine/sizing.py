@@ -23,9 +23,9 @@ def cache_modes(shard: Shard, engine: EngineSettings) -> tuple[bool, bool]:
     """(static caches, CUDA graphs) as engine.static / engine.graphs ask; by default static caches everywhere (the
     rounds of the sequences in flight run as one batched forward: on a CPU too, where 8 sequences' rounds cost
     about 3x one's, where growing caches cost 8x) and CUDA graphs on a CUDA device, except for a shard with a
-    `graphs_reason` (Gemma 4's mixture-of-experts variant: only where engine.graphs asks)."""
+    `graphs_reason` (Gemma 4's mixture-of-experts variant in float32: only where engine.graphs asks)."""
     static, graphs, cuda = engine.static, engine.graphs, shard.device.type == "cuda"
-    if shard.graphs_reason is not None and graphs is None:  # Gemma 4's MoE: graphs only where asked
+    if shard.graphs_reason is not None and graphs is None:  # Gemma 4's MoE in float32: graphs only where asked
         graphs = False
     graphs = cuda if graphs is None else graphs
     if graphs and not cuda:
