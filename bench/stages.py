@@ -265,12 +265,13 @@ def markdown(rows: list[dict], reference: bool) -> str:
 )
 @click.option("--compile-draft", is_flag=True, help="The drafter through torch.compile (EngineSettings.compile_draft).")
 @click.option("--torch-silu", is_flag=True, help="SiLU(gate) * up as torch's two kernels (A/B).")
+@click.option("--torch-merge", is_flag=True, help="A round's later tokens merged by torch's kernels (A/B).")
 @click.option("--profile", "profile_b", default="", help="Group sizes whose stages' top kernels are listed.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out/stages"))
 def main(device: str | None, target: str | None, draft: str | None, split: int | None, bs: str | None, k: int,
          ctx: int | None, max_len: int | None, dtype: str | None, graphs: bool | None, iters: int | None,
          warmup: int, bandwidth: float, peak: float, reference: bool, attention: str, compile_draft: bool,
-         torch_silu: bool, profile_b: str, out: Path) -> None:  # fmt: skip
+         torch_silu: bool, torch_merge: bool, profile_b: str, out: Path) -> None:  # fmt: skip
     """Time one group's draft / head / tail at each B against the floor (see the module docstring)."""
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
@@ -286,6 +287,8 @@ def main(device: str | None, target: str | None, draft: str | None, split: int |
         n_layers = AutoConfig.from_pretrained(target).num_hidden_layers
     if torch_silu:  # the fused layers' SiLU kernel off (workers/engine/fused.py asks for it as it builds them)
         fused.silu_mul_kernel = lambda *_: None
+    if torch_merge:  # and their attention's merge kernel (pool_attention.merge_later in torch)
+        fused.merge_kernel = lambda *_: None
     t0 = time.perf_counter()
     where = dict(device=str(dev), dtype=dt)
     shards = {

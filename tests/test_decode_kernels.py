@@ -276,3 +276,37 @@ def test_silu_times_up_as_one_kernel_equals_torch_alone_and_in_a_fused_forward(d
     got = [e.forward(e.acquire(), x, 0, len(x)) for e in engines]
     torch.testing.assert_close(got[1], got[0], **TOL)
     assert calls == [(len(x), 400)] * 2  # each layer's, through the kernel
+
+
+@pytest.mark.parametrize(
+    ("t", "g", "d", "dtype"),
+    [(9, 3, 16, torch.float32), (2, 24, 32, torch.float32), (9, 8, 64, torch.bfloat16), (16, 5, 16, torch.bfloat16)],
+)
+def test_a_rounds_later_tokens_merge_as_one_kernel_as_torch_merges_them(t, g, d, dtype, monkeypatch):
+    """A batch's rounds in place (`pool_attention.attend`, split: every query row attends up to its round's first
+    token, then the round's later tokens are merged, causal among themselves) with the merge as one Triton kernel
+    (`merge_triton.merge_later`, what CUDA shards run: decode_kernels.merge_kernel): equal to torch's merge, rows in
+    any slot, a padding row, the step's keys and values strided as a fused layer's, and more query rows (T x g) than
+    one program takes."""
+    from workers.engine import merge_triton, pool_attention
+
+    monkeypatch.setattr(pool_attention, "SPLIT_MIN_BATCH", 1)
+    gen = torch.Generator().manual_seed(t * g)
+    slots, hkv, length = 4, 2, 40
+    keys, values = (torch.randn(slots + 1, hkv, length, d, generator=gen).to(dtype) for _ in range(2))
+    rows, last = torch.tensor([3, 0, 2, slots]), torch.tensor([t + 4, 30, t - 1, length - 1])
+    q = torch.randn(4, t, hkv * g, d, generator=gen).to(dtype)
+    lay = pool_attention.layout(rows, last, t, hkv, g, length)
+    pos = last[:, None] - t + 1 + torch.arange(t)
+    new = tuple(c[rows[:, None], :, pos].transpose(1, 2) for c in (keys, values))  # [B, hkv, T, d], strided
+    args = (q, keys, values, lay, 0.25, pool_attention.reference, new)
+    want = pool_attention.attend(*args)
+    got = pool_attention.attend(*args, merge=merge_triton.merge_later)
+    assert lay.mode == "split" and got.dtype == dtype and merge_triton.fits(d, t)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # float32 both; half precision: at most a unit at their rounding
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert decode_kernels.merge_kernel(torch.device("cpu"), dtype, d) is None  # CUDA only
+    # the check a CUDA shard makes as it builds the kernel: it agrees; a merge that drops the later tokens does not
+    assert decode_kernels._merge_agrees(merge_triton.merge_later, torch.device("cpu"), dtype, d)
+    first_only = lambda q, first, *_: first  # noqa: E731
+    assert not decode_kernels._merge_agrees(first_only, torch.device("cpu"), dtype, d)

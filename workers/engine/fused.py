@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from workers.engine import pool_attention
-from workers.engine.decode_kernels import DecodeLayers, silu_mul_kernel
+from workers.engine.decode_kernels import DecodeLayers, merge_kernel, silu_mul_kernel
 from workers.engine.fused_ops import (
     attend,
     attend_sdpa,
@@ -150,6 +150,7 @@ class FusedLayers:
         self.decode: DecodeLayers | None = None  # steps of a few token rows as Triton kernels (drafters: `Shard`)
         inter = next((_width(p.gate_up) // 2 for p in layers if p.gate_up and p.act == "silu"), 0)  # none: no kernel
         self.silu_mul = silu_mul_kernel(w.device, w.dtype, inter)  # SiLU(gate) * up as one kernel, where it runs
+        self.merge = merge_kernel(w.device, w.dtype, head_dim) if self.kernel is not None else None  # rounds' merge
 
     def attends_in_place(self, cache: object) -> bool:
         """Whether a forward over `cache` reads its pool in place (no gathered copy, no mask, any length)."""
@@ -174,7 +175,7 @@ class FusedLayers:
         if self.attends_in_place(cache):
             pool, rows, last, reach = cache.in_place()  # type: ignore[attr-defined]
             lay = pool_attention.layout(rows, last, t, self.kv_heads, g, pool.index.shape[0], reach, pool.padding)
-            in_place = partial(pool_attention.attend, lay=lay, scale=self.scale, kernel=self.kernel)
+            in_place = partial(pool_attention.attend, lay=lay, scale=self.scale, kernel=self.kernel, merge=self.merge)
             for layer, rope in zip(self.layers, ropes, strict=True):
                 h = self._layer(layer, h, rope, partial(_in_place, cache, in_place))
             return h

@@ -111,12 +111,15 @@ def layout(
     cu_k = torch.cat([starts, starts.new_zeros(1)])
     per = {"fold": g, "heads": t, "split": t * g}[mode]
     cu_q = torch.arange(0, (n + 1) * per, per, device=dev, dtype=torch.int32)
-    bias = None
-    if mode == "split":  # row (token i, head j) sees the round's token j' >= 1 when j' <= i
-        tok = torch.arange(t, device=dev).repeat_interleave(g)[:, None]
-        later = torch.arange(1, t, device=dev)[None] > tok
-        bias = torch.zeros(t * g, t - 1, device=dev).masked_fill(later, -torch.inf)
+    bias = later_bias(t, g, dev) if mode == "split" else None
     return Layout(cu_q, cu_k, used, per, max_k, mode, bias, chunks)
+
+
+def later_bias(t: int, g: int, dev: torch.device) -> torch.Tensor:
+    """[t * g, t - 1] 0 / -inf: row (token i, head j) of a round sees the round's token j' >= 1 when j' <= i."""
+    tok = torch.arange(t, device=dev).repeat_interleave(g)[:, None]
+    later = torch.arange(1, t, device=dev)[None] > tok
+    return torch.zeros(t * g, t - 1, device=dev).masked_fill(later, -torch.inf)
 
 
 def chunked(
@@ -147,6 +150,7 @@ def attend(
     scale: float,
     kernel: Kernel,
     new: tuple[torch.Tensor, torch.Tensor] | None = None,
+    merge: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, T, hq, d] against one layer's pool keys/values [slots, hkv, L, d] (this step's keys and values `new`
     [B, hkv, T, d] already written there); returns [B * T, hq * d].
@@ -157,7 +161,8 @@ def attend(
       leave most of each tile idle (on an H200, 331 us a 7B layer at 128 rows). Every token of a round sees the
       pool up to the round's first token, so all T x g rows of a group attend there as one sequence, not causal;
       the round's later T - 1 tokens (causal among themselves) are added here, their scores merged with the
-      kernel's log-sum-exp (float32)."""
+      kernel's log-sum-exp (float32): `merge_later`, or `merge` (its one Triton kernel on CUDA,
+      decode_kernels.merge_kernel) where given."""
     b, t, hq, d = q.shape
     hkv = keys.shape[1]
     g = hq // hkv
@@ -172,7 +177,8 @@ def attend(
     q2 = q.reshape(b, t, hkv, g, d).transpose(1, 2).reshape(b * hkv * t * g, 1, d)
     first, lse = chunked(kernel, q2, flat_k, flat_v, lay, scale)
     n = b * hkv
-    out = merge_later(q2.view(n, t * g, d), first.view(n, t * g, d), lse.view(n, t * g), new, lay, scale)
+    q3, first, lse = q2.view(n, t * g, d), first.view(n, t * g, d), lse.view(n, t * g)
+    out = merge(q3, first, lse, new, scale) if merge is not None else merge_later(q3, first, lse, new, lay.bias, scale)
     return out.view(b, hkv, t, g, d).transpose(1, 2).reshape(b * t, hq * d)
 
 
@@ -181,7 +187,7 @@ def merge_later(
     first: torch.Tensor,
     lse: torch.Tensor,
     new: tuple[torch.Tensor, torch.Tensor],
-    lay: Layout,
+    bias: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Softmax over [keys up to the round's first token, the round's later tokens]: q [n, T * g, d], `first` the
@@ -189,7 +195,7 @@ def merge_later(
     n, d = q.shape[0], q.shape[2]
     k2 = new[0][:, :, 1:].reshape(n, -1, d).float()
     v2 = new[1][:, :, 1:].reshape(n, -1, d).float()
-    s2 = torch.baddbmm(lay.bias, q.float(), k2.transpose(1, 2), alpha=scale)  # type: ignore[arg-type]
+    s2 = torch.baddbmm(bias, q.float(), k2.transpose(1, 2), alpha=scale)
     top = torch.maximum(lse, s2.amax(-1))  # finite: every row sees at least the round's first token
     w1 = torch.exp(lse - top)
     e2 = torch.exp(s2 - top[..., None])
