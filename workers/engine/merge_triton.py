@@ -62,5 +62,6 @@ def merge_later(
 
 
 def fits(head_dim: int, tokens: int) -> bool:
-    """Whether the kernel takes a head this wide (a power of two, at least 16: tl.dot's) and rounds this long."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and tokens - 1 <= LATER
+    """Whether the kernel takes a head this wide (a power of two, at least 16: tl.dot's; at most 128: a program holds
+    three [64 x head_dim] float32 tiles, and wider ones, Gemma 3's 256, would spill) and rounds this long."""
+    return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0 and tokens - 1 <= LATER
