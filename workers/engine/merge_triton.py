@@ -26,7 +26,7 @@ def _merge_later_kernel(
     b, h = n // hkv, n % hkv
     r = blk * BR + tl.arange(0, BR)
     c, d = tl.arange(0, BT), tl.arange(0, D)
-    rm, cm = r < rows, tl.arange(0, BT) < t - 1
+    rm, cm = r < rows, c < t - 1
     at = n * rows * D + r[:, None] * D + d[None, :]
     q = tl.load(q_ptr + at, mask=rm[:, None], other=0.0).to(tl.float32)
     k2 = tl.load(k_ptr + b * skb + h * skh + (c + 1)[:, None] * skt + d[None, :], mask=cm[:, None], other=0.0)

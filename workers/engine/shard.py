@@ -126,8 +126,7 @@ class Shard(nn.Module):
 
     @property
     def graphs_reason(self) -> str | None:
-        """Why this shard runs graphs only where asked (sizing.py), or None: Gemma 4's mixture-of-experts variant in
-        float32."""
+        """Why this shard runs graphs only where asked (sizing.py), or None: Gemma 4's MoE variant in float32."""
         return graphs_reason(self.config, self.dtype) if self.layer_inputs is not None else None
 
     @property
