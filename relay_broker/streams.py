@@ -5,6 +5,7 @@ Key names are in schemas/keys.py.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import NamedTuple
 
 import redis
 
+from relay_broker.budgets import ReadBudget
 from relay_broker.connection import transport_retry
 from schemas.errors import ReplyTimeout
 from schemas.groups import MAC_BYTES, pack_group
@@ -21,6 +23,7 @@ from schemas.peek import head_batch_incomplete
 from schemas.settings import Settings
 
 Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)
+log = logging.getLogger("shardflow.relay")
 
 
 @transport_retry()
@@ -82,10 +85,24 @@ def merge_replies(done: list[tuple[bytes | str, bytes, Reply | None]]) -> list[t
     return out
 
 
-def add_reply(pipe: redis.client.Pipeline, reply: Reply, maxlen: int) -> None:
-    """Queue a reply on a session's stream, kept to about `maxlen` entries and expiring when abandoned."""
+def make_reply_stream(pipe: redis.client.Pipeline, stream: str, group: str, ttl_s: int) -> None:
+    """Queue what makes a head's reply stream: its consumer group (from the start, the stream made with it; a
+    BUSYGROUP answer means it is there already) and its expiry."""
+    pipe.xgroup_create(stream, group, id="0", mkstream=True)
+    pipe.expire(stream, ttl_s)
+
+
+def add_reply(pipe: redis.client.Pipeline, reply: Reply, maxlen: int) -> int:
+    """Queue a reply, kept to about `maxlen` entries; how many commands were queued. A session's own stream is made
+    if missing and expires when abandoned; a head's shared stream is its head's alone to make and keep alive
+    (workers/head/beacon.py): a reply to one that is gone (its head stopped, or moved to a fresh stream) is
+    dropped, never made again without an expiry."""
+    if reply.shared:
+        pipe.xadd(reply.stream, reply.fields, maxlen=maxlen, approximate=True, nomkstream=True)
+        return 1
     pipe.xadd(reply.stream, reply.fields, maxlen=maxlen, approximate=True)
     pipe.expire(reply.stream, reply.ttl_s)
+    return 2
 
 
 @dataclass
@@ -101,8 +118,10 @@ class GroupReader:
     settings: Settings = field(default_factory=Settings)  # claim_idle_ms, block_ms, stream caps
     _pending_done: bool = field(default=False, init=False)
     _last_claim: float = field(default=0.0, init=False)
+    _refusals: set[str] = field(default_factory=set, init=False)  # streams whose refused writes were logged
 
     def __post_init__(self) -> None:
+        self.budget = ReadBudget(self.settings.relay.read_max_bytes)  # a flood of huge entries: one a read
         self.reset()
 
     def reset(self) -> None:
@@ -121,8 +140,13 @@ class GroupReader:
 
     @transport_retry()
     def read(self, count: int = 16, block_ms: int | None = None) -> list[Entry]:
-        """Return up to `count` entries; blocks up to block_ms (settings.redis.block_ms) when there is nothing new."""
-        block_ms = self.settings.redis.block_ms if block_ms is None else block_ms
+        """Return up to `count` entries (fewer while huge ones come: `budget`); blocks up to block_ms
+        (settings.redis.block_ms) when there is nothing new."""
+        got = self._read(self.budget.count(count), self.settings.redis.block_ms if block_ms is None else block_ms)
+        self.budget.saw(fields for _, _, fields in got)
+        return got
+
+    def _read(self, count: int, block_ms: int) -> list[Entry]:
         if not self._pending_done:
             got = self._flatten(
                 self.r.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, "0"), count=count)
@@ -189,10 +213,14 @@ class GroupReader:
         dead_letters: list[dict] | None = None,
     ) -> None:
         """Send each entry's reply (if any), acknowledge and delete the entries, and append refused
-        packets' records to the dead-letter stream: one round trip."""
+        packets' records to the dead-letter stream: one round trip. A reply or dead letter Redis refuses (a
+        stream someone wedged with the last possible entry id, an ACL without the command) fails nothing else:
+        it is logged once per stream and the entries are acknowledged all the same."""
         pipe = self.r.pipeline(transaction=False)
+        lenient: list[str | None] = []  # per queued command: the stream whose refusal is only logged
         for record in dead_letters or []:
             pipe.xadd(self.dead_stream, record, maxlen=self.settings.relay.dead_letter_maxlen, approximate=True)
+            lenient.append(self.dead_stream)
         acked: set[tuple[bytes | str, bytes]] = set()
         for stream, entry_id, reply in done:  # a group entry comes once per session it holds: acked once
             if reply is not None:  # a head's shared stream holds every session's: capped as a request stream
@@ -201,12 +229,26 @@ class GroupReader:
                     if reply.shared
                     else self.settings.relay.reply_stream_maxlen
                 )
-                add_reply(pipe, reply, cap)
+                lenient += [reply.stream] * add_reply(pipe, reply, cap)
             if (stream, entry_id) not in acked:
                 acked.add((stream, entry_id))
                 pipe.xack(stream, self.group, entry_id)
                 pipe.xdel(stream, entry_id)
-        pipe.execute()
+                lenient += [None, None]
+        for result, where in zip(pipe.execute(raise_on_error=False), lenient, strict=True):
+            if isinstance(result, Exception):
+                if where is None or not isinstance(result, redis.ResponseError):
+                    raise result
+                self._refused_write(where, result)
+
+    def _refused_write(self, stream: str, e: redis.ResponseError) -> None:
+        """Say once per stream (of the last 1,024) that Redis refuses writes there; go on."""
+        if stream in self._refusals:
+            return
+        if len(self._refusals) >= 1024:
+            self._refusals.clear()
+        self._refusals.add(stream)
+        log.warning("cannot write to %s (%s): its entries are dropped; going on", stream, e)
 
 
 @dataclass

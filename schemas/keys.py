@@ -5,7 +5,8 @@ Relay (head <-> tail):
   {prefix}:tails                    that consumer group
   {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
   {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
-  {prefix}:reply:head.{name}.{boot} every reply to one head process's sessions (a group's in one entry)
+  {prefix}:reply:head.{name}.{boot} every reply to one head process's sessions (a group's in one entry); the
+                                    head's alone to make, read and expire (`.{epoch}` added once it moves)
   {prefix}:dead-letters             packets tails refused, reply entries heads refused, with the reason
   {prefix}:head:{name}              a running head's boot id, expiring after its reply timeout: tails drop
                                     the sessions of a head whose key is gone or names another boot
@@ -58,9 +59,10 @@ class Keys:
         return f"{self.prefix}:head:{name}"
 
     @staticmethod
-    def head_reply_to(name: str, boot: str) -> str:
-        """The reply stream suffix where a head process reads every one of its sessions' replies."""
-        return f"head.{name}.{boot}"
+    def head_reply_to(name: str, boot: str, epoch: int = 0) -> str:
+        """The reply stream suffix where a head process reads every one of its sessions' replies (a later `epoch`:
+        the fresh stream it moved to when its first was wedged or gone, workers/head/beacon.py)."""
+        return f"head.{name}.{boot}" + (f".{epoch}" if epoch else "")
 
     # --- jobs ---
     def batch(self, batch_id: str) -> str:

@@ -235,6 +235,19 @@ class RelaySettings(_Group):
     max_tensor_elements: int = Field(1 << 26, description="Largest element count of one tensor.")
     request_stream_maxlen: int = Field(10_000, description="Approximate cap of a tail request stream.")
     dead_letter_maxlen: int = Field(100_000, description="Approximate cap of the dead-letter stream.")
+    dead_letter_rate: float = Field(
+        10.0,
+        gt=0,
+        description="Dead letters a head or tail writes per second for one source stream once dead_letter_burst are "
+        "spent; the rest are only counted in its phase lines (a flood of junk never cycles the trail).",
+    )
+    dead_letter_burst: int = Field(100, ge=1, description="Dead letters one source stream may get at once.")
+    read_max_bytes: int = Field(
+        64 << 20,
+        ge=1 << 16,
+        description="About the most bytes a tail or head takes in one read of its streams: once an entry of n bytes "
+        "came (within 10 s), a read takes at most this / n entries (one at least).",
+    )
     reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
     reply_read_count: int = Field(
         16, description="Replies a head reads per round trip (a flood of junk in a reply stream is skipped this fast)."
@@ -256,6 +269,13 @@ class RelaySettings(_Group):
         60.0, description="How often a tail renews its stream's expiry and drops long-idle consumers of dead tails."
     )
     max_sessions: int = Field(256, ge=1, description="Sessions a tail keeps KV caches for (least recent go).")
+    head_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of a tail's caches past which one head gets no new session while another head was "
+        "refused one (within the reply timeout); a head alone may hold them all (workers/tail/liveness.py).",
+    )
     session_ttl_s: float = Field(600.0, gt=0, description="Idle time after which a tail drops a session.")
     head_check_s: float = Field(
         1.0,
@@ -309,7 +329,10 @@ class RelaySettings(_Group):
         "its rounds' MACs on (hashlib lets go of the interpreter lock over large buffers, so they run side by side).",
     )
     reply_timeout_s: float = Field(
-        15.0, description="A verdict missing this long: the session is replayed onto a live tail (tail crash)."
+        15.0,
+        description="A head: a verdict missing this long replays the session onto a live tail (tail crash). A tail: "
+        "the longest it keeps a silent session whose head's key is gone or names another boot (a packet's own "
+        "timeout, if shorter, counts), and how long a session of a head that never announced itself may live.",
     )
     tail_busy_wait_s: float = Field(
         0.1, gt=0, description="First wait before a head sends a new session's round again to a full tail (doubling)."

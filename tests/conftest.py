@@ -108,12 +108,16 @@ class Tails:
         self.retired: list[subprocess.Popen | Forked] = []
         self._made = itertools.count()
 
-    def get(self, target: Path, split: int, n_layers: int, extra: tuple[str, ...] = ()) -> Keys:
-        key = (str(target), split, extra)
+    def get(
+        self, target: Path, split: int, n_layers: int, extra: tuple[str, ...] = (), env: tuple[tuple[str, str], ...] = ()
+    ) -> Keys:
+        """The prefix of a tail serving `target`'s layers from `split` (started once per flags and `env`, variables
+        set beside the environment's)."""
+        key = (str(target), split, extra, env)
         if key not in self.procs or self.procs[key][0].poll() is not None:
             names = Keys(f"t{next(self._made)}-{os.getpid()}")  # never a prefix used before
             args = tail_args(target, (split, n_layers), self.url, names.prefix, ["--threads", "1", *extra])
-            proc = spawn(args, self.logdir / f"{names.prefix}.log")
+            proc = spawn(args, self.logdir / f"{names.prefix}.log", {**os.environ, **dict(env)} if env else None)
             wait_for_tails(connect(self.url), names, proc=proc)
             self.procs[key] = (proc, names)
         return self.procs[key][1]

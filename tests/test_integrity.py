@@ -8,8 +8,13 @@ the sessions of heads that are gone.
 - Forged replies of every kind in a live reply stream (non-finite with no round id or the right one, four
   retryable errors, busy, plain errors, a wrong echo, verdicts of 0 accepted + 1 token, signed or not): the job
   finishes identical, with no replay (before: the first failed the job for good; four used up the replays).
-- A head that restarts under its name frees its old sessions at once; a killed one's go once it has been
-  silent longer than its reply timeout; a forger claiming a head's new boot frees nothing.
+- A tail trusts nothing another process writes to end a session at once (issue 56): a head that restarts under
+  its name frees its old sessions once they have been silent longer than the reply timeout, as a killed one's;
+  a SET of a head's key to another boot costs its live sessions nothing; a forger claiming a head's new boot frees
+  nothing; sessions of a head that never announced itself go after the tail's own reply timeout, however long
+  their packets claim and however often they speak; an opening round of a session already served is answered
+  with its final verdict, never served again; a head past its share of the caches while another waits gets
+  no new one.
 """
 
 from __future__ import annotations
@@ -144,10 +149,10 @@ def test_forged_replies_of_every_kind_never_fail_or_change_a_job(models, hf_mode
 
 
 # --- a tail frees the sessions of heads that are gone (in process, a static tail of two slots) ----------------
-def _tail(target, r, names: Keys) -> TailWorker:
+def _tail(target, r, names: Keys, **relay: float) -> TailWorker:
     shard = load_shard(target, (SPLIT, 4), embed=False, head=True, dtype=torch.float32)
     engine = Engine(shard, Settings(engine={"static": True, "max_len": 128}), slots=2, label="tail")
-    return TailWorker(shard, r, names=names, engine=engine, settings=Settings())
+    return TailWorker(shard, r, names=names, engine=engine, settings=Settings(relay=relay))
 
 
 def _opening(sid: str, head: HeadRef, hidden_size: int) -> dict:
@@ -172,30 +177,103 @@ def _answer(worker: TailWorker, fields: dict) -> Verdict | ErrorReply:
     return decode_tail_message(reply.fields)
 
 
+def _held(worker: TailWorker) -> set[str]:
+    return {sid for sid, _ in worker.sessions.items()}
+
+
 def test_a_tail_frees_the_sessions_of_heads_that_restarted_or_died(models, redis_client):
     names = Keys(f"liveness-{secrets.token_hex(4)}")
-    worker = _tail(models[FAMILY].target, redis_client, names)
+    timeout = 0.6
+    worker = _tail(models[FAMILY].target, redis_client, names, reply_timeout_s=timeout)
     hidden = worker.shard.config.hidden_size
     old = HeadRef(name="h1", boot="0000000a", reply_timeout_s=60)
     redis_client.set(names.head("h1"), old.boot)
     assert all(isinstance(_answer(worker, _opening(f"s{i}", old, hidden)), Verdict) for i in range(2))
-    # full, its heads alive: a new session waits ("busy"); a forger claiming h1's new boot frees nothing
+    # full, its heads alive: a new session waits ("busy"); a forger claiming h1's new boot frees nothing, and
+    # neither does a SET of h1's key to another boot while its sessions speak
     assert _answer(worker, _opening("s2", HeadRef(name="h2", boot="0000000b", reply_timeout_s=60), hidden)).busy
     time.sleep(Settings().relay.head_recheck_s)
     forger = HeadRef(name="h1", boot="000000ff", reply_timeout_s=60)
+    redis_client.set(names.head("h1"), forger.boot)
     assert _answer(worker, _opening("s3", forger, hidden)).busy
-    assert len(worker.sessions) == 2
-    # h1 restarts (its key names the new boot): its old sessions go at once, the new one is served
+    assert _held(worker) == {"s0", "s1"}
+    # h1 restarts (its key names the new boot): its old sessions, silent, go after the reply timeout (the shorter
+    # of the packet's 60 s and the tail's own); the new head's session is served then
     new = HeadRef(name="h1", boot="0000000c", reply_timeout_s=60)
     redis_client.set(names.head("h1"), new.boot)
-    time.sleep(Settings().relay.head_recheck_s)
+    worker.sessions.get("s0")  # s0 speaks: kept a timeout longer than s1
+    time.sleep(timeout / 2)
+    worker.sessions.get("s0")
+    time.sleep(timeout / 2 + 0.1)
+    worker.heads.sweep(worker.sessions, urgent=True)
+    assert _held(worker) == {"s0"}
     assert isinstance(_answer(worker, _opening("s4", new, hidden)), Verdict)
-    assert {sid for sid, _ in worker.sessions.items()} == {"s4"}
-    # a killed head (its key expired): its sessions go once silent longer than its reply timeout
+    assert _held(worker) == {"s0", "s4"}
+    time.sleep(timeout + 0.1)
+    assert isinstance(_answer(worker, _opening("s5", new, hidden)), Verdict)  # s0 went to make room
+    assert _held(worker) == {"s4", "s5"}
+    worker.sessions.drop("s5")
+    # a killed head (its key expired): its sessions go once silent longer than the reply timeout
     brief = HeadRef(name="h3", boot="0000000d", reply_timeout_s=0.3)
     redis_client.set(names.head("h3"), brief.boot)
-    assert isinstance(_answer(worker, _opening("s5", brief, hidden)), Verdict)
+    assert isinstance(_answer(worker, _opening("s6", brief, hidden)), Verdict)
+    time.sleep(Settings().relay.head_recheck_s)
+    worker.heads.sweep(worker.sessions, urgent=True)  # a check sees h3's key naming its boot
     redis_client.delete(names.head("h3"), names.head("h1"))
+    worker.sessions.get("s4")
     time.sleep(0.4)
     worker.heads.sweep(worker.sessions, urgent=True)
-    assert {sid for sid, _ in worker.sessions.items()} == {"s4"}  # s4 spoke recently: kept
+    assert _held(worker) == {"s4"}  # s4 spoke recently: kept
+
+
+def test_a_forged_session_holds_a_cache_one_reply_timeout_at_most(models, redis_client):
+    """Issue 56, N4: self-signed opening rounds of a made-up head claiming a day's reply timeout filled a tail for
+    600 s, and one more round a session held them for good. Now a head that never announced itself (its key never
+    named its boot) loses its sessions after the tail's own reply timeout, however often they speak."""
+    names = Keys(f"forged-{secrets.token_hex(4)}")
+    timeout = 0.5
+    worker = _tail(models[FAMILY].target, redis_client, names, reply_timeout_s=timeout)
+    hidden = worker.shard.config.hidden_size
+    made_up = HeadRef(name="nobody", boot="0badf00d", reply_timeout_s=86400)
+    assert all(isinstance(_answer(worker, _opening(f"f{i}", made_up, hidden)), Verdict) for i in range(2))
+    real = HeadRef(name="real", boot="00c0ffee", reply_timeout_s=60)
+    redis_client.set(names.head("real"), real.boot)
+    assert _answer(worker, _opening("r0", real, hidden)).busy
+    t0 = time.monotonic()
+    while not isinstance(_answer(worker, _opening("r0", real, hidden)), Verdict):
+        worker.sessions.get("f0")  # the forger keeps speaking
+        assert time.monotonic() - t0 < timeout + 2
+        time.sleep(0.05)
+    assert "r0" in _held(worker) and time.monotonic() - t0 <= timeout + 2
+
+
+def test_an_opening_round_of_a_session_already_served_is_answered_not_served(models, redis_client):
+    """Issue 56, N4: re-sent opening rounds of finished sessions were served again (a cache each). Now the tail
+    answers with the final verdict it gave, and opens nothing."""
+    names = Keys(f"served-{secrets.token_hex(4)}")
+    worker = _tail(models[FAMILY].target, redis_client, names)
+    hidden = worker.shard.config.hidden_size
+    head = HeadRef(name="h1", boot="0000000a", reply_timeout_s=60)
+    redis_client.set(names.head("h1"), head.boot)
+    packet = _opening("done", head, hidden)
+    final = _answer(worker, packet)
+    assert isinstance(final, Verdict)
+    worker.sessions.finish("done", worker.sessions.get("done").last_reply)  # as a final verdict ends it
+    again = _answer(worker, packet)
+    assert again == final and _held(worker) == set()
+
+
+def test_a_head_past_its_share_gets_no_new_cache_while_another_waits(models, redis_client):
+    """A head alone may hold every cache; once another head was refused one, a head holding its share
+    (`relay.head_share`) or more gets none until it holds fewer."""
+    names = Keys(f"share-{secrets.token_hex(4)}")
+    worker = _tail(models[FAMILY].target, redis_client, names, head_share=0.5)
+    hidden = worker.shard.config.hidden_size
+    big, small = (HeadRef(name=n, boot=b, reply_timeout_s=60) for n, b in (("big", "000000b1"), ("small", "000000b2")))
+    for head in (big, small):
+        redis_client.set(names.head(head.name), head.boot)
+    assert all(isinstance(_answer(worker, _opening(f"b{i}", big, hidden)), Verdict) for i in range(2))  # alone: all
+    assert _answer(worker, _opening("s0", small, hidden)).busy
+    worker.sessions.drop("b0")  # one of big's jobs ends
+    assert "its share" in _answer(worker, _opening("b2", big, hidden)).error  # big holds 1 of 2: its share
+    assert isinstance(_answer(worker, _opening("s0", small, hidden)), Verdict)

@@ -3,6 +3,7 @@
     clock = PhaseClock("head loop", log)
     with clock("compute"):
         ...
+    clock.count("dead letters dropped", 3)   # events counted beside the phases
     clock.maybe_log()   # at most every every_s (default 10 s): "head loop: 10.0 s: compute 61% (4.1 ms x 150), ..."
 
 The head's step loop and the tail's serve loop keep one each, so a run's logs say how much of the loop is
@@ -24,6 +25,7 @@ class PhaseClock:
         self.name, self.log, self.every_s = name, logger, every_s
         self.spent: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.counts: dict[str, int] = {}  # events counted since the last line (`count`)
         self._since = time.perf_counter()
         self._lock = threading.Lock()  # threads beside a loop may add to its clock (the head's senders do)
 
@@ -40,6 +42,12 @@ class PhaseClock:
             self.spent[phase] = self.spent.get(phase, 0.0) + seconds
             self.calls[phase] = self.calls.get(phase, 0) + 1
 
+    def count(self, what: str, n: int = 1) -> None:
+        """Count `n` events of `what` for the next line (nothing is logged for a count alone of 0)."""
+        if n:
+            with self._lock:
+                self.counts[what] = self.counts.get(what, 0) + n
+
     def maybe_log(self) -> None:
         """Log the shares since the last line, if every_s has passed and anything but waiting was timed."""
         now = time.perf_counter()
@@ -47,12 +55,13 @@ class PhaseClock:
         if span < self.every_s:
             return
         with self._lock:
-            spent, calls = self.spent, self.calls
-            self.spent, self.calls, self._since = {}, {}, now
+            spent, calls, counts = self.spent, self.calls, self.counts
+            self.spent, self.calls, self.counts, self._since = {}, {}, {}, now
         busy = {k: v for k, v in spent.items() if k != "wait"}
-        if busy and sum(busy.values()) > 0.01 * span:
+        if (busy and sum(busy.values()) > 0.01 * span) or counts:
             parts = [
                 f"{k} {100 * v / span:.0f}% ({1000 * v / max(calls[k], 1):.1f} ms x {calls[k]})"
                 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])
             ]
+            parts += [f"{k} {n:,}" for k, n in sorted(counts.items())]
             self.log.info("%s: %.1f s: %s", self.name, span, ", ".join(parts))

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import redis
 from rq.timeouts import JobTimeoutException
 
-from schemas.keys import Keys
+from relay_broker.budgets import DeadLetterCap
 from schemas.requests import GenerationResult
+from workers.head.beacon import reply_group
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
 from workers.head.sealing import outbound, packets, sealed
@@ -82,7 +83,11 @@ class HeadLoop:
         self.relay_clock = PhaseClock("head relay", log)  # a reply's wait from its reader to the loop ("lag")
         self._replies_at: float | None = None  # when the oldest reply not yet taken came from its reader
         self.sender = Sender(r, self.settings, self.seal_clock)
-        self.receiver = Receiver(r, self.settings, self._deliver, self.sender)
+        relay = self.settings.relay
+        self.dead_cap = DeadLetterCap(relay.dead_letter_rate, relay.dead_letter_burst)  # counted in relay_clock's lines
+        self._epochs = 0  # the beacons' reply-stream moves the generations in flight have followed
+        group = reply_group(runtime.beacons.ref)
+        self.receiver = Receiver(r, self.settings, self._deliver, self.sender, group=group, dead_cap=self.dead_cap)
         threading.Thread(target=self._run, daemon=True, name="head-loop").start()
 
     def submit(self, gen: RoundLoop, timeout_s: float | None = None) -> Future[GenerationResult]:
@@ -131,6 +136,8 @@ class HeadLoop:
         clock = self.clock
         with clock("wait"):
             new, replies, failed = self._wait()
+        if self.rt.beacons.epochs != self._epochs:
+            self._follow_reply_streams()
         with clock("admit"):
             self._admit(new)
             for slots, e in failed:
@@ -149,7 +156,22 @@ class HeadLoop:
         self.steps += 1
         clock.maybe_log()
         self.seal_clock.maybe_log()
+        written, dropped = self.dead_cap.take_counts()
+        self.relay_clock.count("dead letters", written)
+        self.relay_clock.count("dead letters dropped", dropped)
         self.relay_clock.maybe_log()
+
+    def _follow_reply_streams(self) -> None:
+        """A beacon moved to a fresh reply stream (workers/head/beacon.py): every generation in flight reads it now,
+        and its next round names it."""
+        self._epochs = self.rt.beacons.epochs
+        for slot in self.slots.values():
+            gen = slot.gen
+            reply_to = self.rt.beacons.reply_to(gen.names)
+            if reply_to != gen.reply_to:
+                self.receiver.unwatch(gen.reader.stream)
+                gen.reply_to, gen.reader.stream = reply_to, gen.names.reply(reply_to)
+                self.receiver.watch(gen.reader.stream, gen.names.dead_letters)
 
     def _wait(self) -> tuple[list[Slot], list[Reply], list]:
         """What the I/O threads and callers brought; sleeps while there is nothing to do."""
@@ -184,8 +206,7 @@ class HeadLoop:
         self._seat_now = False
         for slot in seated:
             gen = slot.gen
-            ref = self.rt.beacons.ref
-            gen.reply_to = Keys.head_reply_to(ref.name, ref.boot)
+            gen.reply_to = self.rt.beacons.reply_to(gen.names)  # its beacon was ensured when it was made
             gen.reader.stream = gen.names.reply(gen.reply_to)  # where its dead letters say the reply was
             self.receiver.watch(gen.reader.stream, gen.names.dead_letters)
             try:
@@ -391,6 +412,6 @@ class HeadLoop:
             log.exception("session %s: could not release its caches", gen.sid)
         self.receiver.unwatch(gen.reader.stream)
         bye = gen.goodbye()
-        dead = [(gen.names.dead_letters, record) for record in gen.reader.take_dead()]
+        dead = [(gen.names.dead_letters, d) for d in gen.reader.take_dead() if self.dead_cap.allow(gen.reader.stream)]
         if bye is not None or dead:
             self.sender.put(Outgoing([bye] if bye is not None else [], dead=dead))

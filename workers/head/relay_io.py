@@ -6,13 +6,14 @@ never waits on a round trip (over a WAN link one costs the whole link's latency)
   computed while another's publish is on the wire goes at once rather than a round trip later. Entries of one
   session never overtake each other: a session has one round on the wire at a time, and its close packet goes
   after its last verdict came.
-- `Receiver` reads the head's own reply streams (`reply:head.NAME.BOOT`, one per key prefix), where tails put
-  every reply to its sessions (a batch's replies in one entry, schemas/groups.py), through a consumer group
-  (`REPLY_GROUP`) on `relay.head_readers` threads: each entry goes to one of them, and while one reader's answer
-  travels back another's read already waits at Redis, so a reply is taken as it comes (with one blocking XREAD,
-  a reply written while the answer to the last read travels waits for the next read to arrive: up to one more
-  round trip). The loop gets each reply with the session it names; what is not a reply container is
-  dead-lettered.
+- `Receiver` reads the head's own reply streams (`reply:head.NAME.BOOT[.EPOCH]`, one per key prefix, made and kept
+  by workers/head/beacon.py), where tails put every reply to its sessions (a batch's replies in one entry,
+  schemas/groups.py), through the head's own consumer group (`reply_group`) on `relay.head_readers` threads: each
+  entry goes to one of them, and while one reader's answer travels back another's read already waits at Redis, so
+  a reply is taken as it comes (with one blocking XREAD, a reply written while the answer to the last read travels
+  waits for the next read to arrive: up to one more round trip). A read takes at most about
+  `relay.read_max_bytes` (relay_broker/budgets.py). The loop gets each reply with the session it names; what is not
+  a reply container is dead-lettered, at most `relay.dead_letter_rate` a second per stream.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from relay_broker.streams import publish_many
+from relay_broker.budgets import DeadLetterCap, ReadBudget
+from relay_broker.streams import make_reply_stream, publish_many
 from schemas.dead_letters import dead_letter
 from schemas.errors import PacketError
 from schemas.groups import entry_parts
@@ -116,12 +118,23 @@ class Sender:
 Reply = tuple[str | None, bytes, dict]  # (session it names, entry id, its fields)
 
 
-REPLY_GROUP = "head"  # the consumer group a head reads its own reply streams through (no other reads them)
-
-
 class Receiver:
-    def __init__(self, r: redis.Redis, settings: Settings, deliver: Callable[[list[Reply]], None], sender: Sender):
+    """`group`: the head's own consumer group (workers/head/beacon.py `reply_group`); `dead_cap`: the head's cap on
+    dead letters (shared with its loop, which counts them in its phase lines)."""
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        settings: Settings,
+        deliver: Callable[[list[Reply]], None],
+        sender: Sender,
+        *,
+        group: str,
+        dead_cap: DeadLetterCap,
+    ) -> None:
         self.r, self.settings, self.deliver, self.sender = r, settings, deliver, sender
+        self.group, self.dead_cap = group, dead_cap
+        self.budget = ReadBudget(settings.relay.read_max_bytes)
         self._streams: dict[str, str] = {}  # reply stream read -> its dead-letter stream
         self._users: dict[str, int] = {}  # generations waiting on each stream
         self._grouped: set[str] = set()  # streams whose consumer group this head made (or found)
@@ -156,13 +169,14 @@ class Receiver:
             try:
                 self._groups(streams)
                 resp = self.r.xreadgroup(
-                    REPLY_GROUP,
+                    self.group,
                     consumer,
                     dict.fromkeys(streams, ">"),
-                    count=1000,
+                    count=self.budget.count(1000),
                     block=self.settings.redis.block_ms,
                     noack=True,
                 )
+                self.budget.saw(f for _, entries in resp or [] for _, f in entries if f)
             except redis.ResponseError as e:  # NOGROUP: a stream expired and came back without its group
                 with self._cv:
                     self._grouped.difference_update(streams)
@@ -195,8 +209,7 @@ class Receiver:
             return
         pipe = self.r.pipeline(transaction=False)
         for stream in new:
-            pipe.xgroup_create(stream, REPLY_GROUP, id="0", mkstream=True)
-            pipe.expire(stream, self.settings.relay.reply_ttl_s)
+            make_reply_stream(pipe, stream, self.group, self.settings.relay.reply_ttl_s)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, redis.ResponseError) and "BUSYGROUP" not in str(reply):
                 raise reply
@@ -235,8 +248,9 @@ class Receiver:
         return out
 
     def _refuse(self, stream: str, dead_stream: str, entry_id: bytes, fields: dict, reason: str) -> None:
-        record = dead_letter(stream, entry_id, f"head refused a reply: {reason}", fields, refused_by="head")
-        self.sender.put(Outgoing([], dead=[(dead_stream, record)]))
+        if self.dead_cap.allow(stream):
+            record = dead_letter(stream, entry_id, f"head refused a reply: {reason}", fields, refused_by="head")
+            self.sender.put(Outgoing([], dead=[(dead_stream, record)]))
 
 
 def _why(fields: dict, caps: RelaySettings) -> str:

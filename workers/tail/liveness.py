@@ -1,18 +1,28 @@
-"""Which of a tail's sessions belong to heads that are gone, and the session a round runs on (`session_for`).
+"""Which of a tail's sessions belong to heads that are gone, how many caches one head may hold, and the session a
+round runs on (`session_for`).
 
 A running head keeps `{prefix}:head:{name}` set to its boot id, expiring after its reply timeout
-(workers/head/beacon.py). A session is its head's if the key still names the boot the session's rounds
-carried. Its head is gone when the key names another boot (the head restarted under the same name: its old
-sessions go at once) or when the key has expired and the session has been silent longer than that head's
-reply timeout (the head was killed; it would have replayed elsewhere by then anyway). The tail checks every
-`head_check_s`, and at once (at most every `head_recheck_s`) when it is full or sees a head's new boot.
+(workers/head/beacon.py). Nothing another process writes there is trusted to end a session at once:
+- a session whose head's key was seen naming the session's boot is kept while the key still names it, and
+  while the session has spoken within the reply timeout (the shorter of its head's and this tail's own,
+  `relay.reply_timeout_s`) whatever the key says: gone, or another boot (a head that really restarted never
+  speaks on its old sessions again, and a SET of the key by anyone else costs no live session anything);
+- a session whose head's key was never seen naming its boot (a made-up head, or a real name with a made-up boot)
+  goes once it is older than this tail's reply timeout, however often it speaks.
+The tail checks every `head_check_s`, and at once (at most every `head_recheck_s`) when it is full or sees a head's
+new boot.
+
+A head may hold every cache while it is alone. Once another head was refused a cache for want of one (within the
+last reply timeout), a head that holds `relay.head_share` of the caches or more gets no new session until it holds
+fewer: its sessions end as their jobs do, and the freed caches go to the heads waiting.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import redis
 
@@ -24,15 +34,20 @@ from workers.engine.runner import Engine
 from workers.tail.sessions import SessionStore, TailSession
 
 log = logging.getLogger("shardflow.tail")
+SEEN_MAX = 4096  # (head name, boot) pairs remembered as announced (heads are few; boots come with restarts)
 
 
 class HeadWatch:
-    """Drops the sessions of heads that died or restarted (one MGET per check)."""
+    """Drops the sessions of heads that died or restarted (one MGET per check), and keeps one head from taking
+    the caches others wait for (see the module docstring)."""
 
     def __init__(self, r: redis.Redis, names: Keys, settings: Settings) -> None:
         self.r, self.names, self.settings = r, names, settings
+        self.timeout_s = settings.relay.reply_timeout_s  # the longest any head's silent session is kept
         self._last = 0.0
         self._boots: dict[str, str] = {}  # the last boot seen per head name (heads are few)
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, boot) its key was seen naming
+        self._refused: dict[str, float] = {}  # head name -> when it was last refused a cache (monotonic)
 
     def due(self, urgent: bool = False) -> bool:
         wait = self.settings.relay.head_recheck_s if urgent else self.settings.relay.head_check_s
@@ -44,6 +59,23 @@ class HeadWatch:
         seen = self._boots.get(head.name)
         self._boots[head.name] = head.boot
         return seen is not None and seen != head.boot
+
+    def timeout_of(self, head: HeadRef) -> float:
+        """How long a silent session of `head` is kept once its key is gone: its own reply timeout, at most this
+        tail's (a packet may claim a day)."""
+        return min(head.reply_timeout_s, self.timeout_s)
+
+    def refused(self, name: str) -> None:
+        """A head of that name found no free cache here."""
+        self._refused[name] = time.monotonic()
+
+    def may_open(self, head: HeadRef, sessions: SessionStore, slots: int) -> bool:
+        """Whether `head` may open one more session: always while it holds less than its share of the caches, or
+        while no other head was refused one within the reply timeout."""
+        if sessions.held_by(head.name) < max(1, math.floor(self.settings.relay.head_share * slots)):
+            return True
+        since = time.monotonic() - self.timeout_s
+        return not any(t >= since for name, t in self._refused.items() if name != head.name)
 
     def sweep(self, sessions: SessionStore, urgent: bool = False) -> int:
         """Drop the sessions whose head is gone (when a check is due); how many were dropped."""
@@ -60,20 +92,34 @@ class HeadWatch:
             log.debug("head check skipped: %s", e)
             return 0
         now, gone = time.monotonic(), Counter()
+        for name, boot in boots.items():
+            if boot is not None:
+                self._saw(name, boot.decode(errors="replace"))
         for sid, s in held:
             head = s.head
             assert head is not None
-            boot = boots[head.name]
-            if boot is not None and boot.decode(errors="replace") == head.boot:
-                continue
-            if boot is None and now - s.touched <= head.reply_timeout_s:
-                continue  # its key expired (or Redis lost it) but the session spoke recently
-            why = "restarted" if boot is not None else f"was silent for over {head.reply_timeout_s:g}s"
+            if (head.name, head.boot) not in self._seen:
+                if now - s.opened <= self.timeout_s:
+                    continue
+                why = f"never announced boot {head.boot} in {self.timeout_s:g}s"
+            else:
+                boot = boots[head.name]
+                if boot is not None and boot.decode(errors="replace") == head.boot:
+                    continue
+                if now - s.touched <= self.timeout_of(head):
+                    continue  # its key expired, was lost or overwritten, but the session spoke recently
+                why = f"was silent for over {self.timeout_of(head):g}s"
             gone[(head.name, why)] += 1
             sessions.drop(sid)
         for (name, why), n in gone.items():
             log.warning("dropped %d session(s): their head %s %s", n, name, why)
         return sum(gone.values())
+
+    def _saw(self, name: str, boot: str) -> None:
+        self._seen[(name, boot)] = None
+        self._seen.move_to_end((name, boot))
+        while len(self._seen) > SEEN_MAX:
+            self._seen.popitem(last=False)
 
 
 def keep_alive(r: redis.Redis, names: Keys, tail_id: str, settings: Settings) -> None:
@@ -95,24 +141,31 @@ def session_for(
 ) -> TailSession | None:
     """The session an authentic round runs on: opened for a round at position 0 (a new session, or one replayed
     onto this tail: its old cache goes back first; when every cache is taken, dead heads' sessions go first,
-    else TailBusy), found for a later one (SessionError if this tail does not hold it where the round starts);
-    None for a duplicate or late round. A replay keeps the id of the round whose verdict it missed: one at position
-    0 under the id this tail last answered, but not the packet it answered (`mac`), is that replay, not a
-    duplicate (a long prompt's replay in parts starts with one, where the round it missed was another)."""
+    else TailBusy, as for a head past its share while others wait), found for a later one (SessionError if this
+    tail does not hold it where the round starts); None for a duplicate or late round, and for an opening round of
+    a session that already ended here (`sessions.served`: never served twice). A replay keeps the id of the round
+    whose verdict it missed: one at position 0 under the id this tail last answered, but not the packet it answered
+    (`mac`), is that replay, not a duplicate (a long prompt's replay in parts starts with one, where the round it
+    missed was another)."""
     sess = sessions.get(p.session_id)
     missed = sess is not None and p.start_pos == 0 and p.round_id == sess.last_round and mac != sess.last_mac
     if sess is not None and p.round_id <= sess.last_round and not missed:
         return None  # duplicate or late
     if p.start_pos == 0:
-        if heads.new_boot(p.head):  # its head restarted? the old one's sessions may go now
+        if sess is None and sessions.served(p.session_id) is not None:
+            return None
+        if heads.new_boot(p.head):  # its head restarted? the old one's silent sessions may go now
             heads.sweep(sessions, urgent=True)
         if sess is not None:
             sessions.drop(p.session_id)
+        if not heads.may_open(p.head, sessions, engine.slots):
+            raise TailBusy(f"head {p.head.name} holds its share of tail {tail_id}'s caches while others wait")
         need = len(p.input_ids) + p.prefill_more + p.max_new + len(p.draft_ids) + 1  # positions it may hold
         cache = engine.acquire(overflow=False, need=need)  # full: busy (caches never outgrow memory)
         if cache is None and heads.sweep(sessions, urgent=True):
             cache = engine.acquire(overflow=False, need=need)
         if cache is None:
+            heads.refused(p.head.name)
             raise TailBusy(f"the caches of tail {tail_id} that hold {need} positions are all in use")
         return sessions.open(p.session_id, cache, key, p.head)
     if sess is None:

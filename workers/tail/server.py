@@ -18,6 +18,7 @@ import time
 import redis
 import torch
 
+from relay_broker.budgets import DeadLetterCap
 from relay_broker.retry import ride_out
 from relay_broker.streams import GroupReader, Reply, merge_replies
 from schemas.errors import (
@@ -111,6 +112,7 @@ class TailWorker:
             log.info("tail captured %d CUDA graphs", captured)
         self.stop_event = threading.Event()
         self._dead: list[DeadLetter] = []
+        self.dead_cap = DeadLetterCap(cfg.relay.dead_letter_rate, cfg.relay.dead_letter_burst)
         self._last_keepalive = 0.0
         self._regroup = False  # recreate the consumer groups before the next read
         self.clock = PhaseClock("tail loop", log)  # where the loop's time goes, logged every 10 s
@@ -182,13 +184,19 @@ class TailWorker:
         with clock("unpack"):
             flat, bad = expand_groups(entries, self.max_packet_bytes, self.auth.shares)  # a group: its rounds
         done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
-        dead = [letter.record(stream, entry_id, self.tail_id) for stream, entry_id, letter in bad]
+        cap = self.dead_cap  # at most relay.dead_letter_rate a second per source stream; the rest are counted
+        dead = [letter.record(stream, entry_id, self.tail_id) for stream, entry_id, letter in bad if cap.allow(stream)]
         for at in range(0, len(flat), self.engine.slots):  # a batch's sessions never outnumber the slots
             chunk = flat[at : at + self.engine.slots]
             replies = self.handle_many([fields for _, _, fields in chunk])
             done += [(stream, entry_id, reply) for (stream, entry_id, _), reply in zip(chunk, replies, strict=True)]
             where = {id(fields): (stream, entry_id) for stream, entry_id, fields in chunk}
-            dead += [letter.record(*where[id(letter.fields)], self.tail_id) for letter in self.take_dead_letters()]
+            for letter in self.take_dead_letters():
+                if cap.allow(where[id(letter.fields)][0]):
+                    dead.append(letter.record(*where[id(letter.fields)], self.tail_id))
+        written, dropped = cap.take_counts()
+        clock.count("dead letters", written)
+        clock.count("dead letters dropped", dropped)
         # replies (those for one head's stream packed into one entry), acks and dead letters: one round trip
         with clock("reply"):
             self.reader.ack_many(merge_replies(done), dead_letters=dead)
@@ -315,9 +323,10 @@ class TailWorker:
             dup = self.sessions.get(msg.session_id)
             last = dup.last_reply if dup is not None and dup.last_round == msg.round_id else None
             held = dup.last_round if dup is not None else None
-            self._dead.append(
-                DeadLetter(fields, f"duplicate or late round (session at round {held})", *peek_session(fields))
-            )
+            why = f"duplicate or late round (session at round {held})"
+            if dup is None and (final := self.sessions.served(msg.session_id)) is not None:
+                last, why = final, "an opening round of a session already served here (its final verdict again)"
+            self._dead.append(DeadLetter(fields, why, *peek_session(fields)))
             return self._reply(msg, last, self.settings.relay.reply_ttl_s) if last is not None else None
         # on the host; the hidden rows uncopied (views of the entry's bytes): a batch's rows go in one copy (upload)
         tensors = round_tensors(msg, fields, caps=self.settings.relay, views=frozenset({"hidden"}))
@@ -385,5 +394,5 @@ class TailWorker:
         sess.last_mac = prep.fields.get(MAC, b"")
         if finish is None:
             return self._reply(p, sess.last_reply, self.settings.relay.reply_ttl_s)
-        self.sessions.drop(p.session_id)
+        self.sessions.finish(p.session_id, sess.last_reply)
         return self._reply(p, sess.last_reply, self.settings.relay.final_reply_ttl_s)
