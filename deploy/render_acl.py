@@ -9,6 +9,12 @@
 - `${SHARDFLOW_PREFIX}` becomes the key prefix (default `shardflow`, as in schemas/settings.py).
 - `#` comment lines and blank lines are dropped (Redis ACL files allow none); an indented line
   continues the user line above it.
+- Named workers: `--heads NAME,...` (or SHARDFLOW_ACL_HEADS) renders the `user head-${HEAD}` block once per name,
+  `${HEAD}` as the name and `${HEAD_VAR}` as its variable form (upper-cased, '-' as '_': the password is
+  REDIS_HEAD_<NAME>_PASSWORD); `--tails` (SHARDFLOW_ACL_TAILS) likewise for `user tail-${TAIL}`. Names are 1-64 of
+  A-Z a-z 0-9 _ - (no '.': a head's reply streams are `reply:head.NAME.*`, and a dot would let one name's pattern
+  match another's). Without names those blocks are dropped. A shared role user (`head`, `tail`) whose password is
+  unset is dropped when named users of its role are rendered, and an error otherwise.
 
 Values come from the environment, then from --env-file (KEY=VALUE lines, as compose reads .env).
 Standard library only, so it runs anywhere (compose runs it in a python:3.11-slim container).
@@ -31,6 +37,8 @@ MIN_PASSWORD_LENGTH = 16
 PASSWORD = re.compile(r">\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 PREFIX = "${SHARDFLOW_PREFIX}"
 SAFE_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # no glob characters, no spaces
+WORKER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a named worker user's name: no dots, no glob characters
+NAMED = {"HEAD": "head", "TAIL": "tail"}  # placeholder -> the shared role its named users stand in for
 
 
 class RenderError(ValueError):
@@ -83,13 +91,42 @@ def _hashed(values: Mapping[str, str], min_length: int) -> Callable[[re.Match[st
     return sub
 
 
+def worker_names(values: Mapping[str, str], placeholder: str) -> list[str]:
+    """The named workers of one role (`SHARDFLOW_ACL_HEADS` / `_TAILS`, comma-separated), checked."""
+    names = [n.strip() for n in values.get(f"SHARDFLOW_ACL_{placeholder}S", "").split(",") if n.strip()]
+    for name in names:
+        if not WORKER_NAME.match(name):
+            raise RenderError(f"worker name {name!r} must be 1-64 of A-Z a-z 0-9 _ -")
+    if len(set(names)) != len(names):
+        raise RenderError(f"a {NAMED[placeholder]} name is listed twice: {','.join(names)}")
+    return names
+
+
+def _expanded(line: str, values: Mapping[str, str]) -> list[str]:
+    """A template user line, once per named worker where it is a named block (none without names)."""
+    for placeholder in NAMED:
+        if f"${{{placeholder}}}" in line:
+            return [
+                line.replace(f"${{{placeholder}_VAR}}", name.upper().replace("-", "_")).replace(
+                    f"${{{placeholder}}}", name
+                )
+                for name in worker_names(values, placeholder)
+            ]
+    return [line]
+
+
 def render(template: str, values: Mapping[str, str], *, min_length: int = MIN_PASSWORD_LENGTH) -> str:
-    """The ACL file text for `template` with passwords from `values` (hashed) and the key prefix."""
+    """The ACL file text for `template` with passwords from `values` (hashed), the key prefix and the named
+    workers' users (see the module docstring)."""
     prefix = values.get("SHARDFLOW_PREFIX") or DEFAULT_PREFIX
     if not SAFE_PREFIX.match(prefix):
         raise RenderError(f"SHARDFLOW_PREFIX {prefix!r} must be 1-64 of A-Z a-z 0-9 _ . : -")
+    optional = {role for placeholder, role in NAMED.items() if worker_names(values, placeholder)}
     out = []
-    for line in user_lines(template):
+    for line in (x for raw in user_lines(template) for x in _expanded(raw, values)):
+        user = line.split()[1]
+        if user in optional and not values.get(f"REDIS_{user.upper()}_PASSWORD"):
+            continue  # the shared user of a role whose workers all have their own
         line = PASSWORD.sub(_hashed(values, min_length), line).replace(PREFIX, prefix)
         if "${" in line or " >" in line:
             raise RenderError(f"unrendered placeholder or clear password in: {line.split()[1]}")
@@ -117,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env-file", type=Path, default=None, help="KEY=VALUE file read after the environment")
     ap.add_argument("-o", "--out", default="-", help="output file, - for stdout (default)")
     ap.add_argument("--min-length", type=int, default=MIN_PASSWORD_LENGTH, help="shortest password accepted")
+    ap.add_argument("--heads", default=None, help="named heads, comma-separated (SHARDFLOW_ACL_HEADS): a user each")
+    ap.add_argument("--tails", default=None, help="named tails, comma-separated (SHARDFLOW_ACL_TAILS): a user each")
     args = ap.parse_args(argv)
     values = read_env_file(args.env_file) if args.env_file else {}
     values |= {k: v for k, v in os.environ.items() if v}
+    for placeholder, given in (("HEAD", args.heads), ("TAIL", args.tails)):
+        if given is not None:
+            values[f"SHARDFLOW_ACL_{placeholder}S"] = given
     try:
         text = render(args.template.read_text(), values, min_length=args.min_length)
     except (RenderError, OSError) as e:

@@ -109,7 +109,12 @@ class Tails:
         self._made = itertools.count()
 
     def get(
-        self, target: Path, split: int, n_layers: int, extra: tuple[str, ...] = (), env: tuple[tuple[str, str], ...] = ()
+        self,
+        target: Path,
+        split: int,
+        n_layers: int,
+        extra: tuple[str, ...] = (),
+        env: tuple[tuple[str, str], ...] = (),
     ) -> Keys:
         """The prefix of a tail serving `target`'s layers from `split` (started once per flags and `env`, variables
         set beside the environment's)."""

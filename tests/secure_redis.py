@@ -24,9 +24,16 @@ assert _spec is not None and _spec.loader is not None
 render_acl = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(render_acl)
 
-ROLES = ("admin", "producer", "head", "tail")
+NAMED_HEADS, NAMED_TAILS = ("iso-a", "iso-b"), ("iso-t1",)  # workers with users of their own (issue 56)
+ROLES = ("admin", "producer", "head", "tail", *(f"head-{n}" for n in NAMED_HEADS), *(f"tail-{n}" for n in NAMED_TAILS))
 PREFIX, QUEUE, SPLIT, N_LAYERS = "shardflow", "secq", 2, 4
 CALLBACK_MARKER = "SHARDFLOW_TEST_CALLBACK_MARKER"
+
+
+def acl_values(passwords: dict[str, str]) -> dict[str, str]:
+    """What render_acl reads for these users' passwords (a named worker's: REDIS_HEAD_ISO_A_PASSWORD) and names."""
+    values = {f"REDIS_{role.upper().replace('-', '_')}_PASSWORD": pw for role, pw in passwords.items()}
+    return values | {"SHARDFLOW_ACL_HEADS": ",".join(NAMED_HEADS), "SHARDFLOW_ACL_TAILS": ",".join(NAMED_TAILS)}
 
 
 # --- certificates, made with the openssl CLI (nothing committed) -----------------------------------
@@ -82,7 +89,7 @@ def secured(pki, tmp_path_factory) -> Iterator[Secured]:
     if binary is None:
         pytest.skip("no redis-server 7+ built with TLS (apt-get install redis-server; scripts/test.sh does as root)")
     passwords = {role: secrets.token_hex(24) for role in ROLES}
-    values = {f"REDIS_{role.upper()}_PASSWORD": pw for role, pw in passwords.items()} | {"SHARDFLOW_PREFIX": PREFIX}
+    values = acl_values(passwords) | {"SHARDFLOW_PREFIX": PREFIX}
     acl = tmp_path_factory.mktemp("acl") / "users.acl"
     render_acl.write_atomic(acl, render_acl.render(render_acl.TEMPLATE.read_text(), values))
     tls = TLSFiles(pki / "ca.crt", pki / "server.crt", pki / "server.key", pki / "client.crt", pki / "client.key")
@@ -269,6 +276,26 @@ ROLE_NEEDS = {
         ("SET", f"{PREFIX}:head:h1", "boot", "PX", "30000"),  # its liveness key
         ("GET", f"{PREFIX}:head:h1"),
         ("DEL", f"{PREFIX}:head:h1"),
+        *(
+            HEAD_STREAM_NEEDS := [  # its reply stream, made, kept and read by workers/head/beacon.py and relay_io.py
+                ("XGROUP", "CREATE", f"{PREFIX}:reply:head.h1.b", "head.b", "0", "MKSTREAM"),
+                ("EXPIRE", f"{PREFIX}:reply:head.h1.b", "600"),
+                ("XREVRANGE", f"{PREFIX}:reply:head.h1.b", "+", "-", "COUNT", "1"),
+                (
+                    "XREADGROUP",
+                    "GROUP",
+                    "head.b",
+                    "r0",
+                    "COUNT",
+                    "10",
+                    "NOACK",
+                    "STREAMS",
+                    f"{PREFIX}:reply:head.h1.b",
+                    ">",
+                ),
+                ("XGROUP", "CREATE", f"{PREFIX}:reply:head.h1.b.1", "head.b", "0", "MKSTREAM"),  # a fresh epoch
+            ]
+        ),
     ],
     "tail": [  # its consumer group on the request streams, replies, dead letters
         ("XGROUP", "CREATE", T, "g", "$", "MKSTREAM"),
@@ -280,13 +307,33 @@ ROLE_NEEDS = {
         ("XGROUP", "DELCONSUMER", T, "g", "c"),
         ("XGROUP", "CREATE", f"{PREFIX}:tail:t1:requests", "g", "0", "MKSTREAM"),
         ("EXPIRE", f"{PREFIX}:tail:t1:requests", "3600"),  # its own stream outlives it
-        ("XADD", f"{PREFIX}:reply:s", "MAXLEN", "~", "64", "*", "a", "b"),
-        ("EXPIRE", f"{PREFIX}:reply:s", "60"),
+        ("XADD", f"{PREFIX}:reply:head.h1.b", "NOMKSTREAM", "MAXLEN", "~", "10000", "*", "a", "b"),
         ("XADD", f"{PREFIX}:dead-letters", "MAXLEN", "~", "100", "*", "a", "b"),
         ("GET", f"{PREFIX}:head:h1"),  # is a session's head still running?
         ("MGET", f"{PREFIX}:head:h1", f"{PREFIX}:head:h2"),
     ],
 }
+
+
+def _named(cmds: list[tuple[str, ...]], renames: dict[str, str]) -> list[tuple[str, ...]]:
+    """The same commands with key names of a shared role's examples turned into a named worker's own."""
+    out = []
+    for cmd in cmds:
+        if f"{PREFIX}:reply:s" in cmd:  # a session's own reply stream: named heads read only their head stream
+            continue
+        args = list(cmd)
+        for old, new in renames.items():
+            args = [a.replace(old, new) for a in args]
+        out.append(tuple(args))
+    return out
+
+
+for _name in NAMED_HEADS:  # a named head needs what a head does, on its own key and reply streams
+    ROLE_NEEDS[f"head-{_name}"] = _named(
+        ROLE_NEEDS["head"], {f"{PREFIX}:head:h1": f"{PREFIX}:head:{_name}", "reply:head.h1.": f"reply:head.{_name}."}
+    )
+for _name in NAMED_TAILS:  # a named tail: the shared request stream and its own
+    ROLE_NEEDS[f"tail-{_name}"] = _named(ROLE_NEEDS["tail"], {f"{PREFIX}:tail:t1:": f"{PREFIX}:tail:{_name}:"})
 
 
 def _dryrun(s: Secured, role: str, *cmd: str) -> str:

@@ -6,7 +6,10 @@ test passwords) on a real TLS redis-server 7, tried command by command for each 
   notifications (the old file let one head `RENAME` onto the tails' shared stream, DEL or EXPIRE the dead
   letters, and a tail EXPIRE the shared stream and the dead letters);
 - on keys two roles share, each gets only its own commands: a head may XADD to the request streams and
-  DEL its reply streams, nothing else there; a tail may EXPIRE its own request stream and its replies;
+  DEL its reply streams, nothing else there; a tail may EXPIRE its own request stream, and only XADD a reply;
+- one worker's credential cannot harm another worker of its role (issue 56): a named head cannot SET or DEL
+  another head's liveness key, nor read, expire, delete or take through a group another head's reply stream
+  (no role but the owning head can); a named tail cannot EXPIRE or read another tail's request stream;
 - token streams are written by heads alone: a producer's SET, XADD (automatic or explicit id), DEL or
   trim of a running job's stream is refused, and the head's later writes still land;
 - what each role needs still passes (tests/secure_redis.py's ROLE_NEEDS, also tried here), and
@@ -85,7 +88,7 @@ SHARED_KEYS = {
     },
     "tail": {
         f"{P}:tail:t1:requests": {"EXPIRE"},
-        f"{P}:reply:s1": {"XADD", "EXPIRE"},
+        f"{P}:reply:s1": {"XADD"},  # a verdict only: a head's reply stream is its own to keep (no EXPIRE)
         f"{P}:dead-letters": {"XADD"},
     },
 }
@@ -263,3 +266,64 @@ def test_redis_6_2_refuses_the_file_and_does_not_start(tmp_path):
         pytest.fail("Redis 6.2 started with the 7.0 ACL file")
     assert done.returncode != 0
     assert "Aborting Redis startup because of ACL errors" in done.stdout + done.stderr
+
+
+# --- one worker's credential against another worker of its role (issue 56) ----------------------------
+VICTIM_STREAM = f"{P}:reply:head.iso-a.0123456789abcdef"
+HEAD_STREAM_ATTACKS = [
+    ("XREADGROUP", "GROUP", "head.0123456789abcdef", "thief", "COUNT", "4", "STREAMS", VICTIM_STREAM, ">"),
+    ("XREADGROUP", "GROUP", "head", "thief", "STREAMS", VICTIM_STREAM, ">"),
+    ("XREAD", "STREAMS", VICTIM_STREAM, "0"),
+    ("DEL", VICTIM_STREAM),
+    ("UNLINK", VICTIM_STREAM),
+    ("EXPIRE", VICTIM_STREAM, "0"),
+    ("PEXPIRE", VICTIM_STREAM, "0"),
+    ("XGROUP", "DESTROY", VICTIM_STREAM, "head.0123456789abcdef"),
+    ("XGROUP", "CREATE", VICTIM_STREAM, "thief", "0"),
+    ("XTRIM", VICTIM_STREAM, "MAXLEN", "0"),
+    ("RENAME", VICTIM_STREAM, f"{P}:reply:head.iso-b.x"),
+]
+
+
+@pytest.mark.parametrize("role", ["producer", "tail", "tail-iso-t1", "head-iso-b"])
+def test_no_role_but_the_owning_head_reads_expires_or_drops_its_reply_stream(secured, role):
+    """Issue 56, N2/N3: a tail could EXPIRE any reply stream and every head could XREADGROUP, DEL and EXPIRE
+    every one (4 stolen verdicts pushed a victim's 7 jobs into RQ retries). Now only the head named in the stream
+    may (the shared `head` user, kept for setups that accept the risk, still may: README "Threat model")."""
+    assert _allowed(secured, role, HEAD_STREAM_ATTACKS) == []
+    own = [("XREADGROUP", "GROUP", "head.x", "r0", "STREAMS", VICTIM_STREAM, ">"), ("EXPIRE", VICTIM_STREAM, "60")]
+    assert _dryruns(secured, "head-iso-a", [*own, ("DEL", VICTIM_STREAM)]) == ["OK"] * 3
+
+
+def test_a_named_head_cannot_set_or_drop_another_heads_liveness_key(secured):
+    """Issue 56, N1: every head could SET and DEL every head's key (ten SETs a second failed 3/8 of another
+    head's jobs for good). A named head's user reaches only its own."""
+    attacks = [
+        ("SET", f"{P}:head:iso-a", "0badf00d"),
+        ("SET", f"{P}:head:iso-a", "0badf00d", "PX", "30000"),
+        ("DEL", f"{P}:head:iso-a"),
+        ("EXPIRE", f"{P}:head:iso-a", "0"),
+        ("GET", f"{P}:head:iso-a"),
+        ("SET", f"{P}:head:some-other-head", "x"),
+    ]
+    assert _allowed(secured, "head-iso-b", attacks) == []
+    assert _dryruns(secured, "head-iso-b", [("SET", f"{P}:head:iso-b", "b", "PX", "30000")]) == ["OK"]
+
+
+def test_a_named_tail_cannot_expire_or_read_another_tails_stream(secured):
+    """Issue 56, N5: the `tail:*:requests` pattern let a tail EXPIRE every tail's own request stream. A named
+    tail's user reaches the shared request stream and its own, no other tail's."""
+    other = f"{P}:tail:someone-else:requests"
+    attacks = [
+        ("EXPIRE", other, "0"),
+        ("PEXPIRE", other, "0"),
+        ("XREADGROUP", "GROUP", f"{P}:tails", "thief", "STREAMS", other, ">"),
+        ("XAUTOCLAIM", other, f"{P}:tails", "thief", "0", "0"),
+        ("XDEL", other, "1-0"),
+        ("XACK", other, f"{P}:tails", "1-0"),
+        ("EXPIRE", SHARED, "0"),
+        ("XADD", f"{P}:reply:some-session", "*", "a", "b"),
+    ]
+    assert _allowed(secured, "tail-iso-t1", attacks) == []
+    own = f"{P}:tail:iso-t1:requests"
+    assert _dryruns(secured, "tail-iso-t1", [("EXPIRE", own, "3600"), ("XDEL", own, "1-0")]) == ["OK", "OK"]

@@ -54,6 +54,7 @@ from tests.secure_redis import (  # its fixtures `pki` and `secured` are registe
     Secured,
     _dryrun,
     _refused,
+    acl_values,
     render_acl,
 )
 from workers.tiny_models import build_tokenizer, save_tiny_model
@@ -61,18 +62,30 @@ from workers.tiny_models import build_tokenizer, save_tiny_model
 
 # --- the ACL file and compose.yaml ------------------------------------------------------------------
 def test_rendered_acl_holds_only_hashes_and_disables_default():
-    pw = {f"REDIS_{r.upper()}_PASSWORD": f"{r}-{'x' * 20}" for r in ROLES}
+    pw = acl_values({r: f"{r}-{'x' * 20}" for r in ROLES})
     text = render_acl.render(render_acl.TEMPLATE.read_text(), pw)
     lines = {line.split()[1]: line for line in text.splitlines()}
     assert set(lines) == {"default", *ROLES}
     assert lines["default"].startswith("user default off ") and "nopass" not in text
-    for value in pw.values():
-        assert value not in text
+    for key, value in pw.items():
+        assert key.startswith("SHARDFLOW_") or value not in text
     for role in ROLES:
         assert len([t for t in lines[role].split() if t.startswith("#") and len(t) == 65]) == 1
     assert "${" not in text and "shardflow:tail:*" in lines["tail"]
     with pytest.raises(render_acl.RenderError, match="REDIS_HEAD_PASSWORD is not set"):
-        render_acl.render(render_acl.TEMPLATE.read_text(), {k: v for k, v in pw.items() if "HEAD" not in k})
+        unnamed = {k: v for k, v in pw.items() if "HEAD" not in k}
+        render_acl.render(render_acl.TEMPLATE.read_text(), unnamed)
+    # named heads only: the shared head user is dropped, not an error; a named head's password must be set
+    named_only = render_acl.render(
+        render_acl.TEMPLATE.read_text(), {k: v for k, v in pw.items() if k != "REDIS_HEAD_PASSWORD"}
+    )
+    assert "user head " not in named_only and "user head-iso-a " in named_only
+    with pytest.raises(render_acl.RenderError, match="REDIS_HEAD_ISO_B_PASSWORD is not set"):
+        render_acl.render(render_acl.TEMPLATE.read_text(), {k: v for k, v in pw.items() if "ISO_B" not in k})
+    for bad in ("a.b", "a*", "two words", ""):
+        if bad:
+            with pytest.raises(render_acl.RenderError, match="worker name"):
+                render_acl.render(render_acl.TEMPLATE.read_text(), pw | {"SHARDFLOW_ACL_HEADS": bad})
     with pytest.raises(render_acl.RenderError, match="shorter than 16"):
         render_acl.render(render_acl.TEMPLATE.read_text(), pw | {"REDIS_TAIL_PASSWORD": "short"})
     with pytest.raises(render_acl.RenderError, match="SHARDFLOW_PREFIX"):
@@ -153,7 +166,7 @@ def test_each_role_is_kept_out_of_other_roles_keys(secured, role):
         assert "no permissions" in _refused(r, *cmd), cmd
 
 
-@pytest.mark.parametrize("role", ["producer", "head", "tail"])
+@pytest.mark.parametrize("role", ["producer", "head", "tail", "head-iso-a", "tail-iso-t1"])
 def test_each_role_may_run_what_it_needs(secured, role):
     """The other side of the denials: the commands each role's code sends, on the keys it sends them to,
     pass ACL DRYRUN for its user (the real run, test_every_role_does_its_whole_job_under_its_own_user,
