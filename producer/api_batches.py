@@ -14,9 +14,10 @@ any other key gets the 404 of one that does not exist. An admin key (`--admin-ke
 server without keys sees every one, and only those reach batches made outside the API (by the CLI).
 
 Input lines are validated as `shardflow enqueue --file` validates them (all or nothing, errors by line), and
-must name the model served. Records others can write (the batch hash, a file) are checked where they are
-read. Times in a batch and its output lines are stored ones (created, and ended when first seen ended), never
-the time of the read.
+must name the model served: `--served-model-name`, else the one the heads announced (while neither is known,
+every line is refused, naming the line). Records others can write (the batch hash, a file) are checked where
+they are read. Times in a batch and its output lines are stored ones (created, and ended when first seen
+ended), never the time of the read.
 """
 
 from __future__ import annotations
@@ -173,18 +174,24 @@ class Batches:
         return JSONResponse(await self._object(bid, tenant))
 
     async def _check_models(self, parsed: Parsed) -> None:
-        """Every line names the model served (where one is known: a batch may wait for its first head)."""
-        served = await self.api.call(self.api.liveness.look)
-        name = self.api.config.served_name or served.name
+        """Every line names the model served: `--served-model-name`, else the one the queue's heads announced
+        (an announcement outlives its head: a batch may wait for the next one). With neither, no line's model
+        can be checked, and every line is refused rather than run later by whatever model a head brings."""
+        name = self.api.config.served_name
+        if name is None:  # read now: a cached look may predate a head's first announcement
+            name = (await self.api.call(self.api.liveness.look, fresh=True)).name
         if name is None:
-            return
+            why = "cannot be checked"
+            hint = " (no head worker has announced its model yet: start one, or serve with --served-model-name)"
+        else:
+            why, hint = "is not served here", " (GET /v1/models lists what is)"
         wrong = [
-            f"{where}: the model {t.model[:64]!r} is not served here"
+            f"{where}: the model {t.model[:64]!r} {why}"
             for where, t in zip(parsed.sources, parsed.tags, strict=True)
             if t is not None and t.model != name
         ]
         if wrong:
-            raise ApiError(400, "; ".join(wrong[:5]) + " (GET /v1/models lists what is)", code="model_not_found")
+            raise ApiError(400, "; ".join(wrong[:5]) + hint, code="model_not_found")
 
     def _enqueue(self, bid: str, parsed: Parsed, record: dict, now: int, owner: str) -> None:
         self.client.enqueue(parsed.requests, batch_id=bid, tags=parsed.tags)

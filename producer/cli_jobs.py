@@ -277,7 +277,7 @@ def cancel(target: str, queue: str, redis_url: str, prefix: str) -> None:
 @json_opt
 @connection_options
 def info(as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
-    """Queues, workers alive and jobs per state."""
+    """The queue (--queue): its jobs per state, the workers that serve it, and the model its heads announced."""
     data = run_guarded(_client(redis_url, prefix, queue).info)
     if as_json:
         click.echo(json.dumps(data))
@@ -289,6 +289,8 @@ def info(as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
         )
     for w in data["workers"]:
         click.echo(f"worker {w['name']}: {w['state']} on {', '.join(w['queues'])}")
+    if not data["workers"]:
+        click.echo(f"no worker serves queue {queue}")
     if data["model"]:
         m = data["model"]
         click.echo(f"model {m['target']} (context {m['context_length']}, head layers {m['head_layers']})")

@@ -1,10 +1,12 @@
 """Waiting on and following jobs in the terminal, for the producer commands (producer/cli_jobs.py) and the
 demo: `show_wait` (a progress bar or progress lines), `show_follow` / `follow_text` (the jobs' text in job
-order as it commits)."""
+order as it commits). While either waits, stderr says when no head worker is live to run the jobs
+(producer/head_watch.py)."""
 
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import click
 
@@ -19,6 +21,7 @@ from producer.client import (
     WaitTimeout,
     summary,
 )
+from producer.head_watch import HeadWatch
 from producer.options import EXIT_TIMEOUT, fail
 
 
@@ -28,12 +31,15 @@ def _say_retry(error: BaseException, seconds: float) -> None:
 
 
 def show_wait(client: Client, ids: list[str], timeout: float | None) -> list[JobView]:
-    """`client.wait`, showing progress: a bar on a terminal, a line per change otherwise; exit 5 on timeout."""
+    """`client.wait`, showing progress: a bar on a terminal, a line per change otherwise, and whether a head
+    worker is live to run the jobs (producer/head_watch.py); exit 5 on timeout."""
     bar = None
+    say = None
     if sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=len(ids), file=sys.stderr, unit="job", desc="generating")
+        say = partial(tqdm.write, file=sys.stderr)  # a line above the bar, not through it
     last = ""
 
     def show(views: list[JobView]) -> None:
@@ -49,15 +55,17 @@ def show_wait(client: Client, ids: list[str], timeout: float | None) -> list[Job
 
     client.on_retry = _say_retry
     timed_out: WaitTimeout | None = None
+    watch = HeadWatch(client, timeout, say)
     try:
-        views = client.wait(ids, timeout=timeout, on_progress=show)
+        with watch:
+            views = client.wait(ids, timeout=timeout, on_progress=show)
     except WaitTimeout as e:
         views, timed_out = e.views, e
     finally:
         if bar is not None:
             bar.close()
     if timed_out is not None:
-        fail(str(timed_out), EXIT_TIMEOUT)
+        fail(f"{timed_out}{watch.note()}", EXIT_TIMEOUT)
     return views
 
 
@@ -72,27 +80,29 @@ def show_follow(client: Client, ids: list[str], timeout: float | None) -> list[J
 
 def follow_text(client: Client, ids: list[str], timeout: float | None) -> tuple[list[JobView], bool]:
     """`show_follow`, and whether all that was printed is the jobs' text: False when a job's token stream
-    held text that is not its result's (said on stderr, with how to print the stored result)."""
+    held text that is not its result's (said on stderr, with how to print the stored result). Whether a head
+    worker is live to run the jobs is said on stderr too (producer/head_watch.py)."""
     client.on_retry = _say_retry
     shown = _InOrder(len(ids))
     views: list[JobView] = []
     true_text = True
+    watch = HeadWatch(client, timeout)
     try:
-        for event in client.follow(ids, timeout=timeout):
-            if isinstance(event, TextChunk):
-                shown.add(event.index, event.text, event.last)
-            elif isinstance(event, JobEnded):
-                v = event.view
-                shown.add(
-                    v.index, f"{v.status}: {v.error or ''}" if v.status != "finished" else "", True, own_line=True
-                )
-            elif isinstance(event, StreamBroken):
-                true_text = true_text and event.repaired
-                _say_broken(event)
-            elif isinstance(event, Followed):
-                views = event.views
+        with watch:
+            for event in client.follow(ids, timeout=timeout):
+                if isinstance(event, TextChunk):
+                    shown.add(event.index, event.text, event.last)
+                elif isinstance(event, JobEnded):
+                    v = event.view
+                    ended = f"{v.status}: {v.error or ''}" if v.status != "finished" else ""
+                    shown.add(v.index, ended, True, own_line=True)
+                elif isinstance(event, StreamBroken):
+                    true_text = true_text and event.repaired
+                    _say_broken(event)
+                elif isinstance(event, Followed):
+                    views = event.views
     except WaitTimeout as e:
-        fail(str(e), EXIT_TIMEOUT)
+        fail(f"{e}{watch.note()}", EXIT_TIMEOUT)
     return views, true_text
 
 

@@ -373,26 +373,26 @@ class Client:
         self.r.set(self.keys.cancel(job.id), 1, ex=ttl)
 
     def info(self) -> dict:
-        """Queues, live workers and jobs per state, for `shardflow info`. Read only: registries are counted
-        with ZCARD, not RQ's `count`, which first runs RQ's cleanup (it fails abandoned jobs: writes to
-        `rq:results:*`, and calls the failure callback a job record names); head workers' maintenance does
-        that cleanup. Workers whose record expired (dead ones, until a live worker drops them) are skipped
-        rather than dropped here: the producer has no write access to RQ's worker keys."""
-        live: dict[str, dict] = {}
-        for key in sorted(Worker.all_keys(connection=self.r)):
+        """This client's queue (`queues`: it alone, listed or not), the workers that serve it and its model, for
+        `shardflow info` and `status`. Read only: registries are counted with ZCARD, not RQ's `count`, which
+        first runs RQ's cleanup (it fails abandoned jobs: writes to `rq:results:*`, and calls the failure
+        callback a job record names); head workers' maintenance does that cleanup. Workers whose record expired
+        (dead ones, until a live worker drops them) are skipped rather than dropped here: the producer has no
+        write access to RQ's worker keys."""
+        live: list[dict] = []
+        for key in sorted(Worker.all_keys(connection=self.r, queue=self.queue)):
             state, names = self.r.hmget(key, "state", "queues")
             if state is None and names is None:
                 continue
-            live[key] = {
-                "name": key.removeprefix(Worker.redis_worker_namespace_prefix),
-                "state": state.decode() if state else "?",
-                "queues": names.decode().split(",") if names else [],
-            }
-        queues = []
-        for q in Queue.all(connection=self.r, serializer=JSONSerializer, job_class=SafeJob):
-            states = ("started", "finished", "failed", "scheduled", "canceled")
-            counts = {state: self.r.zcard(getattr(q, f"{state}_job_registry").key) for state in states}
-            workers = len(live.keys() & set(Worker.all_keys(connection=self.r, queue=q)))
-            queues.append({"queue": q.name, "queued": q.count, **counts, "workers": workers})
+            live.append(
+                {
+                    "name": key.removeprefix(Worker.redis_worker_namespace_prefix),
+                    "state": state.decode() if state else "?",
+                    "queues": names.decode().split(",") if names else [],
+                }
+            )
+        states = ("started", "finished", "failed", "scheduled", "canceled")
+        counts = {state: self.r.zcard(getattr(self.queue, f"{state}_job_registry").key) for state in states}
+        queue = {"queue": self.queue_name, "queued": self.queue.count, **counts, "workers": len(live)}
         model = self.model_info()
-        return {"queues": queues, "workers": list(live.values()), "model": model.model_dump() if model else None}
+        return {"queues": [queue], "workers": live, "model": model.model_dump() if model else None}

@@ -14,12 +14,18 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from schemas.errors import ModelLoadError
+from producer.views import JobView
+from schemas.errors import ModelLoadError, TransportError
 from schemas.keys import Keys
+
+if TYPE_CHECKING:
+    from producer.client import Client
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
@@ -91,6 +97,33 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
+def wait_for_head(client: Client, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Block until the demo's head worker is live (its RQ worker record beats: producer/liveness.py), so that
+    following its jobs never says no head runs them while it still loads; TransportError if its process exits,
+    or if it is not live within timeout_s."""
+    from producer.liveness import Liveness
+
+    liveness, deadline = Liveness(client), time.monotonic() + timeout_s
+    while not liveness.look(fresh=True).live:
+        if proc.poll() is not None:
+            raise TransportError(f"head process exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TransportError(f"the head worker was not live within {timeout_s:.0f}s")
+        time.sleep(0.1)
+
+
+def ending(view: JobView, limit: int) -> str:
+    """The demo's last line for one answer: how it ended, its tokens and speed. `finished` where the model ended
+    it (EOS, a stop string); `stopped at the N-token limit` where `limit` (--max-new-tokens) cut it (finish
+    reason "length"); else the job's status and its error."""
+    res = view.result or {}
+    speed = f"{res.get('tokens_per_s', 0):.1f} tok/s, {res.get('tokens_per_round', 0):.2f} tok/round"
+    if view.status == "finished" and res.get("finish_reason") == "length":
+        return f"[{view.index}] stopped at the {limit}-token limit: {speed}"
+    error = f"; {view.error}" if view.error else ""
+    return f"[{view.index}] {view.status}: {res.get('completion_tokens', 0)} tokens, {speed}{error}"
+
+
 def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> None:
     from producer.cli_watch import show_follow
     from producer.client import Client
@@ -121,6 +154,7 @@ def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> 
             )
             wait_for_tails(r, Keys(), proc=procs[0], timeout_s=120)
             client = Client(r)
+            wait_for_head(client, procs[1], timeout_s=120)
             reqs = [
                 GenerationRequest(prompt=p, max_new_tokens=max_new_tokens, draft=DraftSettings(kind="ngram"))
                 for p in (prompts or PROMPTS)
@@ -133,12 +167,7 @@ def run_demo(prompts: list[str], max_new_tokens: int, model_dir: str | None) -> 
             views = show_follow(client, batch.job_ids, timeout=900)
             click.echo("")
             for v in views:
-                res = v.result or {}
-                click.echo(
-                    f"[{v.index}] {v.status}: {res.get('completion_tokens', 0)} tokens, "
-                    f"{res.get('tokens_per_s', 0):.1f} tok/s, {res.get('tokens_per_round', 0):.2f} tok/round"
-                    f"{'; ' + v.error if v.error else ''}"
-                )
+                click.echo(ending(v, max_new_tokens))
         except KeyboardInterrupt:
             click.echo("\ninterrupted; stopping workers", err=True)
         finally:

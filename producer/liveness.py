@@ -1,6 +1,7 @@
 """Is a head worker alive to run a queue's jobs, and which model does it serve? What `shardflow serve` asks
 before it enqueues a request (and while it waits for one), so that with no live head a request fails within
-seconds instead of waiting `api_timeout_s`, and `/v1/models` lists no model nobody runs.
+seconds instead of waiting `api_timeout_s`, and `/v1/models` lists no model nobody runs; and what the CLI's
+`--wait` and `--follow` ask while they wait, to say on stderr that no head runs the jobs (producer/head_watch.py).
 
     look = Liveness(client).look()     # Served(name="Qwen2.5-7B-Instruct", info=ModelInfo, live=2, ...)
 
@@ -50,15 +51,16 @@ class Served:
     live: int
     last_beat_s: float | None
 
-    def why_not(self) -> str | None:
-        """Why no request can run now (None: one can), in words a client may read."""
+    def why_not(self, queue: str = "this server's queue") -> str | None:
+        """Why no request can run now (None: one can), in words a client may read; `queue`: how to name the
+        queue (the CLI names it: `queue shardflow`)."""
         if self.live:
             return None
         if self.last_beat_s is None:
-            return "no head worker is running for this server's queue (start one: shardflow head)"
+            return f"no head worker is running for {queue} (start one: shardflow head)"
         if math.isinf(self.last_beat_s):
-            return "no head worker is alive for this server's queue (none has sent a heartbeat lately)"
-        return f"no head worker is alive for this server's queue (the last heartbeat was {self.last_beat_s:.0f}s ago)"
+            return f"no head worker is alive for {queue} (none has sent a heartbeat lately)"
+        return f"no head worker is alive for {queue} (the last heartbeat was {self.last_beat_s:.0f}s ago)"
 
 
 class Liveness:
@@ -70,11 +72,12 @@ class Liveness:
         self.beats: dict[str, tuple[bytes, float]] = {}  # worker key: (last beat seen, when it was last new)
         self.last: tuple[float, Served] | None = None
 
-    def look(self) -> Served:
-        """How the queue stands (cached for api_liveness_s); Redis errors propagate."""
+    def look(self, fresh: bool = False) -> Served:
+        """How the queue stands (cached for api_liveness_s; `fresh`: read now, whatever the cache holds); Redis
+        errors propagate."""
         with self.lock:
             now = time.monotonic()
-            if self.last is not None and now - self.last[0] < self.settings.api.liveness_s:
+            if not fresh and self.last is not None and now - self.last[0] < self.settings.api.liveness_s:
                 return self.last[1]
             served = self._read(now)
             self.last = (now, served)

@@ -133,15 +133,20 @@ def results_command(client: Client, ids: list[str], output: str | None, follow: 
     failed is a line with its error, as OpenAI's batches write them; 5: --follow timed out)."""
     import click
 
+    from producer.head_watch import HeadWatch
     from producer.options import EXIT_TIMEOUT, fail, run_guarded
 
     out, skip = run_guarded(lambda: open_output(output, lambda: click.get_text_stream("stdout")))
+    watch = HeadWatch(client, timeout)  # while it follows: says when no head worker is live to run the jobs
 
     def write() -> tuple[list[JobView], int]:
         try:
-            return write_results(client, ids, out, skip, follow, timeout)
+            if not follow:
+                return write_results(client, ids, out, skip, follow, timeout)
+            with watch:
+                return write_results(client, ids, out, skip, follow, timeout)
         except WaitTimeout as e:
-            fail(f"{e} (the lines of the requests that ended are written)", EXIT_TIMEOUT)
+            fail(f"{e}{watch.note()} (the lines of the requests that ended are written)", EXIT_TIMEOUT)
             raise
 
     try:

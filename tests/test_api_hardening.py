@@ -1,11 +1,12 @@
 """`shardflow serve` from outside, with no head worker process at all (one serve process on a queue of its own,
 the session's Redis): with no live head a request is a 503 within seconds naming why and /v1/models lists
 nothing; a head's announced model is listed by a stable name once a heartbeat is fresh, and an unknown model
-is a 404 `model_not_found`; a head that stops beating fails the request waiting on it; bodies nested 20k-100k
-levels deep are 400s (chat, completions, batches, a Batch input line); strict types and plain words; clients
-that trickle their bodies never hold the concurrency slots and get 408; one key's batches and files are 404
-to another, an admin key sees them and CLI batches, which plain keys never reach. Heartbeats are written as
-a head's RQ worker record would be (producer/liveness.py reads them)."""
+is a 404 `model_not_found` (a Batch line naming one is a 400, and so is every line while no model is known); a
+head that stops beating fails the request waiting on it; bodies nested 20k-100k levels deep are 400s (chat,
+completions, batches, a Batch input line); strict types and plain words; clients that trickle their bodies
+never hold the concurrency slots and get 408; one key's batches and files are 404 to another, an admin key
+sees them and CLI batches, which plain keys never reach. Heartbeats are written as a head's RQ worker record
+would be (producer/liveness.py reads them)."""
 
 from __future__ import annotations
 
@@ -268,11 +269,37 @@ def test_one_keys_batches_and_files_are_invisible_to_another(bare, tmp_path):
 
 
 def test_batch_lines_name_the_model_served(bare, tmp_path):
+    """Announced just now, within the server's cached look at the queue (SHARDFLOW_API_LIVENESS_S): the batch's
+    check reads the announcement afresh."""
     announce(bare.r)
     with open(write_jsonl(tmp_path / "in.jsonl", [batch_line("a", CHAT, model="gpt-4o")]), "rb") as f:
         upload = bare.client.files.create(file=f, purpose="batch")
     with pytest.raises(openai.BadRequestError, match="line 1: the model 'gpt-4o' is not served here"):
         bare.client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+
+
+def test_batch_lines_are_refused_while_no_model_is_known(bare, tmp_path):
+    """Nothing announced and no --served-model-name: no line's model can be checked, so every line is refused
+    (never left to run on whatever model a head brings later); once a head announces, only the wrong one is."""
+    bare.r.delete(Keys(PREFIX).model_info(QUEUE))
+    lines = [batch_line("a", CHAT, model="gpt-4o"), batch_line("b", CHAT, model=MODEL)]
+    with open(write_jsonl(tmp_path / "in.jsonl", lines), "rb") as f:
+        upload = bare.client.files.create(file=f, purpose="batch")
+
+    def create():
+        return bare.client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+
+    with pytest.raises(openai.BadRequestError) as unknown:
+        create()
+    assert unknown.value.body["code"] == "model_not_found"
+    assert unknown.value.body["message"] == (
+        f"line 1: the model 'gpt-4o' cannot be checked; line 2: the model '{MODEL}' cannot be checked "
+        "(no head worker has announced its model yet: start one, or serve with --served-model-name)"
+    )
+    announce(bare.r)
+    with pytest.raises(openai.BadRequestError) as wrong:
+        create()
+    assert wrong.value.body["message"] == "line 1: the model 'gpt-4o' is not served here (GET /v1/models lists what is)"
 
 
 def serve_args(url: str, port: int) -> list[str]:
