@@ -2,11 +2,11 @@
 cap for dead letters. Anyone who may append to a stream a worker reads can make its entries huge or many; neither
 may cost the worker its memory or the operators their audit trail.
 
-- `ReadBudget`: Redis reads a stream by entry count, never by bytes. Once an entry of n bytes came (within
-  `window_s`), a read asks for at most `max_bytes / n` entries, one at least: a flood of 120 MB entries is taken one
-  at a time, while normal rounds (kilobytes to a few megabytes a group) read as many as the caller wants. (The
-  first read after a quiet spell may still take several large entries queued together: Redis says nothing of an
-  entry's size before it is sent.)
+- `ReadBudget`: Redis reads a stream by entry count, never by bytes, and says nothing of an entry's size before it
+  sends it. So a read asks for at most `max_bytes / n` entries (one at least), n the largest entry seen lately
+  (within `window_s` of traffic); after `window_s` without any entry, n is the largest entry allowed (`entry_max`,
+  `relay.max_packet_bytes`): the first read after a quiet spell takes one entry, and a flood of 120 MB entries is
+  taken one at a time, while normal rounds (kilobytes to a few megabytes a group) read as many as the caller wants.
 - `DeadLetterCap`: a token bucket per source stream (`relay.dead_letter_rate` a second after a burst of
   `relay.dead_letter_burst`); what is over the cap is counted (`dropped`), for the worker's phase lines, never
   written, so one flood never cycles the dead-letter stream (`relay.dead_letter_maxlen`).
@@ -14,6 +14,7 @@ may cost the worker its memory or the operators their audit trail.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -33,23 +34,26 @@ class ReadBudget:
     """How many entries one read may ask for (see the module docstring)."""
 
     max_bytes: int
+    entry_max: int
     window_s: float = 10.0
     _largest: int = field(default=0, init=False)
-    _at: float = field(default=0.0, init=False)
+    _at: float = field(default=-math.inf, init=False)  # when `_largest` was set
+    _last: float = field(default=-math.inf, init=False)  # when a read last brought entries
 
     def count(self, wanted: int) -> int:
         """Entries the next read asks for, at most `wanted`."""
-        if self._largest and time.monotonic() - self._at > self.window_s:
-            self._largest = 0
-        if self._largest <= 0:
-            return wanted
-        return max(1, min(wanted, self.max_bytes // self._largest))
+        largest = self.entry_max if time.monotonic() - self._last > self.window_s else self._largest
+        return max(1, min(wanted, self.max_bytes // max(largest, 1)))
 
     def saw(self, entries: Iterable[dict]) -> None:
         """Note the entries a read returned (their fields)."""
-        size = max((entry_bytes(f) for f in entries), default=0)
-        if (size and size >= self._largest) or time.monotonic() - self._at > self.window_s:
-            self._largest, self._at = size, time.monotonic()
+        size = max((entry_bytes(f) for f in entries), default=-1)
+        if size < 0:
+            return
+        now = time.monotonic()
+        if size >= self._largest or now - self._at > self.window_s:
+            self._largest, self._at = size, now
+        self._last = now
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import redis
 
-from relay_broker.budgets import ReadBudget
+from relay_broker.budgets import ReadBudget, entry_bytes
 from relay_broker.connection import transport_retry
 from schemas.errors import ReplyTimeout
 from schemas.groups import MAC_BYTES, pack_group
@@ -121,7 +121,9 @@ class GroupReader:
     _refusals: set[str] = field(default_factory=set, init=False)  # streams whose refused writes were logged
 
     def __post_init__(self) -> None:
-        self.budget = ReadBudget(self.settings.relay.read_max_bytes)  # a flood of huge entries: one a read
+        self.budget = ReadBudget(
+            self.settings.relay.read_max_bytes, self.settings.relay.max_packet_bytes
+        )  # a flood of huge entries: one a read
         self.reset()
 
     def reset(self) -> None:
@@ -174,7 +176,8 @@ class GroupReader:
         if not entries or linger_ms <= 0:
             return entries
         deadline, reads = time.monotonic() + 50 * linger_ms / 1000, 0
-        while len(entries) < slots:
+        held = sum(entry_bytes(fields) for _, _, fields in entries)
+        while len(entries) < slots and held < self.budget.max_bytes:  # the byte budget holds for the whole batch
             missing = head_batch_incomplete([fields for _, _, fields in entries])
             if not missing and (reads >= 4 or len(entries) >= min(open_sessions, slots)):
                 break
@@ -187,6 +190,7 @@ class GroupReader:
             if not more:
                 break
             entries = entries + more
+            held += sum(entry_bytes(fields) for _, _, fields in more)
         return entries
 
     def _claim(self, count: int) -> list[Entry]:

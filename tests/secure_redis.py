@@ -24,7 +24,7 @@ assert _spec is not None and _spec.loader is not None
 render_acl = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(render_acl)
 
-NAMED_HEADS, NAMED_TAILS = ("iso-a", "iso-b"), ("iso-t1",)  # workers with users of their own (issue 56)
+NAMED_HEADS, NAMED_TAILS = ("iso-a", "iso-b"), ("iso-t1", "iso-t2")  # workers with users of their own (issue 56)
 ROLES = ("admin", "producer", "head", "tail", *(f"head-{n}" for n in NAMED_HEADS), *(f"tail-{n}" for n in NAMED_TAILS))
 PREFIX, QUEUE, SPLIT, N_LAYERS = "shardflow", "secq", 2, 4
 CALLBACK_MARKER = "SHARDFLOW_TEST_CALLBACK_MARKER"

@@ -134,7 +134,7 @@ class Receiver:
     ) -> None:
         self.r, self.settings, self.deliver, self.sender = r, settings, deliver, sender
         self.group, self.dead_cap = group, dead_cap
-        self.budget = ReadBudget(settings.relay.read_max_bytes)
+        self.budget = ReadBudget(settings.relay.read_max_bytes, settings.relay.max_packet_bytes)
         self._streams: dict[str, str] = {}  # reply stream read -> its dead-letter stream
         self._users: dict[str, int] = {}  # generations waiting on each stream
         self._grouped: set[str] = set()  # streams whose consumer group this head made (or found)

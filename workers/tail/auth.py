@@ -39,8 +39,8 @@ class Authenticator:
         for fields in entries:
             try:
                 heads.append(self.header_and_key(fields))
-            except Exception as e:
-                heads.append(e)
+            except Exception as e:  # kept without its traceback: its frames hold the entry (a cycle through
+                heads.append(e.with_traceback(None))  # this list, freed only by the GC: 4 huge entries piled up)
         signed = [
             (fields, h[1]) for fields, h in zip(entries, heads, strict=True) if not isinstance(h, Exception) and h[1]
         ]

@@ -238,7 +238,7 @@ def _parts_of(entries: Sequence[Entry], max_bytes: int) -> list[list[dict] | Pac
         try:
             out.append(entry_parts(fields, max_bytes=max_bytes))
         except PacketError as e:
-            out.append(e)
+            out.append(e.with_traceback(None))  # its frames hold the entry: no cycle through `out` (see auth.py)
     return out
 
 
