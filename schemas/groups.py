@@ -17,7 +17,7 @@ its binding (`DIGEST`): the SHA-256 of every tensor field of the group and where
 `unpack_group` computes that binding from the bytes it was given, so a part's MAC verifies only if the group's
 tensors are, to the byte, what the head sealed. Hashing a group's megabytes once, rather than one HMAC a session,
 lets go of the interpreter lock once: a head's sender thread waited for it again after every session's rows (22-26
-ms a group of 64 under load in run 115, docs/benchmarks.md; bench/mac_cost.py times both). Tampered tensor bytes
+ms a group of 64 under load in run 115, docs/runs/journal.md; bench/mac_cost.py times both). Tampered tensor bytes
 fail every part of the group; a part whose header is bad, or whose MAC is, still fails alone. Groups without tensors
 (a tail's replies) keep each part's own MAC over its header (`pack_group`).
 """

@@ -3,7 +3,7 @@ interpreter (Triton is a test dependency; tests/conftest.py sets TRITON_INTERPRE
 with them proposes what the fused forward in place proposes and leaves the same keys and values in the pool (Qwen2:
 q/k/v bias; Qwen3: per-head q/k norms), and the shard takes them only where every layer qualifies. On the GPU
 bench/draft_kernels.py compares them with the fused forward, and the job path's outputs with the reference
-(docs/benchmarks.md runs 86-90)."""
+(docs/runs/journal.md runs 86-90)."""
 
 from __future__ import annotations
 

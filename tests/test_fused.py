@@ -133,7 +133,7 @@ def test_rotation_matrix_is_rotate_half():
 @torch.inference_mode()
 def test_a_forward_builds_its_rotation_once_not_once_a_layer(models, monkeypatch):
     """Layers sharing one cos/sin share one rotation matrix (a 7B round's at 128 sequences: 38 MB, and an add and a
-    product over it, a layer each on an H100 in run 120 of docs/benchmarks.md)."""
+    product over it, a layer each on an H100 in run 120 of docs/runs/journal.md)."""
     from workers.engine import fused as fused_mod
 
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True, fused=True)

@@ -85,8 +85,15 @@ class Victim:
         self.replays = 0
 
     def reply_stream(self) -> str:
-        """The victim head's reply stream now (its boot from its liveness key; the epoch it moved to, if any)."""
-        boot = self.admin.get(NAMES.head("iso-a"))
+        """The victim head's reply stream now (its boot from its liveness key, once the key holds still for longer
+        than the beacon's period: an attack may just have set it; the epoch it moved to, if any)."""
+        boot, deadline = None, time.monotonic() + 30
+        while time.monotonic() < deadline:
+            seen = self.admin.get(NAMES.head("iso-a"))
+            time.sleep(1.5)
+            if seen is not None and seen == self.admin.get(NAMES.head("iso-a")):
+                boot = seen
+                break
         assert boot is not None
         base = NAMES.reply(Keys.head_reply_to("iso-a", boot.decode()))
         streams = sorted(k.decode() for k in self.admin.scan_iter(match=f"{base}*"))
@@ -145,6 +152,7 @@ def test_n1_a_set_of_a_heads_key_fails_none_of_its_jobs(victim, references):
 
 def test_n2_a_wedged_reply_stream_moves_the_head_to_a_fresh_one(victim, references):
     attacker = victim.s.client("tail")
+    assert victim.run()[0] == references  # the head has announced itself and made its stream
     stream = victim.reply_stream()
     attacker.execute_command("XADD", stream, "18446744073709551615-18446744073709551615", "junk", "1")
     with pytest.raises(redis.ResponseError, match="exhausted"):  # every later reply on it would fail
@@ -156,6 +164,7 @@ def test_n2_a_wedged_reply_stream_moves_the_head_to_a_fresh_one(victim, referenc
 
 def test_n3_another_heads_reads_take_none_of_its_verdicts(victim, references):
     thief = victim.s.client("head")
+    assert victim.run()[0] == references  # the head has announced itself and made its stream
     stream = victim.reply_stream()
 
     def steal() -> None:
@@ -208,6 +217,7 @@ def test_n5_a_tail_cannot_expire_another_tails_stream(victim, references):
 
 def test_n6_a_junk_flood_on_a_reply_stream_is_dead_lettered_at_a_capped_rate(victim, references):
     attacker, dead = victim.s.client("tail"), NAMES.dead_letters
+    assert victim.run()[0] == references  # the head has announced itself and made its stream
     before = victim.admin.xlen(dead)
     stream = victim.reply_stream()
 

@@ -3,7 +3,7 @@ the layout's offsets, lengths and causal alignment give what the gathered path g
 steps: query heads folded), several tokens a row (rounds, prompts), rows in any slot order, padding rows, and
 positions past 2,048; a whole draft over the pool equals one over a `DraftBuffer`, slots included. GPU: the
 FlashAttention kernel is checked against `reference` at load (`supported`'s probe), and the job path's greedy
-outputs against the no-speculation reference (docs/benchmarks.md runs 56-59)."""
+outputs against the no-speculation reference (docs/runs/journal.md runs 56-59)."""
 
 from __future__ import annotations
 

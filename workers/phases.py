@@ -7,7 +7,7 @@
     clock.maybe_log()   # at most every every_s (default 10 s): "head loop: 10.0 s: compute 61% (4.1 ms x 150), ..."
 
 The head's step loop and the tail's serve loop keep one each, so a run's logs say how much of the loop is
-computing, building packets, taking replies and waiting (docs/benchmarks.md reads them). Cheap: two clock reads
+computing, building packets, taking replies and waiting (docs/runs/journal.md reads them). Cheap: two clock reads
 per phase.
 """
 

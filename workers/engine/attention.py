@@ -19,7 +19,7 @@ NAME = "shardflow_attention"  # no "sdpa" in it: transformers would check it as 
 # repeated per query head: small here). On H200s, folding every call slowed a lone 0.5B drafter step
 # (1 x 14 heads x 1 token; the memory-efficient kernel then runs 2 thread blocks): draft time per round
 # 26.4 -> 32.0 ms (graphs), 14.9 -> 20.8 ms (compiled), while 7B shard rounds (1 x 28 x 9) and batches of
-# 16 sequences got faster folded (tail 9.7 -> 7.9 ms, batched tail 21.3 -> 14.7 ms; docs/benchmarks.md).
+# 16 sequences got faster folded (tail 9.7 -> 7.9 ms, batched tail 21.3 -> 14.7 ms; docs/runs/journal.md).
 FOLD_MIN_ROWS = 64
 
 

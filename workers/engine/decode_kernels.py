@@ -119,7 +119,7 @@ def silu_mul_kernel(
     """SiLU(gate) * up as one Triton kernel over rows [gate, up] of `inter` each (`decode_triton.silu_mul`), built
     now (so no capture builds it) where it runs on a CUDA device in half precision; else, or if it does not build,
     None: torch's two elementwise kernels over the strided halves took 2 x 57 us a 7B layer at 128 sequences'
-    rounds on an H100 (docs/benchmarks.md, run 120)."""
+    rounds on an H100 (docs/runs/journal.md, run 120)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or inter < 1 or not available(device):
         return None
     try:

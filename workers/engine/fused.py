@@ -61,7 +61,7 @@ ACTS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")
 SDPA_MIN_ROWS = 512  # query rows (batch x tokens x query heads) from which CUDA half batches attend through SDPA
 # ... for steps of up to this many tokens a row (rounds, drafts: the shapes graphs capture). cuDNN builds a plan per
 # new shape, and prompts' eager batches come in many (on an H200 that added about a second to the first tokens of
-# 256 jobs, run 50 of docs/benchmarks.md)
+# 256 jobs, run 50 of docs/runs/journal.md)
 SDPA_MAX_TOKENS = 16
 # (weight, bias), or a quantized linear module (workers/engine/quant.py), called as it is
 Linear = tuple[torch.Tensor, torch.Tensor | None] | nn.Module

@@ -143,7 +143,7 @@ class KVPool:
         """On CUDA, storage as large as the pool's keys and values (made at first use) that every whole draft's
         `DraftBuffer` copies its rows into: one copy for all of them, as the memory plan counts it. Copies made
         apart took as much again in the graph pool as in warm-up (a Qwen3-8B head ran out of memory capturing
-        its drafter's graphs; docs/benchmarks.md, run 73). None on a CPU: each draft takes its own."""
+        its drafter's graphs; docs/runs/journal.md, run 73). None on a CPU: each draft takes its own."""
         first = next(iter(self.keys.values()), None)
         if first is None or first.device.type != "cuda":
             return None

@@ -19,7 +19,7 @@ sequences of their own, the query rows repeated, the parts merged by their log-s
 thousands of keys do not each stream them in one thread block. Draft steps and one sequence's rounds read whole rows:
 chunked, their kernels alone were faster (at 8,192 positions on an H200, a 0.5B drafter's 8 steps at one sequence 40.3
 -> 23.6 ms), but the merge's ten kernels a layer cost more than that beside the other role's work on a shared GPU (the
-job path with 4,000-token prompts: one job 16.9 tok/s and 8 jobs 82 chunked, 18.9 and 98 not; docs/benchmarks.md,
+job path with 4,000-token prompts: one job 16.9 tok/s and 8 jobs 82 chunked, 18.9 and 98 not; docs/runs/journal.md,
 runs 82-85). Padding rows (`pad`: the pool's padding slot) read t keys, not the slot's scratch at its end.
 Attention thus follows each row's real length (no attended-length buckets, no graph per length) and builds no
 mask. FlashAttention-2 runs on sm_80+ in float16/bfloat16 (head_dim a multiple of 8, at most 256); elsewhere

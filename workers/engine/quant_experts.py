@@ -145,7 +145,7 @@ def quantized_experts(module: nn.Module) -> list[nn.Module]:
 
 # Copies of one layer's dequantized experts a CUDA worker holds at once: one in its graphs' memory pool (their
 # captures keep it), one more for a forward outside it (a graph's warm-up, a prompt). Counted once, a
-# Qwen3-30B-A3B-shaped 4-bit head ran out of memory capturing its graphs (docs/benchmarks.md, run 80).
+# Qwen3-30B-A3B-shaped 4-bit head ran out of memory capturing its graphs (docs/runs/journal.md, run 80).
 EXPERT_COPIES = 2
 
 

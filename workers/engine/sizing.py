@@ -57,7 +57,7 @@ def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int, ring_s
     row adds to a batched forward of `step_tokens` attending over the whole slot (the graph memory pool holds
     the largest such batch) and to the graphs' output buffer. A tail's row counts step_tokens x its logits there,
     more than its output buffers hold (step_tokens + 1 rows of logits): counted as held, a 7B-shaped 4-bit tail
-    ran out of memory capturing its graphs in 15 GiB (docs/benchmarks.md, run 41): `row_bytes` of a 4-bit shard
+    ran out of memory capturing its graphs in 15 GiB (docs/runs/journal.md, run 41): `row_bytes` of a 4-bit shard
     undercounts its rows (the peaks of 4 and 8 rows are both set by a dequantized weight; run 43). Measured at up
     to 32 rows instead, over the whole slot, they cost a 14B-shaped 4-bit head a quarter of its slots (run 44),
     so the margin stays until rows are measured at the lengths graphs are captured for."""
@@ -67,7 +67,7 @@ def slot_cost(shard: Shard, max_len: int, step_tokens: int, scratch: int, ring_s
     p = step_tokens if shard.lm_head is not None else 0
     out = step_tokens * (p * shard.config.vocab_size if p else shard.config.hidden_size)
     # linear-attention layers' rows counted twice: a hybrid-4b head's graphs of 64 rows reserved 1.93 GiB where its
-    # rows measured 15.4 MiB each (docs/benchmarks.md, run 97), and sized at one, its head ran out capturing
+    # rows measured 15.4 MiB each (docs/runs/journal.md, run 97), and sized at one, its head ran out capturing
     rows = row_bytes(shard, step_tokens, p, max_len + scratch) * (2 if shard.recurrent else 1)
     return kv + rows + out * shard.dtype.itemsize
 
@@ -78,7 +78,7 @@ def engine_slot_cost(
     """`slot_cost` of an engine feeding step_tokens a round with drafts of up to max_draft steps, plus, for a
     drafter on CUDA whose attention reads a copy, the copy of its rows' keys and values its whole drafts hold
     (`DraftBuffer`): left out of the head's joint plan, a Qwen3-0.6B-shaped drafter's copies ran a Qwen3-8B head
-    out of memory capturing its graphs (docs/benchmarks.md, run 71)."""
+    out of memory capturing its graphs (docs/runs/journal.md, run 71)."""
     scratch = step_tokens + max_draft
     buffered = max_draft and shard.device.type == "cuda" and not shard.attends_in_place
     copy = KVPool.slot_bytes(shard, max_len, scratch, ring_slack) if buffered else 0
@@ -171,7 +171,7 @@ def budget(device: torch.device, settings: Settings, workspace: int = 0) -> floa
     allocator holds and what other processes hold, less the reserve for what is not counted per slot (prefills,
     workspaces, fragmentation: `reserve_bytes`). Blocks the allocator caches but no tensor holds are given back
     first: loading a quantized shard frees its full-precision weights into that cache, and counted as held they
-    left a Qwen3-30B-A3B-shaped 4-bit tail in 15 GiB one slot where the plan gives it five (docs/benchmarks.md,
+    left a Qwen3-30B-A3B-shaped 4-bit tail in 15 GiB one slot where the plan gives it five (docs/runs/journal.md,
     run 79)."""
     allowed = allocator_budget(device, settings) or 0
     if torch.cuda.is_initialized():

@@ -2,7 +2,7 @@
 
 Over a WAN link every round trip costs the link's latency (86 ms in the benchmarks). A flush per job on a fixed
 few threads caps a head at threads / RTT flushes a second: 46 with four threads, so at 256 jobs in flight each
-job's first text waited seconds for its turn (time to first token 5-6 s on an H200, docs/benchmarks.md run 51).
+job's first text waited seconds for its turn (time to first token 5-6 s on an H200, docs/runs/journal.md run 51).
 `FlushPool` runs on `threads` threads that each take *every* flush queued when they come free and send them as one
 pipeline: its cost per round trip stays one round trip, whatever the jobs in flight.
 
