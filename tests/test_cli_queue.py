@@ -23,6 +23,13 @@ from relay_broker.connection import connect
 from schemas.requests import GenerationRequest
 
 
+@pytest.fixture(autouse=True)
+def quick_watch(monkeypatch) -> None:
+    """The watch's first look after 0.3 s, not 2 (the tests wait a second, not three)."""
+    monkeypatch.setattr("producer.head_watch.GRACE_S", 0.3)
+    monkeypatch.setattr("producer.head_watch.EVERY_S", 0.1)
+
+
 @pytest.fixture
 def names() -> tuple[str, str]:
     """A queue and prefix of this test's own."""
@@ -73,19 +80,19 @@ WAITS = {
 def test_a_wait_with_no_live_head_says_so_and_keeps_waiting(redis_server, names, how):
     queue, prefix = names
     batch = enqueue(redis_server.url, queue, prefix)
-    res = cli(redis_server.url, queue, prefix, *WAITS[how](batch), "--timeout", "3")
+    res = cli(redis_server.url, queue, prefix, *WAITS[how](batch), "--timeout", "1")
     why = f"no head worker is running for queue {queue} (start one: shardflow head)"
     lines = res.stderr.splitlines()
     assert res.exit_code == 5, res.output
-    assert lines.count(f"warning: {why}; still waiting, for up to 3s (--timeout) (Ctrl-C to stop)") == 1, lines
-    assert lines[-1].startswith("error: timed out after 3s (1 queued); " + why), lines
+    assert lines.count(f"warning: {why}; still waiting, for up to 1s (--timeout) (Ctrl-C to stop)") == 1, lines
+    assert lines[-1].startswith("error: timed out after 1s (1 queued); " + why), lines
 
 
 def test_a_head_that_stopped_beating_is_said_with_its_last_heartbeat(redis_server, names, workers):
     queue, prefix = names
     workers(f"dead-{queue}", queue, beat_ago_s=60)
     batch = enqueue(redis_server.url, queue, prefix)
-    res = cli(redis_server.url, queue, prefix, "results", batch, "--wait", "--timeout", "3")
+    res = cli(redis_server.url, queue, prefix, "results", batch, "--wait", "--timeout", "1")
     assert res.exit_code == 5, res.output
     said = rf"warning: no head worker is alive for queue {queue} \(the last heartbeat was 6\ds ago\); still waiting"
     assert re.search(said, res.stderr), res.stderr
@@ -95,9 +102,9 @@ def test_a_wait_with_a_live_head_says_nothing_of_heads(redis_server, names, work
     queue, prefix = names
     workers(f"live-{queue}", queue)  # beat just now: live for heartbeat_ttl_s (8 s), past this wait
     batch = enqueue(redis_server.url, queue, prefix)
-    res = cli(redis_server.url, queue, prefix, "results", batch, "--wait", "--timeout", "3")
+    res = cli(redis_server.url, queue, prefix, "results", batch, "--wait", "--timeout", "1")
     assert res.exit_code == 5, res.output
-    assert "head worker" not in res.stderr and res.stderr.splitlines()[-1] == "error: timed out after 3s (1 queued)"
+    assert "head worker" not in res.stderr and res.stderr.splitlines()[-1] == "error: timed out after 1s (1 queued)"
 
 
 def test_the_watch_says_once_that_no_head_is_live_and_when_one_comes(redis_server, names, workers):
