@@ -1,45 +1,101 @@
 #!/usr/bin/env bash
-# What the GPU figures in docs/benchmarks.md come from: one device call per part, on nvidia-h200-x2.
-#   bench/device.sh ladder    # the ladder (graphs, compiled, 16 in flight, no speculation, eager rows)
-#   bench/device.sh checks    # profile_round, gpu_parity, batch_check
-#   bench/device.sh parity    # gpu_parity, batch_check
-#   bench/device.sh profile   # profile_round only (no HF-layers row)
-#   bench/device.sh jobs      # the job path (bench/jobs.py): real tail + head processes, default flags (NS=1,4,...;
-#                             TAIL_DEVICE=cuda:0 on one GPU; each job its own seed, SAME_SEED=1: none, lockstep;
-#                             GPU utilization and the workers' thread counts per N)
-#   bench/device.sh stages    # bench/stages.py: one group's draft / head / tail at B=1..256 against the floor
-#                             (7B shapes on cuda:0; STAGES_ARGS=... adds flags)
-#   bench/device.sh qparity   # gpu_parity with 4-bit and int8 shards (QUANTS=4bit,int8), in DTYPES (float32;
-#                             float16,bfloat16: against HF generate in that dtype, rounding ties counted apart;
-#                             a part's cap applies to each quant x dtype run)
-#   bench/device.sh card7 card14   # the 16 GB card profile: fp16, every worker capped at 15 GiB (--gpu-memory 15),
-#                             7B-shaped split 14/14 (V7: variants) and 14B-shaped 4-bit split 24/24; NS=1,16
-#   bench/device.sh plan      # shardflow plan for both shapes
-#   bench/device.sh ladder:330 profile:230   # several parts in one call, each capped (seconds)
-# ROWS=... picks ladder rows; a capped part keeps what it wrote before the cap in $OUT.
-# Wheels the device image lacks travel in .whl/ (see the tool library's device README); logs go to $OUT.
+# The device calls behind docs/benchmarks.md's GPU figures: `bench/device.sh PART[:SECONDS] ...` runs each part in
+# turn, each capped in seconds (590 if not given; families and qparity: each run of the part), from the repo root on
+# a machine with one GPU (head and tail share cuda:0; TAIL_DEVICE=cuda:1 puts the tail on a second card). Wheels the
+# device image lacks travel in .whl/ (bench/device_env.sh); what comes back goes to $OUT, progress to stdout.
+#   OUT=$OUT bash bench/device.sh jobs:330                  # the job path, the shared setup, N = 1, 64, 256
+#   NS=256 VARIANTS="auto=;g2=--groups 2" OUT=$OUT bash bench/device.sh jobs:480 stages:200
+# The shared setup (docs/benchmarks.md): random:<preset> weights through the bench.synthetic plugin, bf16, synthetic
+# acceptance 0.78, 128-token prompts (16 distinct, cycled), 128 new tokens, a seed per job, 43 ms each way between
+# the head and Redis, each worker --gpu-memory 0.45; the N=1 row runs 3 prompts one at a time.
+# Parts:
+#   jobs      the job path (bench.jobs) at NS (1,64,256) for TARGET=preset:split:drafter (qwen2.5-7b:14:qwen2.5-0.5b);
+#             VARIANTS="NAME=HEAD ARGS | TAIL ARGS;..." (default=), HEAD_ARGS / TAIL_ARGS (every variant's worker
+#             flags), JOBS_ARGS (more bench.jobs flags; a flag given again wins: JOBS_ARGS="--prompt-tokens 8000
+#             --new-tokens 64" with HEAD_ARGS=TAIL_ARGS="--gpu-memory 0.45 --max-len 32768 --slots 16" for long
+#             prompts), settings by environment (SHARDFLOW_ENGINE__GRAPH_K=4 ...)
+#   families  the jobs part for each FAMILIES="preset:split:drafter ..." (NS 1,16), each capped
+#   gemma4    tests/test_gemma4.py's CUDA-graph static-batch cases (carry pytest, pluggy and iniconfig in .whl/;
+#             PYTEST=0 skips them), then the jobs part on gemma-4-e2b:15:gemma-3-1b (NS 1,16) with static caches,
+#             growing caches and graphs asked for (VARIANTS)
+#   ab        code against code: the jobs part (NS 256) for the working tree and for a base commit's export,
+#             alternating on one machine (ORDER="new base new base"; "new:SHARDFLOW_X=1,SHARDFLOW_Y=2": that run's
+#             settings). Before the call: rm -rf .clean/base && mkdir -p .clean/base && git archive BASE | tar -x -C
+#             .clean/base, and carry .clean
+#   stages    bench.stages on cuda:0 (STAGES_ARGS: its flags, e.g. "--b 16,128 --iters 10 --no-reference")
+#   qparity   bench.gpu_parity for each of QUANTS (4bit,int8; none) x DTYPES (float32; float16, bfloat16)
+#   card7 card14   the 16 GB card profile: float16, every worker --gpu-memory 15, NS 1,16, SINGLES 4 prompts
+#             one at a time; 7B-shaped split 14/14 (V7: variants, default fp16=) and 14B-shaped 4-bit 24/24 (V14)
+#   plan      `shardflow plan` for both 16 GB shapes
+# What comes back: per run of the job path NAME.json / NAME.md (bench.jobs' jobs.json / jobs.md), NAME-phases.txt
+# (the workers' loop phase lines) and NAME-error-*.log where a worker raised (NAME: jobs, the family preset, gemma4,
+# ab-<i>-<new|base>, card7, card14); ab.md (the ab runs' rows in order), pytest.txt, stages.json / stages.md,
+# qparity-<quant>-<dtype>.log, and each part's log.
 set -uo pipefail
-OUT=${OUT:-bench/out/device} QUANTS=${QUANTS:-4bit,int8} DTYPES=${DTYPES:-float32}
-mkdir -p "$OUT"
+OUT=${OUT:-bench/out/device} QUANTS=${QUANTS:-4bit,int8} DTYPES=${DTYPES:-float32} TAIL=${TAIL_DEVICE:-cuda:0}
+mkdir -p "$OUT" /tmp/sf
+OUT=$(cd "$OUT" && pwd) ROOT=$PWD
 source bench/device_env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-for part in "${@:-ladder}"; do
+
+# job_path NAME CAP PRESET:SPLIT:DRAFTER NS [bench.jobs flags]: one bench.jobs call in the shared setup ("$@" after
+# its defaults, JOBS_ARGS last: a flag given again wins); keeps its results in $OUT as NAME.*
+job_path() {
+  local name=$1 cap=$2 preset split draft ns=$4
+  IFS=: read -r preset split draft <<< "$3"
+  shift 4
+  echo "== $name: $preset split $split, drafter $draft, N = $ns"
+  # shellcheck disable=SC2086
+  timeout "$cap" python3 -m bench.jobs --target "random:$preset" --split "$split" --draft "random:$draft" \
+    --synthetic 0.78 --head-device cuda:0 --tail-device "$TAIL" --dtype bfloat16 --delay-ms 43 --prompt-tokens 128 \
+    --new-tokens 128 --n "$ns" --distinct 16 --singles 3 --head-args "${HEAD_ARGS:---gpu-memory 0.45}" \
+    --tail-args "${TAIL_ARGS:---gpu-memory 0.45}" "$@" ${JOBS_ARGS:-} --out "/tmp/sf/$name" 2>&1 | quiet \
+    | tee "$OUT/$name.log" | grep -E "^\||N=[0-9]+:|rror" | tail -30
+  cp "/tmp/sf/$name/jobs.json" "$OUT/$name.json" 2>/dev/null
+  cp "/tmp/sf/$name/jobs.md" "$OUT/$name.md" 2>/dev/null
+  grep -h -E "head loop:|head senders:|head relay:|tail loop:|tail intake:|captured|memory:|Traceback|rror:" \
+    /tmp/sf/"$name"/logs/*.log 2>/dev/null | tail -80 > "$OUT/$name-phases.txt"
+  for f in /tmp/sf/"$name"/logs/*.log; do
+    grep -q Traceback "$f" 2>/dev/null && grep -v "^\[" "$f" | tail -60 > "$OUT/$name-error-$(basename "$f")"
+  done
+}
+
+# variants "NAME=HEAD ARGS | TAIL ARGS;...": bench.jobs' --variant flags, in the array `vargs`
+variants() { vargs=(); local vs v; IFS=';' read -ra vs <<< "$1"; for v in "${vs[@]}"; do vargs+=(--variant "$v"); done; }
+
+for part in "${@:-jobs}"; do
 LIMIT=${part#*:}; [ "$LIMIT" = "$part" ] && LIMIT=590
 case "${part%%:*}" in
-  ladder)
-    timeout "$LIMIT" python3 -m bench.ladder --target random:qwen2.5-7b --draft random:qwen2.5-0.5b --split 14 \
-      --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" --dtype bfloat16 --delay-ms 43 --alpha 0.78 \
-      --new 128 --prompts 2 --max-len 2048 \
-      --rows "${ROWS:-spec-compiled,nospec-graphs,spec-graphs,spec-compiled-x16,spec-eager,nospec-eager}" \
-      --out "$OUT/ladder" 2>&1 | quiet | tee "$OUT/ladder.log" | grep -v "^ " | tail -40
-    ;;
   jobs)
-    # VARIANT1 / VARIANT2: more worker configurations ("NAME=HEAD ARGS | TAIL ARGS"), after the defaults
-    timeout "$LIMIT" python3 -m bench.jobs --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b \
-      --synthetic 0.78 --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" --dtype bfloat16 --delay-ms 43 \
-      --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,4,16,64}" --distinct 16 ${SAME_SEED:+--same-seed} --variant "default=" \
-      ${VARIANT1:+--variant "$VARIANT1"} ${VARIANT2:+--variant "$VARIANT2"} \
-      --out "$OUT/jobs" 2>&1 | quiet | tee "$OUT/jobs.log" | grep -v "^ " | tail -40
+    variants "${VARIANTS:-default=}"
+    job_path jobs "$LIMIT" "${TARGET:-qwen2.5-7b:14:qwen2.5-0.5b}" "${NS:-1,64,256}" "${vargs[@]}"
+    ;;
+  families)
+    for spec in ${FAMILIES:-qwen3-8b:18:qwen3-0.6b gemma-3-12b:24:gemma-3-1b gpt-oss-20b:12:o200k-0.5b qwen2.5-7b:14:qwen2.5-0.5b}; do
+      job_path "${spec%%:*}" "$LIMIT" "$spec" "${NS:-1,16}"
+    done
+    ;;
+  gemma4)
+    if [ "${PYTEST:-1}" != 0 ]; then
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m "" -k "static_batches and graphs" tests/test_gemma4.py \
+        2>&1 | quiet | tail -40 > "$OUT/pytest.txt"
+      tail -3 "$OUT/pytest.txt"
+    fi
+    variants "${VARIANTS:-static=;dynamic=--dynamic-cache | --dynamic-cache;graphs=--graphs | --graphs}"
+    job_path gemma4 "$LIMIT" gemma-4-e2b:15:gemma-3-1b "${NS:-1,16}" "${vargs[@]}"
+    ;;
+  ab)
+    i=0
+    for run in ${ORDER:-new base}; do
+      i=$((i + 1)); name=${run%%:*}; envs=()
+      [ "$run" != "$name" ] && IFS=',' read -ra envs <<< "${run#*:}"
+      dir=$ROOT; [ "$name" = base ] && dir=$ROOT/.clean/base
+      # the base's own modules first: `python -m` puts its directory (the cwd) first, PYTHONPATH the wheels after
+      (cd "$dir" && export "${envs[@]}" PYTHONPATH=/tmp/site:$dir && job_path "ab-$i-$name" "$LIMIT" \
+        qwen2.5-7b:14:qwen2.5-0.5b "${NS:-256}")
+      grep -E "^\| default" "$OUT/ab-$i-$name.md" 2>/dev/null | head -3 | sed "s/^| default/| $i ${run//|/ }/" >> "$OUT/ab.md"
+    done
+    cat "$OUT/ab.md"
     ;;
   stages)
     # shellcheck disable=SC2086
@@ -48,19 +104,15 @@ case "${part%%:*}" in
     ;;
   qparity)
     for q in ${QUANTS//,/ }; do for d in ${DTYPES//,/ }; do
-      timeout "$LIMIT" python3 -m bench.gpu_parity --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" \
-        --quant "$q" --dtype "$d" 2>&1 | quiet > "$OUT/qparity-$q-$d.log"; tail -4 "$OUT/qparity-$q-$d.log"
+      timeout "$LIMIT" python3 -m bench.gpu_parity --head-device cuda:0 --tail-device "$TAIL" --quant "$q" --dtype "$d" \
+        2>&1 | quiet > "$OUT/qparity-$q-$d.log"; tail -4 "$OUT/qparity-$q-$d.log"
     done; done
     ;;
   card7|card14)
-    if [ "${part%%:*}" = card7 ]; then model=(random:qwen2.5-7b --split 14); variants=("${V7:-fp16=}"); else
-      model=(random:qwen2.5-14b --split 24); variants=("${V14:-4bit=--quant 4bit | --quant 4bit}"); fi
-    vargs=(); IFS=';' read -ra vs <<< "${variants[0]}"; for v in "${vs[@]}"; do vargs+=(--variant "$v"); done
-    timeout "$LIMIT" python3 -m bench.jobs --target "${model[@]}" --draft random:qwen2.5-0.5b --synthetic 0.78 \
-      --head-device cuda:0 --tail-device "${TAIL_DEVICE:-cuda:1}" --dtype float16 --delay-ms 43 \
-      --prompt-tokens 128 --new-tokens 128 --n "${NS:-1,16}" --distinct 16 --singles "${SINGLES:-4}" \
-      --head-args "--gpu-memory 15" --tail-args "--gpu-memory 15" "${vargs[@]}" \
-      --out "$OUT/${part%%:*}" 2>&1 | quiet | tee "$OUT/${part%%:*}.log" | grep -v "^ " | tail -30
+    if [ "${part%%:*}" = card7 ]; then model=qwen2.5-7b:14:qwen2.5-0.5b; variants "${V7:-fp16=}"
+    else model=qwen2.5-14b:24:qwen2.5-0.5b; variants "${V14:-4bit=--quant 4bit | --quant 4bit}"; fi
+    HEAD_ARGS="--gpu-memory 15" TAIL_ARGS="--gpu-memory 15" job_path "${part%%:*}" "$LIMIT" "$model" "${NS:-1,16}" \
+      --dtype float16 --singles "${SINGLES:-4}" "${vargs[@]}"
     ;;
   plan)
     for m in "random:qwen2.5-7b --quant none" "random:qwen2.5-14b --quant 4bit"; do
@@ -69,22 +121,7 @@ case "${part%%:*}" in
         --dtype float16
     done
     ;;
-  profile)
-    timeout "$LIMIT" python3 -m bench.profile_round --device cuda:0 --tail-device cuda:1 --compile-draft \
-      --no-hf --out "$OUT" 2>&1 | quiet > "$OUT/profile.log"; tail -45 "$OUT/profile.log"
-    ;;
-  parity)
-    timeout "$LIMIT" python3 -m bench.gpu_parity --head-device cuda:0 --tail-device cuda:1 2>&1 | quiet > "$OUT/parity.log"
-    tail -8 "$OUT/parity.log"
-    timeout 120 python3 -m bench.batch_check --device cuda:0 2>&1 | quiet > "$OUT/batch_check.log"
-    tail -8 "$OUT/batch_check.log"
-    ;;
-  checks)
-    python3 -m bench.profile_round --device cuda:0 --tail-device cuda:1 --compile-draft --out "$OUT" 2>&1 \
-      | quiet > "$OUT/profile.log"; tail -45 "$OUT/profile.log"
-    python3 -m bench.gpu_parity --head-device cuda:0 --tail-device cuda:1 2>&1 | quiet > "$OUT/parity.log"
-    tail -8 "$OUT/parity.log"
-    python3 -m bench.batch_check --device cuda:0 2>&1 | quiet > "$OUT/batch_check.log"; tail -8 "$OUT/batch_check.log"
-    ;;
+  *) echo "unknown part ${part%%:*}: jobs families gemma4 ab stages qparity card7 card14 plan" >&2 ;;
 esac
 done
+ls "$OUT"

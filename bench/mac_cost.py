@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from schemas.groups import pack_group, seal_group, unpack_group
+from schemas.keys import Keys
 from schemas.macs import authentic, seal, session_key
 from schemas.packets import HeadRef, make_round
 from schemas.requests import SamplingParams
@@ -39,6 +40,7 @@ def round_fields(rows: int, hidden: int, dtype: torch.dtype, key: bytes, start: 
     header = dict(
         session_id=f"bench-{start}",
         head=HEAD,
+        reply_to=Keys.head_reply_to(HEAD.name, HEAD.boot),
         round_id=7,
         start_pos=start,
         input_ids=[11],

@@ -28,7 +28,7 @@ from schemas.keys import Keys
 @click.option("--ttl", type=int, default=60, show_default=True, help="Result TTL (s) during the soak.")
 @click.option("--concurrency", type=int, default=4, show_default=True)
 def main(jobs: int, chunk: int, ttl: int, concurrency: int) -> None:
-    os.environ.update(SHARDFLOW_RESULT_TTL_S=str(ttl), SHARDFLOW_FAILURE_TTL_S=str(ttl), SHARDFLOW_PREFIX="soak")
+    os.environ.update(SHARDFLOW_JOBS__RESULT_TTL_S=str(ttl), SHARDFLOW_REDIS__PREFIX="soak")
     from producer.client import Client
     from producer.local import spawn_tail, wait_for_tails
     from relay_broker.connection import connect

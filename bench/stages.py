@@ -23,6 +23,9 @@ Beside each: the floor (bench/stages_floor.py; printed with the table; --bandwid
 4.17 TB/s and 700 TFLOP/s bf16) and a plain-PyTorch reference (the same GEMMs + SDPA over the real lengths,
 eager; --no-reference skips it). Device defaults: cuda -> the 7B shapes above, B in {1,16,64,128,256};
 cpu -> `random:tiny` for both, split 2, B in {1,4,16}, 32 positions cached, 256-position slots, float32.
+`--profile 16,128`: those groups' draft, head and tail kernels (torch.profiler: count, device ms, the top ones; with
+--no-graphs also the operators that launched them). `--torch-silu` / `--torch-merge`: torch's kernels instead of
+the fused layers' own (A/B); `--attention gather`: gathered copies instead of attention over the pools in place.
 Writes stages.json and stages.md to --out; the table and the floor formula go to stdout.
 """
 
@@ -39,8 +42,8 @@ from pathlib import Path
 
 import click
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from bench.profile_round import kernels
 from bench.stages_floor import FLOOR_FORMULA, Reference, Shape, floors_ms, uniform
 from bench.synthetic import load_shard, preset_of
 from schemas.requests import SamplingParams
@@ -82,6 +85,36 @@ def time_ms(fn: Callable[[], object], dev: torch.device, warmup: int, iters: int
         "p10": round(times[int(0.1 * (len(times) - 1))], 3),
         "p90": round(times[int(0.9 * (len(times) - 1))], 3),
     }
+
+
+def kernels(fn: Callable[[], object], dev: torch.device, calls: int = 3) -> dict:
+    """Kernel count per call, summed device ms per call and the top kernels (name, ms per call, count); on a CPU
+    device, every operator with CPU time of its own (views and allocations too) and that time. On CUDA also "ops":
+    the operators that launched them, with their input shapes (device ms of their own kernels per call, count;
+    empty where a CUDA graph's replay launches them: run with graphs off to see them)."""
+    cpu = dev.type == "cpu"
+    acts = [ProfilerActivity.CPU] if cpu else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=acts, record_shapes=not cpu) as prof:
+        for _ in range(calls):
+            fn()
+        sync(dev)
+    rows, ops = [], []
+    total_us, count = 0.0, 0
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
+        dev_us = ev.self_cpu_time_total if cpu else dev_us
+        if (cpu or ev.device_type == torch.autograd.DeviceType.CUDA) and dev_us > 0:
+            rows.append((ev.key[:90], dev_us / calls / 1000, ev.count // calls))
+            total_us += dev_us
+            count += ev.count
+    for ev in [] if cpu else prof.key_averages(group_by_input_shape=True):
+        dev_us = getattr(ev, "self_device_time_total", 0.0)
+        if ev.device_type == torch.autograd.DeviceType.CPU and dev_us > 0 and not ev.key.startswith("cuda"):
+            ops.append((f"{ev.key} {str(ev.input_shapes)[:100]}", dev_us / calls / 1000, ev.count // calls))
+    rows.sort(key=lambda r: -r[1])
+    ops.sort(key=lambda r: -r[1])
+    return {"kernels_per_call": count // calls, "device_ms_per_call": total_us / calls / 1000, "top": rows[:12],
+            "ops": ops[:16]}  # fmt: skip
 
 
 class Rig:

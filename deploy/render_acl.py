@@ -6,7 +6,7 @@
 - `>${VAR}` becomes `#<sha256 hex of $VAR>`: Redis stores and compares SHA-256 hashes, so the file
   is not a credential (use long random passwords: `openssl rand -hex 24`; shorter than 16 characters
   is refused).
-- `${SHARDFLOW_PREFIX}` becomes the key prefix (default `shardflow`, as in schemas/settings.py).
+- `${SHARDFLOW_REDIS__PREFIX}` becomes the key prefix (default `shardflow`, as in schemas/settings.py).
 - `#` comment lines and blank lines are dropped (Redis ACL files allow none); an indented line
   continues the user line above it.
 - Named workers: `--heads NAME,...` (or SHARDFLOW_ACL_HEADS) renders the `user head-${HEAD}` block once per name,
@@ -35,7 +35,7 @@ TEMPLATE = Path(__file__).with_name("users.acl.template")
 DEFAULT_PREFIX = "shardflow"
 MIN_PASSWORD_LENGTH = 16
 PASSWORD = re.compile(r">\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-PREFIX = "${SHARDFLOW_PREFIX}"
+PREFIX = "${SHARDFLOW_REDIS__PREFIX}"
 SAFE_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # no glob characters, no spaces
 WORKER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a named worker user's name: no dots, no glob characters
 NAMED = {"HEAD": "head", "TAIL": "tail"}  # placeholder -> the shared role its named users stand in for
@@ -118,9 +118,9 @@ def _expanded(line: str, values: Mapping[str, str]) -> list[str]:
 def render(template: str, values: Mapping[str, str], *, min_length: int = MIN_PASSWORD_LENGTH) -> str:
     """The ACL file text for `template` with passwords from `values` (hashed), the key prefix and the named
     workers' users (see the module docstring)."""
-    prefix = values.get("SHARDFLOW_PREFIX") or DEFAULT_PREFIX
+    prefix = values.get("SHARDFLOW_REDIS__PREFIX") or DEFAULT_PREFIX
     if not SAFE_PREFIX.match(prefix):
-        raise RenderError(f"SHARDFLOW_PREFIX {prefix!r} must be 1-64 of A-Z a-z 0-9 _ . : -")
+        raise RenderError(f"SHARDFLOW_REDIS__PREFIX {prefix!r} must be 1-64 of A-Z a-z 0-9 _ . : -")
     optional = {role for placeholder, role in NAMED.items() if worker_names(values, placeholder)}
     out = []
     for line in (x for raw in user_lines(template) for x in _expanded(raw, values)):

@@ -11,9 +11,9 @@ names the model the head workers serve (`/v1/models`, producer/liveness.py) and 
 keys are required unless the server was started with `--no-auth` on a loopback address; each key is a
 tenant of its own batches and files (producer/api_batches.py). Errors come in OpenAI's shape with its status
 codes, in plain words (never an address, a path or an exception's text): 400 malformed, 401 no or wrong key,
-404 unknown (`model_not_found` for a model not served), 408 a body slower than api_body_timeout_s, 413 too
+404 unknown (`model_not_found` for a model not served), 408 a body slower than api.body_timeout_s, 413 too
 large, 429 too many requests at once, 500 a job that failed, 503 no live head or Redis unreachable, 504 no
-result within api_timeout_s.
+result within api.timeout_s.
 
 Why Starlette: it is the small, well-kept ASGI core that FastAPI itself is built on; the request models
 already exist (schemas/openai.py), and OpenAI's error shapes are simpler to keep exact without FastAPI's
@@ -176,7 +176,7 @@ class Api:
 
     async def views(self, job_ids: list[str]) -> list[JobView]:
         """The jobs' views, where one is recorded finished but its result does not read yet (a read between
-        the two writes) read again for up to api_result_grace_s."""
+        the two writes) read again for up to api.result_grace_s."""
         cfg = self.client.settings
         views = await self.call(self.client.views, job_ids)
         deadline = time.monotonic() + cfg.api.result_grace_s

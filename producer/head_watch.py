@@ -25,7 +25,7 @@ from producer.client import Client
 from producer.liveness import Liveness
 
 GRACE_S = 2.0  # how long a wait runs before its first look at the queue's heads
-EVERY_S = 0.5  # how often the thread looks after that (each look is cached for api_liveness_s, 1 s by default)
+EVERY_S = 0.5  # how often the thread looks after that (each look is cached for api.liveness_s, 1 s by default)
 
 log = logging.getLogger("shardflow.cli")
 

@@ -1,6 +1,6 @@
 """Is a head worker alive to run a queue's jobs, and which model does it serve? What `shardflow serve` asks
 before it enqueues a request (and while it waits for one), so that with no live head a request fails within
-seconds instead of waiting `api_timeout_s`, and `/v1/models` lists no model nobody runs; and what the CLI's
+seconds instead of waiting `api.timeout_s`, and `/v1/models` lists no model nobody runs; and what the CLI's
 `--wait` and `--follow` ask while they wait, to say on stderr that no head runs the jobs (producer/head_watch.py).
 
     look = Liveness(client).look()     # Served(name="Qwen2.5-7B-Instruct", info=ModelInfo, live=2, ...)
@@ -64,7 +64,7 @@ class Served:
 
 
 class Liveness:
-    """Looks at a queue's head workers through the Client's connection, at most once per `api_liveness_s`."""
+    """Looks at a queue's head workers through the Client's connection, at most once per `api.liveness_s`."""
 
     def __init__(self, client: Client, served_name: str | None = None) -> None:
         self.client, self.settings, self.served_name = client, client.settings, served_name
@@ -73,7 +73,7 @@ class Liveness:
         self.last: tuple[float, Served] | None = None
 
     def look(self, fresh: bool = False) -> Served:
-        """How the queue stands (cached for api_liveness_s; `fresh`: read now, whatever the cache holds); Redis
+        """How the queue stands (cached for api.liveness_s; `fresh`: read now, whatever the cache holds); Redis
         errors propagate."""
         with self.lock:
             now = time.monotonic()

@@ -94,7 +94,7 @@ def layers_option(help_text: str, envvar: str | None = None) -> Callable:
 
 def setting_default(group: str, name: str) -> dict[str, Any]:
     """click keywords of a flag that defaults to a setting: its value from the environment when the command runs
-    (SHARDFLOW_GROUP__NAME, or the flat 0.1 name; schemas/settings.py), else the documented default, which
+    (SHARDFLOW_GROUP__NAME; schemas/settings.py), else the documented default, which
     --help shows."""
     model = Settings.model_fields[group].annotation
     documented = model.model_fields[name].default  # type: ignore[union-attr]
@@ -104,18 +104,17 @@ def setting_default(group: str, name: str) -> dict[str, Any]:
 redis_opt = click.option(
     "--redis-url",
     **setting_default("redis", "url"),
-    help="Redis to use: redis://, rediss:// (TLS) or unix://; user:password@ for ACL users [env SHARDFLOW_REDIS__URL "
-    "or SHARDFLOW_REDIS_URL].",
+    help="Redis to use: redis://, rediss:// (TLS) or unix://; user:password@ for ACL users [env SHARDFLOW_REDIS__URL].",
 )
 prefix_opt = click.option(
     "--prefix",
     **setting_default("redis", "prefix"),
-    help="Namespace of ShardFlow's own Redis keys [env SHARDFLOW_REDIS__PREFIX or SHARDFLOW_PREFIX].",
+    help="Namespace of ShardFlow's own Redis keys [env SHARDFLOW_REDIS__PREFIX].",
 )
 queue_opt = click.option(
     "--queue",
     **setting_default("jobs", "queue"),
-    help="RQ queue of generation jobs [env SHARDFLOW_JOBS__QUEUE or SHARDFLOW_QUEUE].",
+    help="RQ queue of generation jobs [env SHARDFLOW_JOBS__QUEUE].",
 )
 
 
@@ -186,10 +185,8 @@ quant_opt = click.option(
     "--quant",
     type=click.Choice(["none", "int8", "4bit"]),
     default=None,
-    envvar="SHARDFLOW_QUANT",
-    show_envvar=True,
     help="Weight-only quantization of the shard's layers (bitsandbytes: int8, or 4-bit NF4); a checkpoint "
-    "saved quantized loads as stored [default: none].",
+    "saved quantized loads as stored [default: none; env SHARDFLOW_ENGINE__QUANT].",
 )
 draft_quant_opt = click.option(
     "--draft-quant",

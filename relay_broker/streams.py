@@ -1,4 +1,5 @@
-"""The relay operations on Redis streams: publish, consume through a group, ack, reply, trim, dead-letter.
+"""The relay operations on Redis streams: publish, consume through a group, ack, reply to a head's stream, trim,
+dead-letter.
 
 Key names are in schemas/keys.py.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -15,22 +15,13 @@ import redis
 
 from relay_broker.budgets import ReadBudget, entry_bytes
 from relay_broker.connection import transport_retry
-from schemas.errors import ReplyTimeout
 from schemas.groups import MAC_BYTES, pack_group
 from schemas.keys import Keys
 from schemas.packets import MAC
-from schemas.peek import head_batch_incomplete
 from schemas.settings import Settings
 
 Entry = tuple[bytes, bytes, dict[bytes, bytes]]  # (stream, entry id, fields)
 log = logging.getLogger("shardflow.relay")
-
-
-@transport_retry()
-def publish(r: redis.Redis, stream: str, fields: dict, *, maxlen: int) -> bytes:
-    """Append one entry to `stream`, trimming it to about `maxlen` entries (a request stream:
-    settings.relay.request_stream_maxlen)."""
-    return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
 
 
 @transport_retry()
@@ -56,30 +47,26 @@ def publish_many(
 
 
 class Reply(NamedTuple):
-    """A reply for one session's stream (or, `shared`, for the stream where a head reads all its sessions'
-    replies); the stream expires ttl_s after it (a session's last verdict expires sooner: its head reads it at
-    once and deletes nothing)."""
+    """A reply for a head's reply stream (`reply:head.NAME.BOOT[.EPOCH]`), where it reads every one of its sessions'
+    replies (the stream is the head's to make and keep: workers/head/beacon.py)."""
 
     stream: str
     fields: dict
-    ttl_s: int
-    shared: bool = False
 
 
 def merge_replies(done: list[tuple[bytes | str, bytes, Reply | None]]) -> list[tuple[bytes | str, bytes, Reply | None]]:
-    """The same acks with the replies bound for one head's shared stream packed into one entry (schemas/groups.py;
-    an unsigned reply gets an all-zero MAC, which never verifies), carried by the first of them."""
-    shared: dict[str, list[int]] = {}
+    """The same acks with the replies bound for one head's stream packed into one entry (schemas/groups.py; an
+    unsigned reply gets an all-zero MAC, which never verifies), carried by the first of them."""
+    by_stream: dict[str, list[int]] = {}
     for i, (_, _, reply) in enumerate(done):
-        if reply is not None and reply.shared:
-            shared.setdefault(reply.stream, []).append(i)
+        if reply is not None:
+            by_stream.setdefault(reply.stream, []).append(i)
     out = list(done)
-    for stream, at in shared.items():
+    for stream, at in by_stream.items():
         if len(at) < 2:
             continue
-        replies = [done[i][2] for i in at]
-        parts = [{MAC: bytes(MAC_BYTES), **r.fields} for r in replies]  # type: ignore[union-attr]
-        packed = Reply(stream, pack_group(parts), max(r.ttl_s for r in replies), True)  # type: ignore[union-attr]
+        parts = [{MAC: bytes(MAC_BYTES), **done[i][2].fields} for i in at]  # type: ignore[union-attr]
+        packed = Reply(stream, pack_group(parts))
         for n, i in enumerate(at):
             out[i] = (done[i][0], done[i][1], packed if n == 0 else None)
     return out
@@ -92,17 +79,10 @@ def make_reply_stream(pipe: redis.client.Pipeline, stream: str, group: str, ttl_
     pipe.expire(stream, ttl_s)
 
 
-def add_reply(pipe: redis.client.Pipeline, reply: Reply, maxlen: int) -> int:
-    """Queue a reply, kept to about `maxlen` entries; how many commands were queued. A session's own stream is made
-    if missing and expires when abandoned; a head's shared stream is its head's alone to make and keep alive
-    (workers/head/beacon.py): a reply to one that is gone (its head stopped, or moved to a fresh stream) is
-    dropped, never made again without an expiry."""
-    if reply.shared:
-        pipe.xadd(reply.stream, reply.fields, maxlen=maxlen, approximate=True, nomkstream=True)
-        return 1
-    pipe.xadd(reply.stream, reply.fields, maxlen=maxlen, approximate=True)
-    pipe.expire(reply.stream, reply.ttl_s)
-    return 2
+def add_reply(pipe: redis.client.Pipeline, reply: Reply, maxlen: int) -> None:
+    """Queue a reply on its head's stream, kept to about `maxlen` entries. Never makes the stream: one that is gone
+    (its head stopped, or moved to a fresh stream) drops the reply rather than come back without an expiry."""
+    pipe.xadd(reply.stream, reply.fields, maxlen=maxlen, approximate=True, nomkstream=True)
 
 
 @dataclass
@@ -167,24 +147,21 @@ class GroupReader:
         )
 
     def gather(self, entries: list[Entry], *, slots: int, open_sessions: int, linger_ms: float) -> list[Entry]:
-        """With a linger (a CPU tail): while fewer rounds are read than sessions are open, read more as long as
-        they keep coming, each within the linger of the last (at most 4 reads): a head's threads publish the
-        rounds of one batch one by one, and without the wait the first would run alone and the rest after it.
-        While a head batch's hint (`head_batch`) says rounds of it are still to come (sent together, a large
-        batch's packets still arrive spread out), it waits for them; never more than 50 lingers in all (a
-        round of the batch that another tail took, or a hint that lies, costs that much at most)."""
+        """With a linger (a CPU tail): while fewer entries are read than sessions are open, read more as long as
+        they keep coming, each within the linger of the last (at most 4 reads, never more than 50 lingers in all,
+        and never past the byte budget): rounds that come apart (several heads', or a head's rounds sent one entry
+        each) then run as one batched forward, which on a CPU costs little more than one sequence's."""
         if not entries or linger_ms <= 0:
             return entries
         deadline, reads = time.monotonic() + 50 * linger_ms / 1000, 0
         held = sum(entry_bytes(fields) for _, _, fields in entries)
         while len(entries) < slots and held < self.budget.max_bytes:  # the byte budget holds for the whole batch
-            missing = head_batch_incomplete([fields for _, _, fields in entries])
-            if not missing and (reads >= 4 or len(entries) >= min(open_sessions, slots)):
+            if reads >= 4 or len(entries) >= min(open_sessions, slots):
                 break
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms < 1:
                 break
-            block_ms = max(int(left_ms if missing else min(left_ms, linger_ms)), 1)  # 0 would block for good
+            block_ms = max(int(min(left_ms, linger_ms)), 1)  # 0 would block for good
             more = self.read(count=slots - len(entries), block_ms=block_ms)
             reads += 1
             if not more:
@@ -227,13 +204,9 @@ class GroupReader:
             lenient.append(self.dead_stream)
         acked: set[tuple[bytes | str, bytes]] = set()
         for stream, entry_id, reply in done:  # a group entry comes once per session it holds: acked once
-            if reply is not None:  # a head's shared stream holds every session's: capped as a request stream
-                cap = (
-                    self.settings.relay.request_stream_maxlen
-                    if reply.shared
-                    else self.settings.relay.reply_stream_maxlen
-                )
-                lenient += [reply.stream] * add_reply(pipe, reply, cap)
+            if reply is not None:  # a head's stream holds every session's: capped as a request stream
+                add_reply(pipe, reply, self.settings.relay.request_stream_maxlen)
+                lenient.append(reply.stream)
             if (stream, entry_id) not in acked:
                 acked.add((stream, entry_id))
                 pipe.xack(stream, self.group, entry_id)
@@ -253,130 +226,3 @@ class GroupReader:
             self._refusals.clear()
         self._refusals.add(stream)
         log.warning("cannot write to %s (%s): its entries are dropped; going on", stream, e)
-
-
-@dataclass
-class ReplyReader:
-    """Reads one session's reply stream in order, remembering where it stopped.
-
-    Anyone who can write the stream (a tail, or any client of a Redis without ACLs) can put entries in it,
-    so the caller checks each one and hands the bad ones back with `refuse`: they go to the dead-letter
-    stream in the same round trip as the next read (at most `reply_dead_letters_max` records per reader; the
-    rest are only counted). Entries are read `reply_read_count` at a time, so a flood of junk costs one round
-    trip per that many entries and holds at most that many in memory."""
-
-    r: redis.Redis
-    stream: str
-    last_id: bytes = b"0-0"
-    dead_stream: str | None = None
-    settings: Settings = field(default_factory=Settings)  # reply_read_count, reply_dead_letters_max, block_ms
-    entry_id: bytes = field(default=b"", init=False)  # id of the entry `next` returned last
-    refused: int = field(default=0, init=False)
-    _buffer: deque = field(default_factory=deque, init=False, repr=False)
-    _dead: list[dict] = field(default_factory=list, init=False, repr=False)
-
-    def next(self, timeout_s: float) -> dict[bytes, bytes]:
-        """Return the next reply's fields; raise ReplyTimeout if none comes within timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        while not self._buffer:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                raise ReplyTimeout(f"no reply on {self.stream} within {timeout_s:.1f}s")
-            self._take(self._read(min(left_ms, self.settings.redis.block_ms)))
-        return self._pop()
-
-    def publish_then_next(self, stream: str, fields: dict, timeout_s: float) -> dict[bytes, bytes]:
-        """Send a request and wait for the next reply in one round trip (XADD + blocking XREAD pipelined)."""
-        deadline = time.monotonic() + timeout_s
-        self._take(self._publish_and_read(stream, fields, min(int(timeout_s * 1000), self.settings.redis.block_ms)))
-        return self._pop() if self._buffer else self.next(max(deadline - time.monotonic(), 0.0))
-
-    @property
-    def ready(self) -> bool:
-        """An entry is buffered (`pop` returns it without a read)."""
-        return bool(self._buffer)
-
-    def pop(self) -> dict[bytes, bytes]:
-        """The next buffered entry's fields (`ready` must be true)."""
-        return self._pop()
-
-    def refuse(self, record: dict) -> None:
-        """Dead-letter the entry `next` returned last (`record`: its DeadLetterRecord fields)."""
-        self.refused += 1
-        if self.dead_stream is not None and self.refused <= self.settings.relay.reply_dead_letters_max:
-            self._dead.append(record)
-
-    def take_dead(self) -> list[dict]:
-        """The dead letters queued so far (the caller sends them)."""
-        dead, self._dead = self._dead, []
-        return dead
-
-    @transport_retry()
-    def flush(self) -> None:
-        """Send the dead letters still queued (the session ended before another read)."""
-        if self._dead:
-            pipe = self.r.pipeline(transaction=False)
-            self._queue_dead(pipe)
-            pipe.execute(raise_on_error=False)
-            self._dead.clear()
-
-    def _take(self, resp: list | None) -> None:
-        for _, entries in resp or []:
-            self._buffer.extend(entries)
-        if self._buffer:
-            self.last_id = self._buffer[-1][0]
-
-    def _pop(self) -> dict[bytes, bytes]:
-        self.entry_id, fields = self._buffer.popleft()
-        return fields
-
-    def _queue_dead(self, pipe: redis.client.Pipeline) -> int:
-        """Queue the dead letters on `pipe` (a refused write, under an old ACL file say, fails nothing else)."""
-        for record in self._dead:
-            pipe.xadd(self.dead_stream, record, maxlen=self.settings.relay.dead_letter_maxlen, approximate=True)
-        return len(self._dead)
-
-    @transport_retry()
-    def _publish_and_read(self, stream: str, fields: dict, block_ms: int) -> list:
-        pipe = self.r.pipeline(transaction=False)
-        n = self._queue_dead(pipe)
-        pipe.xadd(stream, fields, maxlen=self.settings.relay.request_stream_maxlen, approximate=True)
-        pipe.xread({self.stream: self.last_id}, count=self.settings.relay.reply_read_count, block=max(block_ms, 1))
-        return self._result(pipe.execute(raise_on_error=False), n)
-
-    @transport_retry()
-    def _read(self, block_ms: int) -> list:
-        pipe = self.r.pipeline(transaction=False)
-        n = self._queue_dead(pipe)
-        pipe.xread({self.stream: self.last_id}, count=self.settings.relay.reply_read_count, block=block_ms)
-        return self._result(pipe.execute(raise_on_error=False), n)
-
-    def _result(self, replies: list, dead: int) -> list:
-        """The XREAD's answer; an error of the commands after the `dead` dead-letter writes raises (sent
-        dead letters are dropped only now: a transport retry sends them again)."""
-        self._dead.clear()
-        for reply in replies[dead:]:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies[-1]
-
-
-@transport_retry()
-def read_replies(r: redis.Redis, readers: list[ReplyReader], *, block_ms: int | None, count: int) -> None:
-    """One round trip for many sessions' reply streams: every reader's queued dead letters, then one XREAD
-    from where each stopped (blocking up to block_ms; None: not at all); the entries land in each reader's
-    buffer (`ready`, `pop`)."""
-    pipe = r.pipeline(transaction=False)
-    dead = sum(reader._queue_dead(pipe) for reader in readers)
-    pipe.xread({reader.stream: reader.last_id for reader in readers}, count=count, block=block_ms)
-    replies = pipe.execute(raise_on_error=False)
-    for reader in readers:
-        reader._dead.clear()
-    for reply in replies[dead:]:
-        if isinstance(reply, Exception):
-            raise reply
-    by_stream = {reader.stream.encode(): reader for reader in readers}
-    for stream, entries in replies[-1] or []:
-        if (reader := by_stream.get(stream)) is not None and entries:
-            reader._buffer.extend(entries)
-            reader.last_id = entries[-1][0]

@@ -8,10 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # RQ job ids (BATCH-00000) allow no "."
-# The one job function producers enqueue (by name) and head workers allow: the module that defines it. Jobs
-# queued by earlier releases name it by its old wire name, which heads still accept (LEGACY_RUN_GENERATION).
+# The one job function producers enqueue (by name) and head workers allow: the module that defines it.
 RUN_GENERATION = "workers.head.job_function.run_generation"
-LEGACY_RUN_GENERATION = "workers.jobs.run_generation"
 
 
 def job_ttl(job: object, fallback_s: int) -> int:

@@ -44,22 +44,12 @@ CAPS = RelaySettings()  # the documented caps, for callers that pass none (a wor
 # group's tensors, whose one digest binds the bytes (schemas/groups.py), rather than each its own tensors' bytes.
 PROTOCOL_VERSION = 4
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+ReplyTo = Annotated[str, Field(pattern=r"^head\.[A-Za-z0-9_.:-]{1,160}$")]  # `Keys.head_reply_to`: a head's stream
 
 # How the draft distribution q travels: none (greedy), point (deterministic drafter: q(x)=1),
 # sparse (indices + probabilities of its support), dense (full vocabulary rows).
 QKind = Literal["none", "point", "sparse", "dense"]
 TailId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{0,64}$")]
-
-
-class HeadBatch(BaseModel):
-    """Which of the head's batched forwards computed a round, and how many of that forward's rounds were
-    sent to the same stream: a tail that has read some of them may wait briefly for the rest, to run them
-    as one forward too (a hint only: a tail never waits long for it, whatever it says)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: str = Field(pattern=r"^[0-9a-f]{1,32}$")
-    size: int = Field(ge=1, le=1 << 16)
 
 
 class HeadRef(BaseModel):
@@ -84,9 +74,7 @@ class RoundPacket(BaseModel):
     session_id: SessionId
     head: HeadRef
     key: HexKey | None = Field(None, description="The session's key: in rounds that open a session (start_pos 0) only.")
-    reply_to: SessionId | None = Field(
-        None, description="The head's reply stream (`reply:REPLY_TO`) for all its sessions; None: the session's own."
-    )
+    reply_to: ReplyTo = Field(description="Its head's reply stream (`reply:REPLY_TO`), read for all its sessions.")
     round_id: int = Field(ge=0)
     start_pos: int = Field(ge=0, description="Position of input_ids[0]; the tail holds 0..start_pos.")
     input_ids: list[TokenId] = Field(min_length=1, description="Committed tokens not yet cached.")
@@ -96,7 +84,6 @@ class RoundPacket(BaseModel):
     max_new: int = Field(ge=1, description="Tokens this round may still commit before 'length'.")
     q_kind: QKind
     tensors: dict[str, TensorMeta] = Field(max_length=4)
-    head_batch: HeadBatch | None = None
     replay: bool = Field(
         False,
         description="A session resumed on a new tail: input_ids replay the committed sequence (from 0, or after "

@@ -8,10 +8,11 @@ import json
 
 from pydantic import TypeAdapter
 
-from schemas.packets import HEADER, HeadBatch
+from schemas.packets import HEADER, ReplyTo
 from schemas.requests import SessionId
 
 _SESSION_ID = TypeAdapter(SessionId)
+_REPLY_TO = TypeAdapter(ReplyTo)
 
 
 def raw_header(fields: object) -> str:
@@ -35,9 +36,9 @@ def peek_session(fields: object) -> tuple[str | None, int | None]:
 
 
 def peek_reply_to(fields: object) -> str | None:
-    """Best-effort `reply_to` of a round that failed validation (None unless it is a valid stream suffix)."""
+    """Best-effort `reply_to` of a round that failed validation (None unless it names a head's reply stream)."""
     try:
-        return _SESSION_ID.validate_python(json.loads(fields[HEADER])["reply_to"])  # type: ignore[index]
+        return _REPLY_TO.validate_python(json.loads(fields[HEADER])["reply_to"])  # type: ignore[index]
     except Exception:
         return None
 
@@ -49,22 +50,3 @@ def peek_version(fields: object) -> object:
         return raw.get("v") if isinstance(raw, dict) else None
     except Exception:
         return None
-
-
-def peek_head_batch(fields: object) -> tuple[str, int] | None:
-    """Best-effort (id, size) of a round packet's `head_batch`, read before the packet is validated (a
-    malformed one reads as None and is refused later, by the full validation)."""
-    try:
-        tag = HeadBatch.model_validate(json.loads(fields[HEADER])["head_batch"])  # type: ignore[index]
-        return tag.id, tag.size
-    except Exception:
-        return None
-
-
-def head_batch_incomplete(entries: list[object]) -> bool:
-    """Whether some head batch has fewer rounds among these packets' fields than its hint says it sent."""
-    seen: dict[str, list[int]] = {}
-    for fields in entries:
-        if (tag := peek_head_batch(fields)) is not None:
-            seen.setdefault(tag[0], [0, tag[1]])[0] += 1
-    return any(n < size for n, size in seen.values())

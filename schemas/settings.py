@@ -7,12 +7,9 @@ its shard: device, dtype, quantization, static caches, CUDA graphs and their siz
 A process builds one `Settings` (a worker command: the environment plus its flags) and passes it whole to
 what it runs; code below reads the group it needs (`settings.engine.max_len`), never a process global.
 
-From the environment, every field is `SHARDFLOW_<GROUP>__<FIELD>` (pydantic-settings' nested delimiter,
-two underscores: `SHARDFLOW_REDIS__URL`, `SHARDFLOW_ENGINE__GPU_MEMORY`, `SHARDFLOW_JOBS__RESULT_TTL_S`);
-lists are JSON (`SHARDFLOW_JOBS__RETRY_INTERVALS_S='[2, 10, 30]'`). The flat names of ShardFlow 0.1 keep
-working: `SHARDFLOW_<FLAT>`, FLAT being the field's old name where it was renamed (its validation alias:
-`SHARDFLOW_REDIS_URL`, `SHARDFLOW_BATCH_SLOTS`, `SHARDFLOW_API_TIMEOUT_S`) or else its name (`SHARDFLOW_QUEUE`,
-`SHARDFLOW_GPU_MEMORY`); a nested name wins over a flat one, a flag over both.
+From the environment, each field has exactly one name: `SHARDFLOW_<GROUP>__<FIELD>` (pydantic-settings' nested
+delimiter, two underscores: `SHARDFLOW_REDIS__URL`, `SHARDFLOW_ENGINE__GPU_MEMORY`, `SHARDFLOW_JOBS__RESULT_TTL_S`);
+lists are JSON (`SHARDFLOW_JOBS__RETRY_INTERVALS_S='[2, 10, 30]'`). A flag given on the command line wins over it.
 
 The numbers live here only, as the groups' field defaults. A schema field whose default mirrors a setting
 reads the group's class default (`GenerationSettings().draft_k`: no environment), never a process's.
@@ -23,24 +20,22 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas.flat_env import ENV_PREFIX, FlatEnv
+ENV_PREFIX = "SHARDFLOW_"  # of every environment name: SHARDFLOW_<GROUP>__<FIELD>
 
 Quant = Literal["none", "int8", "4bit"]
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class _Group(BaseModel):
-    # a field renamed from its 0.1 flat name has that name as its validation alias: both validate, and
-    # SHARDFLOW_<OLD NAME> still sets it
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_by_name=True, validate_by_alias=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class RedisSettings(_Group):
     """Redis, as queue and relay: where it is, the key namespace, timeouts and reconnects."""
 
-    url: str = Field("redis://127.0.0.1:6379/0", validation_alias="redis_url", description="Redis as queue and relay.")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis as queue and relay.")
     prefix: str = Field("shardflow", description="Namespace of every relay key ShardFlow writes.")
     socket_timeout_s: float = Field(30.0, description="Redis socket timeout; must exceed block_ms.")
     connect_attempts: int = Field(8, description="Attempts for a Redis operation on transport errors.")
@@ -58,8 +53,8 @@ class JobSettings(_Group):
         7 * 24 * 3600, description="How long everything a job writes is kept (results, failed jobs, text streams)."
     )
     max_batch_jobs: int = Field(100_000, description="Most jobs one batch may hold (job ids end in 5 digits).")
-    timeout_s: int = Field(3600, validation_alias="job_timeout_s", description="Longest one job.")
-    retries: int = Field(3, validation_alias="job_retries", description="Automatic retries after a transient failure.")
+    timeout_s: int = Field(3600, description="Longest one job.")
+    retries: int = Field(3, description="Automatic retries after a transient failure.")
     retry_intervals_s: list[int] = Field([2, 10, 30], description="Backoff between automatic retries.")
     heartbeat_s: float = Field(2.0, description="Head worker heartbeat period while a job runs.")
     heartbeat_ttl_s: int = Field(8, description="A running job with no heartbeat this long is abandoned.")
@@ -131,7 +126,6 @@ class EngineSettings(_Group):
     max_len: int = Field(
         8192,
         ge=1,
-        validation_alias="static_cache_len",
         description="Positions a static KV cache holds (capped by the model's limit).",
     )
     window_slack: int | None = Field(
@@ -154,7 +148,6 @@ class EngineSettings(_Group):
     slots: int | None = Field(
         None,
         ge=1,
-        validation_alias="batch_slots",
         description="Sequences a worker's static caches hold and run as one batched forward; None: as many as "
         "gpu_memory leaves room for on a CUDA device (at most max_slots), cpu_slots on a CPU.",
     )
@@ -248,16 +241,11 @@ class RelaySettings(_Group):
         description="About the most bytes a tail or head takes in one read of its streams: once an entry of n bytes "
         "came (within 10 s), a read takes at most this / n entries (one at least).",
     )
-    reply_stream_maxlen: int = Field(64, description="Approximate cap of a session's reply stream.")
-    reply_read_count: int = Field(
-        16, description="Replies a head reads per round trip (a flood of junk in a reply stream is skipped this fast)."
-    )
     reply_dead_letters_max: int = Field(
         32, description="Refused replies one generation dead-letters (more are only counted and logged)."
     )
-    reply_ttl_s: int = Field(600, description="Expiry of a session's reply stream after its last write.")
-    final_reply_ttl_s: int = Field(
-        60, description="Expiry of a session's reply stream after its final verdict (the head deletes nothing)."
+    reply_ttl_s: int = Field(
+        600, description="How long a head's reply stream outlives its last renewal (its beacon renews it)."
     )
     claim_idle_ms: int = Field(
         5000, description="A request left unacknowledged this long by a tail (dead) is claimed by a live one."
@@ -296,12 +284,6 @@ class RelaySettings(_Group):
         True,
         description="A head sends a group's rounds for one tail stream as one entry (schemas/groups.py), not one "
         "entry per session.",
-    )
-    head_poll_ms: int = Field(
-        50,
-        ge=1,
-        description="Longest a head's step loop blocks reading verdicts while nothing is ready to compute (a new "
-        "job waits at most this long to start).",
     )
     head_wait_poll_ms: float = Field(
         1.0,
@@ -344,41 +326,24 @@ class RelaySettings(_Group):
 class ApiSettings(_Group):
     """`shardflow serve`, the OpenAI-compatible API: body and time limits, concurrency, the model it serves."""
 
-    max_body_bytes: int = Field(
-        32 << 20, ge=1024, validation_alias="api_max_body_bytes", description="Largest request body (and file)."
-    )
-    max_concurrent: int = Field(
-        256, ge=1, validation_alias="api_max_concurrent", description="Requests handled at once; more are 429."
-    )
-    timeout_s: float = Field(
-        3600.0, gt=0, validation_alias="api_timeout_s", description="Longest a completion waits for its job."
-    )
-    body_timeout_s: float = Field(
-        30.0, gt=0, validation_alias="api_body_timeout_s", description="Longest a whole body may take (else 408)."
-    )
-    max_json_depth: int = Field(
-        64, ge=4, validation_alias="api_max_json_depth", description="Deepest nesting of a JSON body or Batch line."
-    )
-    liveness_s: float = Field(
-        1.0, gt=0, validation_alias="api_liveness_s", description="How long serve trusts its last look at heartbeats."
-    )
+    max_body_bytes: int = Field(32 << 20, ge=1024, description="Largest request body (and file).")
+    max_concurrent: int = Field(256, ge=1, description="Requests handled at once; more are 429.")
+    timeout_s: float = Field(3600.0, gt=0, description="Longest a completion waits for its job.")
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest a whole body may take (else 408).")
+    max_json_depth: int = Field(64, ge=4, description="Deepest nesting of a JSON body or Batch line.")
+    liveness_s: float = Field(1.0, gt=0, description="How long serve trusts its last look at heartbeats.")
     result_grace_s: float = Field(
         2.0,
         ge=0,
-        validation_alias="api_result_grace_s",
         description="How long serve re-reads a job recorded finished whose result it cannot read yet.",
     )
-    shutdown_s: float = Field(
-        10.0, ge=0, validation_alias="api_shutdown_s", description="How long a stopping serve lets requests finish."
-    )
+    shutdown_s: float = Field(10.0, ge=0, description="How long a stopping serve lets requests finish.")
     model_name: str | None = Field(
         None,
-        validation_alias="api_model_name",
         description="The model name serve lists and accepts (None: the head's target directory or hub id).",
     )
     shared_batches: bool = Field(
         False,
-        validation_alias="api_shared_batches",
         description="Every API key of `shardflow serve` sees every batch and file (else only its own).",
     )
 
@@ -400,18 +365,6 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Flags (init) over SHARDFLOW_GROUP__FIELD over the flat SHARDFLOW_<FLAT> names."""
-        return init_settings, env_settings, FlatEnv(settings_cls), dotenv_settings, file_secret_settings
 
     def replace(self, **groups: dict[str, Any]) -> Settings:
         """These settings with some fields of some groups changed (validated; no environment read again):

@@ -64,11 +64,11 @@ def head_worker(
 ) -> subprocess.Popen | Forked:
     env = {
         **os.environ,
-        "SHARDFLOW_HEARTBEAT_TTL_S": "4",
-        "SHARDFLOW_HEARTBEAT_S": "1",
-        "SHARDFLOW_MAINTENANCE_S": "2",
-        "SHARDFLOW_REPLY_TIMEOUT_S": "3",  # a dead tail is noticed (and its sessions replayed) quickly
-        "SHARDFLOW_RESUME_ATTEMPTS": "6",
+        "SHARDFLOW_JOBS__HEARTBEAT_TTL_S": "4",
+        "SHARDFLOW_JOBS__HEARTBEAT_S": "1",
+        "SHARDFLOW_JOBS__MAINTENANCE_S": "2",
+        "SHARDFLOW_RELAY__REPLY_TIMEOUT_S": "3",  # a dead tail is noticed (and its sessions replayed) quickly
+        "SHARDFLOW_RELAY__RESUME_ATTEMPTS": "6",
     }
     args = [
         sys.executable,

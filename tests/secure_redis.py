@@ -89,7 +89,7 @@ def secured(pki, tmp_path_factory) -> Iterator[Secured]:
     if binary is None:
         pytest.skip("no redis-server 7+ built with TLS (apt-get install redis-server; scripts/test.sh does as root)")
     passwords = {role: secrets.token_hex(24) for role in ROLES}
-    values = acl_values(passwords) | {"SHARDFLOW_PREFIX": PREFIX}
+    values = acl_values(passwords) | {"SHARDFLOW_REDIS__PREFIX": PREFIX}
     acl = tmp_path_factory.mktemp("acl") / "users.acl"
     render_acl.write_atomic(acl, render_acl.render(render_acl.TEMPLATE.read_text(), values))
     tls = TLSFiles(pki / "ca.crt", pki / "server.crt", pki / "server.key", pki / "client.crt", pki / "client.key")

@@ -30,7 +30,7 @@ KEY = "test-key-1"
 def api(models, redis_server, redis_client, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
     env = Env("api", models, redis_server, redis_client, tmp)
-    proc, base = start_serve(env, tmp / "serve.log", KEY, {"SHARDFLOW_API_MODEL_NAME": "tiny"})
+    proc, base = start_serve(env, tmp / "serve.log", KEY, {"SHARDFLOW_API__MODEL_NAME": "tiny"})
     client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
     yield SimpleNamespace(env=env, base=base, client=client, log=tmp / "serve.log")
     proc.terminate()

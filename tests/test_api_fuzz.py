@@ -29,7 +29,7 @@ def fuzzed(redis_server, redis_client, tmp_path_factory):
     info = ModelInfo(target=f"/tmp/private/{MODEL}", vocab_size=320, has_chat_template=True, head_layers=[0, 2])
     redis_client.set(Keys(PREFIX).model_info(QUEUE), info.model_dump_json())  # announced, no head alive
     env = SimpleNamespace(opts=["--queue", QUEUE, "--prefix", PREFIX, "--redis-url", redis_server.url])
-    proc, base = start_serve(env, tmp / "serve.log", KEY, {"SHARDFLOW_API_MAX_BODY_BYTES": "65536"})  # type: ignore[arg-type]
+    proc, base = start_serve(env, tmp / "serve.log", KEY, {"SHARDFLOW_API__MAX_BODY_BYTES": "65536"})  # type: ignore[arg-type]
     with httpx.Client(base_url=base.removesuffix("/v1"), timeout=30) as http:
         line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "x"}}
         files = {"file": ("in.jsonl", json.dumps(line).encode() + b"\n")}

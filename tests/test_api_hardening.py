@@ -36,10 +36,10 @@ MODEL = "qwen2-tiny"  # the stable name of the announced target below (its direc
 LIMITS = {
     "SHARDFLOW_API_KEYS": OTHER,
     "SHARDFLOW_API_ADMIN_KEYS": ADMIN,
-    "SHARDFLOW_API_MAX_CONCURRENT": "2",
-    "SHARDFLOW_API_BODY_TIMEOUT_S": "2",
-    "SHARDFLOW_API_LIVENESS_S": "0.2",
-    "SHARDFLOW_HEARTBEAT_TTL_S": "2",
+    "SHARDFLOW_API__MAX_CONCURRENT": "2",
+    "SHARDFLOW_API__BODY_TIMEOUT_S": "2",
+    "SHARDFLOW_API__LIVENESS_S": "0.2",
+    "SHARDFLOW_JOBS__HEARTBEAT_TTL_S": "2",
 }
 
 
@@ -115,13 +115,13 @@ def test_no_live_head_is_a_fast_503_and_no_model(bare):
         lambda: list(bare.client.completions.create(model=MODEL, prompt="x", stream=True)),
     ):
         with pytest.raises(openai.InternalServerError, match="no head worker is running") as e:
-            call()  # the client's 20 s timeout: an answer within seconds, not after api_timeout_s
+            call()  # the client's 20 s timeout: an answer within seconds, not after api.timeout_s
         assert e.value.status_code == 503
     announce(bare.r)  # what a head that died leaves: its announcement, no live record
     head = FakeHead(bare.r, "dead-head")
     try:
         head.beat(ago_s=60)
-        time.sleep(0.5)  # past the server's last look (SHARDFLOW_API_LIVENESS_S)
+        time.sleep(0.5)  # past the server's last look (SHARDFLOW_API__LIVENESS_S)
         assert models(bare) == []
         with pytest.raises(openai.InternalServerError, match="no head worker is alive"):
             bare.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
@@ -269,7 +269,7 @@ def test_one_keys_batches_and_files_are_invisible_to_another(bare, tmp_path):
 
 
 def test_batch_lines_name_the_model_served(bare, tmp_path):
-    """Announced just now, within the server's cached look at the queue (SHARDFLOW_API_LIVENESS_S): the batch's
+    """Announced just now, within the server's cached look at the queue (SHARDFLOW_API__LIVENESS_S): the batch's
     check reads the announcement afresh."""
     announce(bare.r)
     with open(write_jsonl(tmp_path / "in.jsonl", [batch_line("a", CHAT, model="gpt-4o")]), "rb") as f:

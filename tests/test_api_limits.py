@@ -28,9 +28,9 @@ def small(models, redis_server, redis_client, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api-limits")
     env = Env("apilim", models, redis_server, redis_client, tmp)
     limits = {
-        "SHARDFLOW_API_MAX_BODY_BYTES": "4096",
-        "SHARDFLOW_API_MAX_CONCURRENT": "1",
-        "SHARDFLOW_API_MODEL_NAME": "tiny",
+        "SHARDFLOW_API__MAX_BODY_BYTES": "4096",
+        "SHARDFLOW_API__MAX_CONCURRENT": "1",
+        "SHARDFLOW_API__MODEL_NAME": "tiny",
     }
     proc, base = start_serve(env, tmp / "serve.log", KEY, limits)
     yield SimpleNamespace(env=env, base=base, client=openai.OpenAI(base_url=base, api_key=KEY, max_retries=0))

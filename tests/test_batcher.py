@@ -1,16 +1,15 @@
 """The head's round batching (workers/head/batching.py) on a real tiny model in-process: no Redis, no subprocess.
 
-Rounds submitted from several threads must run as one batch (one lower-shard `forward_many`, model drafts
-advancing together; tests/test_draft_batching.py covers sampled and n-gram drafts) and each must get exactly
-what it gets alone; a failure fails only its own round; the compute lock, who computes and the batch order are
-what the module's docstrings say. Each case runs over static (pooled, batched) and dynamic (per-sequence) caches.
+A group of rounds handed to `Batcher.compute` (as the head's step loop hands it each group it assembled) must run
+as one batch (one lower-shard `forward_many` over the caches in the group's order, model drafts advancing
+together; tests/test_draft_batching.py covers sampled and n-gram drafts) and each round must get exactly what it
+gets alone; a failure fails only its own round (tests/test_batcher_failures.py). Each case runs over static
+(pooled, batched) and dynamic (per-sequence) caches.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,6 @@ SPLIT = 2  # the head runs layers [0, 2) of the 4
 K_MAX = 4  # the longest draft of these tests
 MAX_LEN = 64
 SLOTS = 4
-WAIT_S = 20.0  # a generous bound on any one wait (a stuck thread fails the test instead of hanging it)
 
 # Token ids of committed contexts (the tiny tokenizer has a few hundred): repeats give the n-gram drafter matches.
 CTX = [(5, 6, 7, 5, 6, 7, 5, 6), (40, 41, 42, 43, 44, 45), (9, 10, 11, 12, 9, 10, 11, 12, 9, 10), (100, 3, 100, 3, 100)]
@@ -128,9 +126,8 @@ class AlonePlantedDrafter(PlantedDrafter):
 
 @dataclass
 class Call:
-    """One call of a spied engine method: the thread that made it and the caches it ran."""
+    """One call of a spied engine method: the caches it ran."""
 
-    thread: threading.Thread
     caches: list[Cache]
 
 
@@ -140,7 +137,7 @@ def spy(engine: Engine, name: str, before: Callable[[int], None] | None = None) 
     inner = getattr(engine, name)
 
     def wrapper(caches: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(Call(threading.current_thread(), list(caches)))
+        calls.append(Call(list(caches)))
         if before is not None:
             before(len(calls))
         return inner(caches, *args, **kwargs)
@@ -150,7 +147,7 @@ def spy(engine: Engine, name: str, before: Callable[[int], None] | None = None) 
 
 
 class Head:
-    """What a head runtime holds for batching: the lower shard's engine, a draft model, a batcher and its lock."""
+    """What a head runtime holds for batching: the lower shard's engine, a draft model and a batcher."""
 
     def __init__(self, tiny: Tiny, static: bool, slots: int = SLOTS) -> None:
         self.tiny, self.static = tiny, static
@@ -166,10 +163,10 @@ class Head:
             slots=slots,
         )
         self.drafter = ModelDrafter(tiny.draft, dengine)
-        self.batcher = Batcher(self.engine, threading.RLock())
+        self.batcher = Batcher(self.engine)
 
     def work(self, spec: Spec) -> HeadWork:
-        """A round as `RoundLoop._round` submits it, the lower cache holding everything but the pending tokens."""
+        """A round as `RoundLoop.next_work` makes it, the lower cache holding everything but the pending tokens."""
         ctx = list(spec.context)
         cache = self.engine.acquire()
         if spec.first:
@@ -198,67 +195,21 @@ class Head:
         return self.drafter.new_session()
 
     def alone(self, spec: Spec) -> HeadWork:
-        """The round computed by itself: a batch of one, from the calling thread."""
-        return self.batcher.run(self.work(spec))
+        """The round computed by itself: a batch of one."""
+        return compute_alone(self.batcher, self.work(spec))
 
 
-class Submitter(threading.Thread):
-    """Runs `batcher.run(work)` on its own thread, keeping what it returned or raised."""
-
-    def __init__(self, batcher: Batcher, work: HeadWork) -> None:
-        super().__init__(daemon=True)
-        self.batcher, self.work = batcher, work
-        self.result: HeadWork | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.batcher.run(self.work)
-        except BaseException as e:  # the test inspects it
-            self.error = e
-
-
-def queued(batcher: Batcher, work: HeadWork) -> bool:
-    return any(w is work for w in batcher._queue)
-
-
-def wait_until(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.001)
-
-
-def submit(batcher: Batcher, work: HeadWork) -> Submitter:
-    """Start a thread submitting `work` and wait until it is queued (its thread then waits for the lock)."""
-    sub = Submitter(batcher, work)
-    sub.start()
-    wait_until(lambda: queued(batcher, work) or work.finished, "the work is queued")
-    return sub
-
-
-def join(subs: list[Submitter]) -> None:
-    for s in subs:
-        s.join(WAIT_S)
-        assert not s.is_alive(), "a submitter is stuck"
-
-
-def run_together(batcher: Batcher, works: list[HeadWork], calls: list[Call] | None = None) -> list[Submitter]:
-    """Submit each work from its own thread, in order, while holding the compute lock so that all are queued
-    before any computes; check nothing computed meanwhile; then let go and wait for every thread."""
-    with batcher.lock:
-        subs = [submit(batcher, w) for w in works]
-        assert all(queued(batcher, w) for w in works)
-        assert not any(w.finished for w in works), "a round computed while another thread held the lock"
-        assert not calls, "the engine ran while another thread held the lock"
-    join(subs)
-    return subs
+def compute_alone(batcher: Batcher, work: HeadWork) -> HeadWork:
+    """`work` computed as a batch of one; raises its error if it failed."""
+    batcher.compute([work])
+    if work.error is not None:
+        raise work.error
+    return work
 
 
 def assert_same_round(got: HeadWork, want: HeadWork, static: bool) -> None:
     """`got` (computed in a batch) equals `want` (computed alone): drafts, their q, hidden states, cache length."""
-    assert got.error is None and got.finished
+    assert got.error is None
     assert got.draft is not None and want.draft is not None and got.hidden is not None and want.hidden is not None
     assert got.draft.tokens == want.draft.tokens
     assert got.draft.point == want.draft.point
@@ -275,15 +226,6 @@ def assert_same_round(got: HeadWork, want: HeadWork, static: bool) -> None:
     assert got.cache.length == want.cache.length == got.start + got.hidden.shape[0]
 
 
-@pytest.fixture(autouse=True)
-def _no_stray_threads() -> Iterator[None]:
-    """Every test joins the threads it starts."""
-    before = set(threading.enumerate())
-    yield
-    stray = [t for t in threading.enumerate() if t not in before and isinstance(t, Submitter) and t.is_alive()]
-    assert not stray, stray
-
-
 # --- one batch, exactly as alone ----------------------------------------------------------------------------------
 
 MIXED = [
@@ -297,18 +239,16 @@ MIXED = [
 
 
 @STATIC
-def test_rounds_from_threads_run_as_one_batch(tiny: Tiny, static: bool) -> None:
-    """Six generations' rounds (greedy and sampled model drafts, n-gram, none, a first round, planted) submitted
-    from six threads run as one lower-shard forward, computed by one of those threads, over the caches in
-    submission order; each gets the drafts and hidden states it gets alone."""
+def test_rounds_of_a_group_run_as_one_batch(tiny: Tiny, static: bool) -> None:
+    """Six generations' rounds (greedy and sampled model drafts, n-gram, none, a first round, planted) handed to
+    `compute` as one group run as one lower-shard forward over the caches in the group's order; each gets the
+    drafts and hidden states it gets alone."""
     head, ref = Head(tiny, static), Head(tiny, static)
     works = [head.work(s) for s in MIXED]
     calls = spy(head.engine, "forward_many")
-    subs = run_together(head.batcher, works, calls)
-    assert [s.error for s in subs] == [None] * len(subs)
-    assert all(s.result is s.work for s in subs)
+    head.batcher.compute(works)
+    assert [w.error for w in works] == [None] * len(works)
     assert len(calls) == 1
-    assert calls[0].thread in subs  # flat combining: a submitter computes, not a background thread
     assert [id(c) for c in calls[0].caches] == [id(w.cache) for w in works]
     assert (head.batcher.batches, head.batcher.rounds) == (1, len(MIXED))
     assert len({(w.draft_s, w.head_s) for w in works}) == 1  # one batch: its stage times are every round's
@@ -330,7 +270,7 @@ def test_static_batch_runs_one_shard_pass(tiny: Tiny, static: bool) -> None:
     works = [head.work(s) for s in specs]
     batches = spy(head.engine, "_batch")
     forwards = spy(head.engine, "forward_many")
-    run_together(head.batcher, works, forwards)
+    head.batcher.compute(works)
     assert len(forwards) == 1
     if static:
         assert [len(c.caches) for c in batches] == [4]
@@ -346,7 +286,7 @@ def test_static_batch_beyond_the_pools_slots_stays_exact(tiny: Tiny) -> None:
     specs = [Spec(c, "ngram", 3) for c in CTX[:4]]
     works = [head.work(s) for s in specs]
     forwards, batches = spy(head.engine, "forward_many"), spy(head.engine, "_batch")
-    run_together(head.batcher, works, forwards)
+    head.batcher.compute(works)
     assert len(forwards) == 1
     assert sorted(len(c.caches) for c in batches) == [1, 1, 2]  # the pool's two slots, then two one-slot pools
     for spec, w in zip(specs, works, strict=True):
@@ -371,9 +311,9 @@ def test_model_drafts_in_a_batch_equal_drafts_one_at_a_time(tiny: Tiny, static: 
         forwards = spy(head.engine, "forward_many")
         dforwards = spy(head.drafter.engine, "forward_many")
         dmany = spy(head.drafter.engine, "draft_many")
-        run_together(head.batcher, works, forwards)
+        head.batcher.compute(works)
         for w in alone:
-            ref.batcher.run(w)
+            compute_alone(ref.batcher, w)
         for w, a in zip(works, alone, strict=True):
             assert_same_round(w, a, static)
             fresh = ref.drafter.new_session()

@@ -114,7 +114,7 @@ def test_the_watch_says_once_that_no_head_is_live_and_when_one_comes(redis_serve
     for live in (False, False, True, True):
         if live:
             workers(f"late-{queue}", queue)
-        watch.liveness.forget()  # each look reads Redis (not the last look, trusted for api_liveness_s)
+        watch.liveness.forget()  # each look reads Redis (not the last look, trusted for api.liveness_s)
         watch.look()
     why = f"no head worker is running for queue {queue} (start one: shardflow head)"
     assert said == [f"warning: {why}; still waiting (Ctrl-C to stop)", f"note: a head worker now serves queue {queue}"]

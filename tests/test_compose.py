@@ -145,7 +145,7 @@ def test_compose_config_per_host(tmp_path, monkeypatch, host: str, overlay: str)
     port = env.get("REDIS_TLS_PORT", "6380") if overlay == "tls" else env.get("REDIS_PORT", "6379")
     scheme = "rediss" if overlay == "tls" else "redis"
     for role in ("tail", "head", "producer"):
-        url = rendered[role]["environment"]["SHARDFLOW_REDIS_URL"]
+        url = rendered[role]["environment"]["SHARDFLOW_REDIS__URL"]
         expected = f"{scheme}://{role}:{env.get(f'REDIS_{role.upper()}_PASSWORD', '')}@{redis_host}:{port}/0"
         if overlay == "tls":
             assert url.startswith(f"{expected}?")
@@ -194,7 +194,7 @@ def test_example_env_is_a_one_host_env(tmp_path):
     workdir = host_dir(tmp_path, {})
     (workdir / ".env").write_text(text)
     rendered = yaml.safe_load(compose(workdir, *TLS, "config"))["services"]
-    assert rendered["tail"]["environment"]["SHARDFLOW_REDIS_URL"].startswith(
+    assert rendered["tail"]["environment"]["SHARDFLOW_REDIS__URL"].startswith(
         f"rediss://tail:{PASSWORDS['tail']}@redis:"
     )
     assert rendered["head"]["environment"]["SHARDFLOW_HEAD_LAYERS"] == "0:14"

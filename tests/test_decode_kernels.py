@@ -2,7 +2,8 @@
 interpreter (Triton is a test dependency; tests/conftest.py sets TRITON_INTERPRET=1 without CUDA): a whole greedy draft
 with them proposes what the fused forward in place proposes and leaves the same keys and values in the pool (Qwen2:
 q/k/v bias; Qwen3: per-head q/k norms), and the shard takes them only where every layer qualifies. On the GPU
-bench/draft_kernels.py compares them with the fused forward, and the job path's outputs with the reference
+bench/draft_kernels.py (removed: git history before 92894f6) compared them with the fused forward, and the job path's
+outputs with the reference
 (docs/runs/journal.md runs 86-90)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Sampled draft-model drafts of several generations advance together (one batched draft-model forward per draft
 position, greedy rows alongside), each row drawing from its own generator exactly what it draws alone, so a
 sequence's drafts and q never depend on what it is batched with; n-gram proposals of a batch run in one call and
-equal the one-by-one lookup. The fixtures are tests/test_batcher.py's (tiny models, a spied engine, threads).
+equal the one-by-one lookup. The fixtures are tests/test_batcher.py's (tiny models, a spied engine).
 """
 
 # ruff: noqa: F811  (the fixtures imported from the harness are redefined as test parameters, as pytest does)
@@ -18,7 +18,7 @@ import torch
 
 import workers.head.batching as batching
 from schemas.requests import SamplingParams
-from tests.test_batcher import (  # noqa: F401  (tiny and _no_stray_threads are fixtures)
+from tests.test_batcher import (  # noqa: F401  (tiny is a fixture)
     CTX,
     GREEDY,
     SAMPLED,
@@ -27,9 +27,8 @@ from tests.test_batcher import (  # noqa: F401  (tiny and _no_stray_threads are 
     PlantedDrafter,
     Spec,
     Tiny,
-    _no_stray_threads,
     assert_same_round,
-    run_together,
+    compute_alone,
     spy,
     tiny,
 )
@@ -150,20 +149,20 @@ ROUNDS = [  # (spec, sampling): sampled rounds of three warps, a twin, greedy, p
 
 
 @STATIC
-def test_sampled_rounds_from_threads_draft_in_one_batch(tiny: Tiny, static: bool) -> None:
-    """Rounds submitted from threads draft their model sessions, sampled (three warps, plugin sessions around a
-    model session) and greedy, in one `propose_many`: its first forward runs every model row, and there are as
-    many forwards as the longest draft; each round equals the same round computed alone, and two rounds of one
-    context and seed draft alike."""
+def test_sampled_rounds_of_a_group_draft_in_one_batch(tiny: Tiny, static: bool) -> None:
+    """Rounds of one group handed to `compute` draft their model sessions, sampled (three warps, plugin sessions
+    around a model session) and greedy, in one `propose_many`: its first forward runs every model row, and there
+    are as many forwards as the longest draft; each round equals the same round computed alone, and two rounds of
+    one context and seed draft alike."""
     head, ref = Head(tiny, static), Head(tiny, static)
     works = [make(head, s, sampling) for s, sampling in ROUNDS]
     models = [w for w in works if w.drafter is not None and w.drafter.model_session is not None]
     calls = spy(head.drafter.engine, "forward_many")
-    run_together(head.batcher, works)
+    head.batcher.compute(works)
     assert len(models) == 7 and len(calls) == 4 and len(calls[0].caches) == 7
     assert [id(c) for c in calls[0].caches] == [id(w.drafter.model_session.cache) for w in models]  # type: ignore[union-attr]
     for (spec, sampling), w in zip(ROUNDS, works, strict=True):
-        assert_same_round(w, ref.batcher.run(make(ref, spec, sampling)), static)
+        assert_same_round(w, compute_alone(ref.batcher, make(ref, spec, sampling)), static)
         if w.drafter is not None and w.drafter.model_session is not None:  # the inner model drafted, too
             assert w.drafter.model_session.cache.length == len(w.context) + w.k - 1
     twin, other = works[0].draft, works[1].draft
@@ -220,11 +219,11 @@ def test_ngram_rounds_propose_in_one_call(tiny: Tiny, monkeypatch: pytest.Monkey
     works = [make(head, s, sampling) for s, sampling in zip(specs, samplings, strict=True)]
     monkeypatch.setattr(batching, "propose_ngram_many", counted)
     monkeypatch.setattr(NgramDrafter, "propose", lambda *a: pytest.fail("an n-gram round proposed alone"))
-    run_together(head.batcher, works)
+    head.batcher.compute(works)
     monkeypatch.undo()
     assert batched == [5]
     for spec, sampling, w in zip(specs, samplings, works, strict=True):
-        assert_same_round(w, ref.batcher.run(make(ref, spec, sampling)), False)
+        assert_same_round(w, compute_alone(ref.batcher, make(ref, spec, sampling)), False)
     assert works[2].draft is not None and works[2].draft.tokens == [11, 12, 9]
 
 
@@ -359,7 +358,7 @@ def test_a_session_proposing_alone_still_records_its_inner_draft(tiny: Tiny, sta
     does: unrecorded, every next round would feed the draft positions to the draft model again."""
     head, ref = Head(tiny, static), Head(tiny, static)
     works = [head.work(Spec(c, "alone", 4)) for c in CTX[:2]]  # a batch whose every model session proposes alone
-    run_together(head.batcher, works, spy(head.engine, "forward_many"))
+    head.batcher.compute(works)
     for c, w in zip(CTX[:2], works, strict=True):
         want = ref.alone(Spec(c, "model", 4))
         assert w.draft == Draft([1, 2, 3, 4], point=True)

@@ -15,7 +15,6 @@ import torch
 from click.testing import CliRunner
 
 from producer.cli import main
-from relay_broker.streams import publish
 from schemas.dead_letters import DeadLetterRecord
 from schemas.keys import Keys
 from schemas.packets import HEADER, MAC, PROTOCOL_VERSION, Verdict, encode_message
@@ -143,7 +142,7 @@ def test_fuzzed_streams_dead_letter_everything_and_real_generations_finish(
     for t in threads:
         t.start()
     for i, fields in enumerate(packets):
-        publish(redis_client, names.shared_requests if i % 2 else own, fields, maxlen=10_000)
+        redis_client.xadd(names.shared_requests if i % 2 else own, fields, maxlen=10_000, approximate=True)
     for t in threads:
         t.join(120)
     assert results == expected  # the real generations, interleaved with the fuzz, are exact

@@ -199,7 +199,7 @@ def test_static_batches_equal_each_sequence_on_a_growing_cache(name, slack, dev,
     model drafting: prompts of 20-110 tokens (past the window of 8 and, with a slack of 64, past the sliding layers'
     rings of 80), then 30 rounds of 1-4 tokens each rolled back to a random prefix, then a whole draft of 4; each
     row's logits equal the whole model's on a growing cache of its own, and its drafts are that model's greedy. On a
-    CUDA device (bench/device_gemma4.sh) the rounds and drafts replay CUDA graphs, a tail's taking its rows' ids."""
+    CUDA device (bench/device.sh gemma4) the rounds and drafts replay CUDA graphs, a tail's taking its rows' ids."""
     (_, (split, *_)), target = MODELS[name], gemma4[name]
     graphs, tol = ({"graphs": True}, 1e-3) if dev == "cuda" else ({}, 1e-4)  # float32; other kernels on CUDA
     settings = Settings(engine={"static": True, "max_len": 256, "window_slack": slack, "graph_k": 3} | graphs)

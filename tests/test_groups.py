@@ -1,24 +1,19 @@
 """Generations in flight split into groups whose rounds interleave (workers/head/groups.py, the batcher's
-group-at-a-time batches): the plan's choice from measured times, and the batcher computing one group while
-the rounds of the group before it are already back with their threads. Harness: tests/test_batcher.py."""
+group-at-a-time batches): the plan's choice from measured times, and the groups of that size computed one at a
+time, as the head's step loop hands them to `Batcher.compute`. Harness: tests/test_batcher.py."""
 # ruff: noqa: F811  (the fixtures imported from the harness are redefined as test parameters, as pytest does)
 
 from __future__ import annotations
 
-import threading
+import math
 
-from tests.test_batcher import (  # noqa: F401  (tiny and _no_stray_threads are fixtures)
+from tests.test_batcher import (  # noqa: F401  (tiny is a fixture)
     CTX,
-    WAIT_S,
     Head,
     Spec,
     Tiny,
-    _no_stray_threads,
     assert_same_round,
-    join,
-    queued,
     spy,
-    submit,
     tiny,
 )
 from workers.head.groups import GroupPlan, bucket
@@ -71,37 +66,23 @@ def test_an_unmeasured_bucket_is_scaled_from_the_nearest() -> None:
 
 
 def test_the_batcher_computes_a_group_at_a_time(tiny: Tiny) -> None:
-    """Four generations in flight and a plan of two groups: four queued rounds run as two batches of two, in
-    order; the first group's threads are back (their rounds out on the wire) while the second group computes;
-    each round equals its round alone."""
+    """Four generations in flight and a plan of two groups: groups of live / G rounds (the step loop's size,
+    `plan.groups(live)`), computed one after the other, run as two batches of two, in order; each round equals its
+    round alone."""
     head, ref = Head(tiny, True), Head(tiny, True)
     head.batcher.plan = plan_with({4: 0.05, 2: 0.025, 1: 0.025}, 0.1)
-    assert head.batcher.plan.groups(4) == 2
-    for _ in range(4):
-        head.batcher.enter()
     specs = [Spec(c, "model", 3) for c in CTX[:4]]
     works = [head.work(s) for s in specs]
-    first_back = threading.Event()
-
-    def second_batch_waits_for_the_first_group(n: int) -> None:
-        if n == 2:  # the first group's threads return while this batch has not computed yet
-            assert first_back.wait(WAIT_S), "the first group's threads waited for the second group's batch"
-
-    calls = spy(head.engine, "forward_many", second_batch_waits_for_the_first_group)
-    with head.batcher.lock:
-        subs = [submit(head.batcher, w) for w in works]
-        assert all(queued(head.batcher, w) for w in works)
-    watcher = threading.Thread(target=lambda: (join(subs[:2]), first_back.set()), daemon=True)
-    watcher.start()
-    join(subs)
-    watcher.join(WAIT_S)
-    assert [len(c.caches) for c in calls] == [2, 2]
+    live = len(works)
+    assert head.batcher.plan.groups(live) == 2
+    size = math.ceil(live / head.batcher.plan.groups(live))
+    calls = spy(head.engine, "forward_many")
+    for at in range(0, live, size):
+        head.batcher.compute(works[at : at + size])
     assert [c.caches for c in calls] == [[w.cache for w in works[:2]], [w.cache for w in works[2:]]]
+    assert (head.batcher.batches, head.batcher.rounds) == (2, 4)
     for spec, w in zip(specs, works, strict=True):
         assert_same_round(w, ref.alone(spec), True)
-    for _ in range(4):
-        head.batcher.leave()
-    assert head.batcher.live == 0
 
 
 def test_a_fixed_number_of_groups_is_kept() -> None:
@@ -109,22 +90,3 @@ def test_a_fixed_number_of_groups_is_kept() -> None:
     plan = GroupPlan(fixed=2)
     assert plan.groups(64) == 2 and plan.groups(1) == 1
     assert plan_with({64: 0.06, 32: 0.03}, 0.1).groups(64) == 4 and GroupPlan(fixed=1).groups(64) == 1
-
-
-def test_a_lingering_batch_waits_for_its_group(tiny: Tiny) -> None:
-    """With a linger (CPU heads), a batch that holds fewer rounds than its group waits for the rest (here the
-    second of two generations, submitted while the first waits) and runs them as one batch."""
-    head, ref = Head(tiny, True), Head(tiny, True)
-    head.batcher.linger_s = 0.5  # at most 2 s: far longer than the second submission takes
-    head.batcher.plan = GroupPlan(fixed=1)
-    head.batcher.enter()
-    head.batcher.enter()
-    specs = [Spec(c, "model", 3) for c in CTX[:2]]
-    works = [head.work(s) for s in specs]
-    calls = spy(head.engine, "forward_many")
-    first = submit(head.batcher, works[0])
-    second = submit(head.batcher, works[1])
-    join([first, second])
-    assert [len(c.caches) for c in calls] == [2]
-    for spec, w in zip(specs, works, strict=True):
-        assert_same_round(w, ref.alone(spec), True)

@@ -11,14 +11,13 @@ import secrets
 import pytest
 import torch
 
-from relay_broker.streams import ReplyReader, publish
 from schemas.dead_letters import DeadLetterRecord
 from schemas.errors import PacketError
 from schemas.groups import GROUP, entry_parts, pack_group, part_mac, seal_group, unpack_group
 from schemas.macs import DIGEST, authentic, session_key
 from schemas.packets import HEADER, MAC, ErrorReply, Verdict, decode_tail_message
 from schemas.requests import SamplingParams
-from tests.relay_util import TEST_HEAD, announce, sealed_round
+from tests.relay_util import TEST_HEAD, announce, open_replies, replies, sealed_round
 
 
 def _round(sid: str, n: int = 3, hidden: int = 64, key: bytes | None = None, **over) -> dict:
@@ -141,15 +140,16 @@ def test_a_garbage_session_inside_a_valid_group_fails_alone(models, tails, redis
     group = seal_group(rounds)
     tampered = bytearray(group[b"t.hidden"])
     tampered[7] ^= 0x40  # a copy of the group with one byte changed goes first: none of its parts verifies
-    publish(redis_client, names.shared_requests, {**group, b"t.hidden": bytes(tampered)}, maxlen=1000)
-    publish(redis_client, names.shared_requests, group, maxlen=1000)
+    stream = open_replies(redis_client, names)
+    redis_client.xadd(names.shared_requests, {**group, b"t.hidden": bytes(tampered)})
+    redis_client.xadd(names.shared_requests, group)
+    got = replies(redis_client, stream, {sids[0], sids[2], sids[3]})
     for i in (0, 3):
-        fields = ReplyReader(redis_client, names.reply(sids[i])).next(30)
-        assert authentic(keys[sids[i]], fields, reply=True)
-        assert isinstance(decode_tail_message(fields), Verdict)
-    bad = decode_tail_message(ReplyReader(redis_client, names.reply(sids[2])).next(30))
+        assert authentic(keys[sids[i]], got[sids[i]], reply=True)
+        assert isinstance(decode_tail_message(got[sids[i]]), Verdict)
+    bad = decode_tail_message(got[sids[2]])
     assert isinstance(bad, ErrorReply) and "hidden states must be" in bad.error
-    assert not redis_client.exists(names.reply(sids[1]))  # forged: dead-lettered, unanswered
+    assert sids[1] not in got  # forged: dead-lettered, unanswered
     records = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in redis_client.xrange(names.dead_letters)]
     mine = [r for r in records if r.session_id in keys and "MAC" in r.reason]
     assert len(mine) == 4 + 1  # the tampered copy's four parts, the forged one

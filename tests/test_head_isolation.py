@@ -71,7 +71,7 @@ class Victim:
 
     def __init__(self, s: Secured, model: Path, logdir: Path) -> None:
         self.s, self.admin, self.logdir = s, s.client("admin"), logdir
-        env = {"SHARDFLOW_REPLY_TIMEOUT_S": str(TIMEOUT_S), "SHARDFLOW_HEAD_CHECK_S": "0.5"}
+        env = {"SHARDFLOW_RELAY__REPLY_TIMEOUT_S": str(TIMEOUT_S), "SHARDFLOW_RELAY__HEAD_CHECK_S": "0.5"}
         args = tail_args(model, (SPLIT, N_LAYERS), s.url("tail-iso-t1"), PREFIX, ["--threads", "1"])
         self.tail = spawn([*args, "--name", "iso-t1", "--slots", "16"], logdir / "tail.log", {**os.environ, **env})
         wait_for_tails(self.admin, NAMES, proc=self.tail)  # type: ignore[arg-type]
@@ -182,6 +182,7 @@ def _forged_opening(sid: str, hidden_size: int) -> dict:
         eos_token_ids=[],
         max_new=100,
         q_kind="none",
+        reply_to=Keys.head_reply_to(head.name, head.boot),
     )
     return encode_round(header, {"hidden": torch.randn(3, hidden_size)}, session_key())[1]
 

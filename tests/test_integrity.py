@@ -24,7 +24,6 @@ import time
 
 import torch
 
-from relay_broker.streams import publish
 from schemas.dead_letters import DeadLetterRecord
 from schemas.groups import pack_group
 from schemas.keys import Keys
@@ -66,6 +65,7 @@ def test_a_forged_round_for_a_live_session_changes_nothing(models, hf_models, to
         base = dict(
             session_id=sid,
             head=runtime.beacons.ref,
+            reply_to=Keys.head_reply_to(runtime.beacons.ref.name, runtime.beacons.ref.boot),
             round_id=forged[0],
             sampling=SamplingParams(),
             eos_token_ids=[0],
@@ -94,7 +94,7 @@ def test_a_forged_round_for_a_live_session_changes_nothing(models, hf_models, to
         ]
         for fields in packets:
             for stream in (names.tail_requests(tail_name), names.shared_requests):
-                publish(redis_client, stream, fields, maxlen=1000)
+                redis_client.xadd(stream, fields, maxlen=1000, approximate=True)
 
     result = generate(_request(3), runtime, redis_client, names=names, session_id=sid, on_tokens=forge)
     assert result.token_ids == reference(FAMILY, hf_models[FAMILY], tokenizers[FAMILY])[3]
@@ -132,7 +132,6 @@ def test_forged_replies_of_every_kind_never_fail_or_change_a_job(models, hf_mode
         pipe = redis_client.pipeline(transaction=False)
         for fields in forged:  # where the head reads every reply to its sessions: alone, and as one group entry
             pipe.xadd(head_stream, fields)
-            pipe.xadd(names.reply(sid), fields)  # the session's own stream, which the head does not read
         pipe.xadd(head_stream, pack_group([{MAC: bytes(32), **f} for f in forged]))
         pipe.execute()
 
@@ -167,6 +166,7 @@ def _opening(sid: str, head: HeadRef, hidden_size: int) -> dict:
         eos_token_ids=[],
         max_new=8,
         q_kind="none",
+        reply_to=Keys.head_reply_to(head.name, head.boot),
     )
     return encode_round(header, {"hidden": torch.randn(3, hidden_size)}, session_key())[1]
 

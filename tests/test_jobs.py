@@ -316,12 +316,11 @@ def test_bench_plugin_sets_acceptance_through_the_job_path(models, redis_server,
         e.close()
 
 
-def test_jobs_queued_under_the_old_wire_name_still_run():
-    """The job function's wire name names its module; a job an earlier release queued under the old name
-    (`workers.jobs.run_generation`) maps to the same function."""
-    from schemas.jobs import LEGACY_RUN_GENERATION, RUN_GENERATION
+def test_the_allow_list_holds_only_the_job_functions_wire_name():
+    """The job function's wire name names its module, and a head allows that name alone."""
+    from schemas.jobs import RUN_GENERATION
     from workers.head.rq_worker import head_job_class
 
     functions = head_job_class(object()).functions  # type: ignore[arg-type]
     assert RUN_GENERATION == "workers.head.job_function.run_generation"
-    assert functions[RUN_GENERATION] is functions[LEGACY_RUN_GENERATION]
+    assert list(functions) == [RUN_GENERATION]

@@ -9,7 +9,6 @@ import threading
 import pytest
 import torch
 
-from relay_broker.streams import ReplyReader, publish
 from schemas.dead_letters import DeadLetterRecord
 from schemas.errors import PacketError
 from schemas.macs import authentic, seal
@@ -17,17 +16,15 @@ from schemas.packets import (
     HEADER,
     MAC,
     TENSOR_PREFIX,
-    decode_head_message,
     decode_tail_message,
     encode_round,
     round_fields,
 )
 from schemas.packets import round_header as make_header
-from schemas.peek import head_batch_incomplete, peek_head_batch
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.tensors import TensorMeta
 from tests.conftest import PROMPTS
-from tests.relay_util import TEST_HEAD, TEST_KEY, reseal, sealed_round
+from tests.relay_util import TEST_HEAD, TEST_KEY, TEST_REPLY_TO, open_replies, replies, reseal, sealed_round
 from workers.head.runtime import HeadRuntime, generate
 
 CAP = 200_000
@@ -114,24 +111,28 @@ def test_bad_packets_get_clear_errors_while_others_run(guarded_tail, redis_clien
             results[p] = generate(req, runtime, redis_client, names=names).token_ids
 
     packets = bad_packets()
+    stream = open_replies(redis_client, names)  # the test head's reply stream, where answered packets' replies go
     worker = threading.Thread(target=real_generations)
     worker.start()
     for _ in range(3):
         for _, fields, _, _ in packets:
-            publish(redis_client, names.shared_requests, fields, maxlen=1000)
+            redis_client.xadd(names.shared_requests, fields, maxlen=1000, approximate=True)
     worker.join(120)
     assert not worker.is_alive()
 
     dead = [DeadLetterRecord.model_validate_json(f[HEADER]) for _, f in redis_client.xrange(names.dead_letters)]
-    for sid, _, fragment, answered in bad_packets():
+    expected = bad_packets()
+    answered = {sid for sid, _, _, yes in expected if sid is not None and yes}
+    got = replies(redis_client, stream, answered)
+    for sid, _, fragment, yes in expected:
         if sid is None:
             continue
         assert any(d.session_id == sid and fragment in d.reason for d in dead), (sid, fragment)
-        if answered:
-            reply = decode_tail_message(ReplyReader(redis_client, names.reply(sid)).next(30))
+        if yes:
+            reply = decode_tail_message(got[sid])
             assert reply.kind == "error" and fragment in reply.error, (sid, reply)
         else:
-            assert not redis_client.exists(names.reply(sid)), sid
+            assert sid not in got, sid
     for p in PROMPTS[:6]:
         ids = torch.tensor([tok.encode(p)])
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
@@ -141,26 +142,10 @@ def test_bad_packets_get_clear_errors_while_others_run(guarded_tail, redis_clien
     assert "packet has no header" in text and "header is not JSON" in text
 
 
-def test_head_batch_hint_is_read_defensively():
-    """A round's head-batch hint is validated like the rest of the header; a tail reads it before validation
-    only to decide how long to wait (never long), and a malformed one reads as no hint."""
-    tagged = [good_fields(f"s{i}", head_batch={"id": "ab12", "size": 3}) for i in range(2)]
-    assert peek_head_batch(tagged[0]) == ("ab12", 3)
-    assert head_batch_incomplete(tagged)  # 2 of 3 read
-    assert not head_batch_incomplete([*tagged, good_fields("s2", head_batch={"id": "ab12", "size": 3})])
-    assert not head_batch_incomplete([good_fields("plain")])  # no hint: nothing to wait for
-    for bad in ({"id": "NOT-HEX", "size": 3}, {"id": "ab", "size": 0}, {"id": "ab", "size": 1 << 20}, "x"):
-        fields = good_fields("bad")
-        fields[HEADER] = json.dumps({**json.loads(fields[HEADER]), "head_batch": bad}).encode()
-        assert peek_head_batch(fields) is None and not head_batch_incomplete([fields])
-        with pytest.raises(Exception, match="head_batch"):
-            decode_head_message(fields)
-
-
 def test_a_header_made_ahead_seals_the_same_round():
     """`round_header` before the tensors exist, then `round_fields`: the same stream fields as `encode_round`; a
     tensor that is not what the header says is refused rather than sealed under it."""
-    fields = {"head": TEST_HEAD, **round_header("s" * 32, start_pos=5, draft_ids=[4, 5])}
+    fields = {"head": TEST_HEAD, "reply_to": TEST_REPLY_TO, **round_header("s" * 32, start_pos=5, draft_ids=[4, 5])}
     hidden = torch.randn(5, 8, dtype=torch.float16)
     packet, header = make_header(fields, {"hidden": TensorMeta(dtype="float16", shape=[5, 8])}, TEST_KEY)
     assert (

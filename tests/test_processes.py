@@ -67,7 +67,7 @@ def _alive(pid: int, start: int) -> bool:
 def test_sigkilled_head_leaves_no_process_and_its_scheduler_lock_expires(models, redis_server, tmp_path):
     r = connect(redis_server.url)
     queue, prefix, ttl = "q-procs", "p-procs", 3
-    env = {**os.environ, "SHARDFLOW_HEARTBEAT_TTL_S": str(ttl), "SHARDFLOW_MAINTENANCE_S": "1"}
+    env = {**os.environ, "SHARDFLOW_JOBS__HEARTBEAT_TTL_S": str(ttl), "SHARDFLOW_JOBS__MAINTENANCE_S": "1"}
     args = ["head", "--target", str(models["qwen2"].target), "--layers", f"0:{SPLIT}", "--queue", queue]
     args += ["--prefix", prefix, "--redis-url", redis_server.url, "--threads", "1", "--name", "procs-h1"]
     log = tmp_path / "head.log"

@@ -11,6 +11,7 @@ import pytest
 from rq.serializers import JSONSerializer
 
 from schemas.keys import Keys
+from workers.head.flushes import FlushPool
 from workers.head.progress import JobCancelled, Progress
 
 
@@ -26,7 +27,7 @@ def test_token_stream_resend_is_not_streamed_twice(redis_client):
     the same text on the job's token stream twice: entry ids are where the text ends."""
     keys = Keys(prefix="resend")
     job = SimpleNamespace(id="j1", key="resend:job:j1", meta={}, serializer=JSONSerializer)
-    progress = Progress(job, redis_client, keys, Chars(), 600, 0.2)  # type: ignore[arg-type]
+    progress = Progress(job, redis_client, keys, Chars(), 600, 0.2, FlushPool(redis_client, 1))  # type: ignore[arg-type]
     progress.flush([0, 1], final=False)
     progress.flushed_chars = 0  # as if the reply was lost and the same pipeline ran again
     progress.flush([0, 1], final=False)
@@ -42,7 +43,7 @@ def test_progress_flushes_off_the_round_loop(redis_client, monkeypatch):
     it, flushes stay in order, and a cancel request found by a flush stops the generation a round later."""
     keys = Keys(prefix="offpath")
     job = SimpleNamespace(id="j2", key="offpath:job:j2", meta={}, serializer=JSONSerializer)
-    progress = Progress(job, redis_client, keys, Chars(), 600, 0.2)  # type: ignore[arg-type]
+    progress = Progress(job, redis_client, keys, Chars(), 600, 0.2, FlushPool(redis_client, 1))  # type: ignore[arg-type]
     gate = threading.Event()
     real_took = progress.took_flush
 
@@ -73,22 +74,21 @@ def test_flushes_queued_together_share_one_round_trip(redis_client, monkeypatch)
     job's answer stays its own (a cancel request fails that job's flush alone)."""
     import redis
 
-    from workers.head.flushes import FlushPool
-
     executes = []
     real_execute = redis.client.Pipeline.execute
 
     def counted(self, *a, **kw):
-        executes.append(len(self.command_stack))
+        if threading.current_thread().name.startswith("coalesce"):  # the pool's, not another test's head beacon
+            executes.append(len(self.command_stack))
         return real_execute(self, *a, **kw)
 
     monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
     keys = Keys(prefix="coalesce")
-    pool = FlushPool(redis_client, threads=1)
+    pool = FlushPool(redis_client, threads=1, name="coalesce")
     jobs = [
         SimpleNamespace(id=f"j{i}", key=f"coalesce:job:j{i}", meta={}, serializer=JSONSerializer) for i in range(41)
     ]
-    progs = [Progress(job, redis_client, keys, Chars(), 600, 0.2, pool=pool) for job in jobs]  # type: ignore[arg-type]
+    progs = [Progress(job, redis_client, keys, Chars(), 600, 0.2, pool) for job in jobs]  # type: ignore[arg-type]
     gate = threading.Event()
     real_took = progs[0].took_flush
     monkeypatch.setattr(progs[0], "took_flush", lambda replies, mark: gate.wait(30) and real_took(replies, mark))

@@ -9,8 +9,8 @@ import redis
 
 from relay_broker.connection import connect, transport_retry, warm_pool
 from relay_broker.embedded import EmbeddedRedis, free_port
-from relay_broker.streams import GroupReader, Reply, ReplyReader, add_reply, publish
-from schemas.errors import ReplyTimeout, TransportError
+from relay_broker.streams import GroupReader, Reply
+from schemas.errors import TransportError
 from schemas.keys import Keys
 from schemas.settings import Settings
 
@@ -70,7 +70,7 @@ def test_unreachable_redis_is_a_transport_error():
 def test_group_reader_pending_first_then_new(redis_client):
     names = Keys("relaytest")
     reader = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])
-    publish(redis_client, names.shared_requests, {b"h": b"1"}, maxlen=100)
+    redis_client.xadd(names.shared_requests, {b"h": b"1"})
     ((stream, entry_id, fields),) = reader.read(block_ms=100)
     assert fields == {b"h": b"1"}
     again = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])  # a restart
@@ -80,23 +80,29 @@ def test_group_reader_pending_first_then_new(redis_client):
     assert again.read(block_ms=50) == []
 
 
-def test_reply_reader_order_and_timeout(redis_client):
-    stream = Keys("relaytest").reply("s1")
-    pipe = redis_client.pipeline()
-    add_reply(pipe, Reply(stream, {b"h": b"a"}, 600), maxlen=64)
-    add_reply(pipe, Reply(stream, {b"h": b"b"}, 600), maxlen=64)
-    pipe.execute()
-    reader = ReplyReader(redis_client, stream)
-    assert reader.next(1)[b"h"] == b"a" and reader.next(1)[b"h"] == b"b"
-    assert 0 < redis_client.ttl(stream) <= 600
-    with pytest.raises(ReplyTimeout):
-        reader.next(0.2)
+def test_a_reply_never_makes_a_stream_and_a_refused_one_fails_no_ack(redis_client, caplog):
+    """Issue 56, N2: one XADD of the last possible id froze a head: every later reply to it failed on every tail
+    (the tail's whole acknowledgement failed with it). A tail's replies never make a head's stream (one that is
+    gone drops them), and a write Redis refuses is logged once while the entries are acknowledged all the same."""
+    names = Keys(f"replytest-{uuid.uuid4().hex[:6]}")
+    reader = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])
+    gone, wedged = names.reply("head.h.gone"), names.reply("head.h.wedged")
+    redis_client.execute_command("XADD", wedged, "18446744073709551615-18446744073709551615", "junk", "1")
+    for _ in range(2):
+        redis_client.xadd(names.shared_requests, {b"h": b"round"})
+        ((stream, entry_id, _),) = reader.read(block_ms=100)
+        reader.ack_many(
+            [(stream, entry_id, Reply(gone, {b"h": b"v"})), (stream, entry_id, Reply(wedged, {b"h": b"v"}))]
+        )
+    assert not redis_client.exists(gone) and redis_client.xlen(wedged) == 1
+    assert redis_client.xlen(names.shared_requests) == 0  # both acknowledged and deleted
+    assert sum("cannot write to" in r.message and wedged in r.message for r in caplog.records) == 1
 
 
 def test_group_reader_claims_what_a_dead_consumer_left(redis_client):
     names = Keys("claimtest")
     dead = GroupReader(redis_client, names.tail_group, "dead", [names.shared_requests])
-    publish(redis_client, names.shared_requests, {b"h": b"stranded"}, maxlen=100)
+    redis_client.xadd(names.shared_requests, {b"h": b"stranded"})
     assert [e[2] for e in dead.read(block_ms=100)] == [{b"h": b"stranded"}]  # read, never acked: it "died"
     live = GroupReader(
         redis_client,

@@ -88,8 +88,8 @@ def test_rendered_acl_holds_only_hashes_and_disables_default():
                 render_acl.render(render_acl.TEMPLATE.read_text(), pw | {"SHARDFLOW_ACL_HEADS": bad})
     with pytest.raises(render_acl.RenderError, match="shorter than 16"):
         render_acl.render(render_acl.TEMPLATE.read_text(), pw | {"REDIS_TAIL_PASSWORD": "short"})
-    with pytest.raises(render_acl.RenderError, match="SHARDFLOW_PREFIX"):
-        render_acl.render(render_acl.TEMPLATE.read_text(), pw | {"SHARDFLOW_PREFIX": "a*"})
+    with pytest.raises(render_acl.RenderError, match="SHARDFLOW_REDIS__PREFIX"):
+        render_acl.render(render_acl.TEMPLATE.read_text(), pw | {"SHARDFLOW_REDIS__PREFIX": "a*"})
 
 
 def test_compose_loads_the_rendered_acl_file_and_the_tls_overlay_agrees():
@@ -106,8 +106,8 @@ def test_compose_loads_the_rendered_acl_file_and_the_tls_overlay_agrees():
     assert tls_cmd[tls_cmd.index("--port") + 1] == "0" and tls_cmd[tls_cmd.index("--tls-auth-clients") + 1] == "yes"
     for role in ("tail", "head", "producer"):
         pw = f"${{REDIS_{role.upper()}_PASSWORD:-}}"
-        assert base[role]["environment"]["SHARDFLOW_REDIS_URL"].startswith(f"redis://{role}:{pw}@")
-        url = tls[role]["environment"]["SHARDFLOW_REDIS_URL"]
+        assert base[role]["environment"]["SHARDFLOW_REDIS__URL"].startswith(f"redis://{role}:{pw}@")
+        url = tls[role]["environment"]["SHARDFLOW_REDIS__URL"]
         assert url.startswith(f"rediss://{role}:{pw}@") and "./tls:/tls:ro" in tls[role]["volumes"]
         assert all(f"{opt}=/tls/" in url for opt in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"))
 
@@ -198,7 +198,7 @@ class Workers:
         args += ["--redis-url", s.url("head"), "--threads", "1", "--name", "sec-h1"]
         args += ["--concurrency", "1"]  # one job at a time: cancel finds one running and one queued
         self.callback_marker = logdir / "head-ran-a-callback"  # what forged_failure_callback would touch
-        env = {**os.environ, CALLBACK_MARKER: str(self.callback_marker), "SHARDFLOW_MAINTENANCE_S": "1"}
+        env = {**os.environ, CALLBACK_MARKER: str(self.callback_marker), "SHARDFLOW_JOBS__MAINTENANCE_S": "1"}
         with (logdir / "head.log").open("ab") as log:
             self.procs["head"] = subprocess.Popen(
                 [sys.executable, "-m", "producer", *args], stdout=log, stderr=log, env=env

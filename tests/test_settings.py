@@ -1,4 +1,4 @@
-"""The one Settings (schemas/settings.py): groups by concern, the environment's nested and flat names, flags on
+"""The one Settings (schemas/settings.py): groups by concern, one environment name per field (nested), flags on
 top; carried by processes, never read as a global by the schemas; a request's k apart from the engines' shapes."""
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import torch
 
 from producer import options
 from producer.local import wait_for_tails
-from schemas.flat_env import flat_names
 from schemas.keys import Keys
 from schemas.requests import DraftSettings, GenerationRequest
-from schemas.settings import EngineSettings, GenerationSettings, Settings
+from schemas.settings import ApiSettings, EngineSettings, GenerationSettings, JobSettings, RedisSettings, Settings
 from tests.conftest import PROMPTS
 from workers.engine.runner import Engine
 from workers.engine.shard import load_shard
@@ -24,19 +23,6 @@ from workers.head.runtime import HeadRuntime, generate
 from workers.tail.server import TailWorker
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# Every flat name ShardFlow 0.1 read (SHARDFLOW_<NAME>): each still sets its field.
-OLD_NAMES = """redis_url prefix socket_timeout_s connect_attempts reconnect_min_s reconnect_max_s worker_restart_max_s
-worker_restart_reset_s block_ms queue result_ttl_s max_batch_jobs job_timeout_s job_retries retry_intervals_s
-heartbeat_s heartbeat_ttl_s maintenance_s poll_interval_s follow_block_ms follow_read_count progress_interval_s
-api_max_body_bytes api_max_concurrent api_timeout_s api_body_timeout_s api_max_json_depth api_liveness_s
-api_result_grace_s api_shutdown_s api_model_name api_shared_batches draft_k ngram_max ngram_min batch_slots gpu_memory
-cuda_context_gib graph_reserve max_slots short_cache_len long_slots_share cpu_slots batch_linger_ms static_cache_len
-graph_capture_len verify_warp_rows head_groups prefill_tokens fused_layers max_new_tokens group_messages head_poll_ms
-reply_timeout_s tail_busy_wait_s tail_busy_max_s resume_attempts max_packet_bytes max_header_bytes max_tensor_elements
-request_stream_maxlen dead_letter_maxlen reply_stream_maxlen reply_read_count reply_dead_letters_max reply_ttl_s
-final_reply_ttl_s claim_idle_ms tail_stream_ttl_s tail_keepalive_s max_sessions session_ttl_s head_check_s
-head_recheck_s""".split()
 
 
 @pytest.fixture
@@ -62,25 +48,30 @@ def test_nested_environment_names_set_each_group(clean_env):
     assert s.generation == GenerationSettings()  # untouched groups keep the documented defaults
 
 
-def test_flat_names_of_0_1_still_work_below_nested_ones_and_flags_win(clean_env):
-    clean_env.setenv("SHARDFLOW_REDIS_URL", "redis://flat:1/0")
-    clean_env.setenv("SHARDFLOW_BATCH_SLOTS", "5")
-    clean_env.setenv("SHARDFLOW_QUEUE", "q-flat")
-    clean_env.setenv("SHARDFLOW_API_TIMEOUT_S", "9")
-    clean_env.setenv("SHARDFLOW_GPU_MEMORY", "0.7")
-    clean_env.setenv("SHARDFLOW_ENGINE__GPU_MEMORY", "0.3")  # the nested name wins over the flat one
-    s = Settings()
-    assert (s.redis.url, s.engine.slots, s.jobs.queue, s.api.timeout_s) == ("redis://flat:1/0", 5, "q-flat", 9.0)
-    assert s.engine.gpu_memory == 0.3
+def test_flags_win_over_the_environment(clean_env):
+    clean_env.setenv("SHARDFLOW_ENGINE__GPU_MEMORY", "0.3")
+    clean_env.setenv("SHARDFLOW_ENGINE__SLOTS", "5")
     flags = options.worker_settings(engine={"slots": 2, "gpu_memory": None}, jobs={"queue": "q-flag"})
     assert (flags.engine.slots, flags.engine.gpu_memory, flags.jobs.queue) == (2, 0.3, "q-flag")  # None: not given
 
 
-def test_every_old_flat_name_maps_to_one_field():
-    flat = {name: (group, field) for group, field, name in flat_names(Settings)}
-    assert len(flat) == len(list(flat_names(Settings))), "two fields answer to one flat name"
-    assert not [n for n in OLD_NAMES if n not in flat]
-    assert flat["redis_url"] == ("redis", "url") and flat["static_cache_len"] == ("engine", "max_len")
+def test_the_flat_names_of_0_1_and_old_field_names_set_nothing(clean_env):
+    """One environment name per field: SHARDFLOW_<GROUP>__<FIELD>. The flat ones (SHARDFLOW_REDIS_URL,
+    SHARDFLOW_BATCH_SLOTS, ...) are ignored, and a group refuses a field's old name."""
+    for name, value in {
+        "SHARDFLOW_REDIS_URL": "redis://flat:1/0",
+        "SHARDFLOW_QUEUE": "q-flat",
+        "SHARDFLOW_BATCH_SLOTS": "5",
+        "SHARDFLOW_STATIC_CACHE_LEN": "99",
+        "SHARDFLOW_GPU_MEMORY": "0.7",
+        "SHARDFLOW_API_TIMEOUT_S": "9",
+        "SHARDFLOW_HEARTBEAT_TTL_S": "1",
+    }.items():
+        clean_env.setenv(name, value)
+    s = Settings()
+    assert (s.redis, s.jobs, s.engine, s.api) == (RedisSettings(), JobSettings(), EngineSettings(), ApiSettings())
+    with pytest.raises(ValueError, match="batch_slots"):
+        Settings(engine={"batch_slots": 2})
 
 
 def test_a_bad_setting_from_the_environment_is_a_usage_error(clean_env):

@@ -39,7 +39,8 @@ TRIGGER, DIM = 319, 0  # the overflow model's token that overflows, and the resi
 
 def round_fields(header: dict, hidden: torch.Tensor, key: bytes) -> dict:
     """A round's stream fields as a head encodes them (one place to adapt if the packet changes)."""
-    return encode_round({"head": HEAD, **header}, {"hidden": hidden}, key)[1]
+    reply_to = Keys.head_reply_to(HEAD["name"], HEAD["boot"])  # type: ignore[arg-type]
+    return encode_round({"head": HEAD, "reply_to": reply_to, **header}, {"hidden": hidden}, key)[1]
 
 
 def reply_of(reply) -> Verdict | ErrorReply:

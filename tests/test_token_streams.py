@@ -21,6 +21,7 @@ from schemas.keys import Keys
 from schemas.requests import GenerationResult, RoundTimings
 from tests.conftest import PROMPTS
 from tests.job_env import Env, reference
+from workers.head.flushes import FlushPool
 from workers.head.job_function import finish
 from workers.head.progress import Progress
 
@@ -34,7 +35,7 @@ class Chars:
 
 def progress(r, name: str) -> Progress:
     job = SimpleNamespace(id=name, key=f"{name}:job:{name}", meta={}, serializer=JSONSerializer)
-    return Progress(job, r, Keys(prefix=name), Chars(), 600, 0.2)  # type: ignore[arg-type]
+    return Progress(job, r, Keys(prefix=name), Chars(), 600, 0.2, FlushPool(r, 1, name))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -91,7 +92,7 @@ def test_a_stream_broken_at_the_last_write_is_said_in_the_stored_result(redis_cl
         tokens_per_s=1.0,
         timings=RoundTimings(),
     )
-    ctx = SimpleNamespace(r=redis_client, names=p.keys)
+    ctx = SimpleNamespace(r=redis_client, names=p.keys, flusher=p.pool)
     data = finish(ctx, p.job, p, result, 600)  # type: ignore[arg-type]
     stored = GenerationResult.model_validate_json(redis_client.get(p.keys.result(p.job.id)))
     assert data["stream_broken"] == stored.stream_broken == p.stream_broken is not None

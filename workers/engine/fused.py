@@ -7,10 +7,11 @@ experts' block is called as it is, transformers' grouped-GEMM experts, graph-saf
 as the Hugging Face layers, in about half the kernel launches (a 14-layer 7B shard: 800 -> 386 on an H200). Kernels:
 fused_ops.py.
 
-Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py); in bf16 some roundings fall elsewhere (the
-norm's weight is applied before rounding, a residual add is fused into its GEMM, rotary rounds once, SiLU's exp is
-Triton's), differences of the size of those between a round's K+1-row forwards and `generate`'s one-row steps. Steps
-with gathered keys whose scores would outgrow `shard.FUSED_MAX_SCORE_BYTES` (long prefills) run the HF layers.
+Equal in float32 to ~1e-6 (tests/test_fused.py, bench/batch_check.py, removed: git history before 92894f6); in bf16
+some roundings fall elsewhere (the norm's weight is applied before rounding, a residual add is fused into its GEMM,
+rotary rounds once, SiLU's exp is Triton's), differences of the size of those between a round's K+1-row forwards
+and `generate`'s one-row steps. Steps with gathered keys whose scores would outgrow `shard.FUSED_MAX_SCORE_BYTES`
+(long prefills) run the HF layers.
 
 A lone drafter step is latency-bound: on an H200 the stock layer launched ~48 kernels per layer (7 GEMMs, a dozen
 elementwise ops for RMSNorm and rotary embeddings, K/V copies per query head), ~2 µs each. Here each layer runs:
@@ -22,7 +23,8 @@ elementwise ops for RMSNorm and rotary embeddings, K/V copies per query head), ~
 - attention over a batch's pool in place (pool_attention.py, FlashAttention) where it runs; else as GEMMs with the
   grouped-query heads folded into the query rows and the mask as an additive bias built once per forward, or, on CUDA
   in half precision for round-sized steps (`SDPA_MAX_TOKENS`) of at least `SDPA_MIN_ROWS` query rows, torch's SDPA
-  over the same layout (a 7B round at 64 sequences 61 against 134 us a layer on an H200, bench/attn_variants.py);
+  over the same layout (a 7B round at 64 sequences 61 against 134 us a layer on an H200, bench/attn_variants.py,
+  removed: git history before 92894f6);
 - the output and down projections fused with their residual adds (`addmm`).
 A drafter's steps of a few token rows over a pool read in place run as Triton kernels instead (decode_kernels.py).
 Caches are the same objects (`update(k, v, layer_idx)`), so dynamic, static and batched caches work. `can_fuse(layers,

@@ -14,7 +14,8 @@ keep stale entries out of attention's output: a masked probability of 0 times a 
 key's score stays NaN under a -inf bias), so one sequence's non-finite keys/values, forged or a real float16
 overflow, would fail every later sequence of its slot. Zeroed, what a slot holds past its length is only the
 current sequence's own (finite while its outputs are: its rows attend to them, masked). One memset per
-layer per release costs far less than masking keys/values in every round (bench/slot_hygiene.py).
+layer per release costs far less than masking keys/values in every round (bench/slot_hygiene.py, removed: git history
+before 92894f6).
 
 Both answer `positions(start, n)` and `mask(pos, window)` so a shard builds its attention mask the same way (a
 window: each query sees only the last `window` positions up to its own, as HF's sliding-window layers do).

@@ -1,26 +1,26 @@
 """Batching the head's compute across generations in flight.
 
-The head's step loop (workers/head/loop.py) hands `compute` each group it assembled. `run` is the same
-compute for callers on threads of their own (flat combining): each thread submits its round's work (draft
-up to k tokens, then run the lower shard over [uncached committed tokens, drafts]) and takes the compute
-lock; whichever thread gets the lock runs everything queued by then as one batch. Either way the model
-drafts of a batch, greedy or sampled, advance together per draft model (`propose_many`: one batched
-draft-model forward per draft position, or for an all-greedy batch the whole draft as one graph replay;
-plugin sessions around a model session get their inner model's draft, then `finish` it), n-gram proposals
-run in one call (`propose_ngram_many`), and the lower shard runs once over every sequence's round. A whole
-greedy draft is not read back before the lower shard is queued behind it: the drafts a session proposes as
-they are join the lower shard's ids on the device (`Drafted`), so the device runs draft and lower shard with no
-host round trip between them. Other
-drafters propose one by one. If a batch fails, each of its generations is retried alone (its caches rolled
-back to where the round started, a sampled draft's generator to its state as submitted), so one bad
-sequence fails only itself.
+The head's step loop (workers/head/loop.py) assembles a group of its ready generations (about live / G of them:
+workers/head/groups.py) and hands their rounds to `Batcher.compute` under the runtime's lock, one group at a time;
+each round (`HeadWork`) is to draft up to k tokens, then run the lower shard over [uncached committed tokens,
+drafts]. The model drafts of a batch, greedy or sampled, advance together per draft model (`propose_many`: one
+batched draft-model forward per draft position, or for an all-greedy batch the whole draft as one graph replay;
+plugin sessions around a model session get their inner model's draft, then `finish` it), n-gram proposals run in
+one call (`propose_ngram_many`), other drafters propose one by one, and the lower shard runs once over every
+sequence's round. A whole greedy draft is not read back before the lower shard is queued behind it: the drafts a
+session proposes as they are join the lower shard's ids on the device (`Drafted`), so the device runs draft and
+lower shard with no host round trip between them. While the device runs, the loop's own work goes on: `compute`
+calls its `idle` once both are queued and again once the drafts are read, and its `poll` while it waits for the
+device (`await_device`). The hidden states come back to the host in one copy, with one check for non-finite rows
+on the device (`to_host_checked`); a sequence with such rows fails alone. If a batch fails, each of its rounds is
+retried alone (its caches rolled back to where the round started, a sampled draft's generator to its state as
+handed in), so one bad sequence fails only itself; an interrupt (a BaseException: a shutdown, say) fails the
+whole batch and is raised on.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,9 +47,10 @@ from workers.speculative.drafters import (
 )
 
 
-@dataclass(eq=False)  # queued and withdrawn by identity
+@dataclass(eq=False)  # compared by identity: its fields hold tensors and caches
 class HeadWork:
-    """One generation's round, as submitted; the batch fills in draft, hidden and the stage times."""
+    """One generation's round, as the step loop hands it in (`RoundLoop.next_work`); the batch fills in draft, hidden
+    and the stage times."""
 
     drafter: DraftSession | None
     context: list[int]  # committed tokens
@@ -68,8 +69,7 @@ class HeadWork:
     route: str = ""  # the stream its packet goes to
     tag: tuple[str, int] | None = None  # (the batch's id, its rounds with the same route): the tail's hint
     error: BaseException | None = None
-    finished: bool = False  # its batch ended (set before the batcher's condition is notified; no Event a round)
-    gen_state: torch.Tensor | None = field(default=None, init=False)  # a sampled draft's generator, as submitted
+    gen_state: torch.Tensor | None = field(default=None, init=False)  # a sampled draft's generator, as handed in
 
     def __post_init__(self) -> None:
         if self.gen is not None and not self.sampling.greedy:  # only sampled drafts draw from it
@@ -143,100 +143,22 @@ def _fail(w: HeadWork, e: Exception) -> None:
 
 
 class Batcher:
-    """Runs submitted rounds in batches on one engine (the head shard's), a group at a time.
+    """Computes the groups of rounds the head's step loop assembles, one at a time, on one engine (the head
+    shard's). The loop holds the runtime's lock around each `compute`.
 
-    A submitting thread computes when no other is computing (holding the runtime's lock for the batch); it takes
-    the oldest queued rounds, at most one group's worth (`GroupPlan`: about live / G rounds), so while one group
-    computes, the rounds of the last one go out on the wire. Threads whose rounds another thread computed
-    return as soon as that batch ends."""
+    It also keeps what the loop sizes and paces its groups by: `plan` (`GroupPlan`: how many groups the
+    generations in flight split into, from the batch times and round waits noted to it) and `linger_s` (a CPU
+    head's linger: how long the loop may wait for a group's worth of ready rounds before it computes fewer; on a
+    CPU a batched forward costs little more than one sequence's, so generations that fell out of step cost more
+    than one wait that puts them back in step). `batches` and `rounds` count the batches computed and the rounds
+    in them: how well rounds batch."""
 
-    def __init__(
-        self, engine: Engine, lock: threading.RLock, plan: GroupPlan | None = None, linger_s: float = 0.0
-    ) -> None:
-        self.engine, self.lock, self.linger_s = engine, lock, linger_s
+    def __init__(self, engine: Engine, plan: GroupPlan | None = None, linger_s: float = 0.0) -> None:
+        self.engine, self.linger_s = engine, linger_s
         self.plan = plan or GroupPlan()
-        self._queue: list[HeadWork] = []
-        self._cv = threading.Condition()  # guards the queue, `_busy` and `live`; notified when a batch ends
-        self._busy = False  # a thread is computing (or waiting for the runtime's lock to)
-        self.live = 0  # generations in flight (`enter` / `leave`)
-        self._entered = -math.inf  # when a generation last entered
         self.batches = self.rounds = 0  # counters: how well rounds batch
         self._idle: Callable[[], None] | None = None  # `compute`'s caller's work while the device runs
         self._wait: Wait | None = None  # how `compute`'s waits for the device take the caller's work meanwhile
-
-    def enter(self) -> None:
-        with self._cv:
-            self.live += 1
-            self._entered = time.monotonic()
-            self._cv.notify_all()  # a lingering batch waits while generations are still starting
-
-    def leave(self) -> None:
-        with self._cv:
-            self.live = max(self.live - 1, 0)
-
-    def run(self, work: HeadWork) -> HeadWork:
-        """Compute `work` (possibly inside another thread's batch); raise its error if it failed."""
-        with self._cv:
-            self._queue.append(work)
-            self._cv.notify_all()  # a lingering batch may be waiting for it
-        try:
-            while not work.finished:
-                if not self._compute_next():
-                    with self._cv:
-                        while self._busy and not work.finished:
-                            self._cv.wait()
-        finally:  # interrupted while waiting (a job timeout, say): never leave the round to another batch
-            with self._cv:
-                if work in self._queue:
-                    self._queue.remove(work)
-                else:  # another thread's batch holds it: its caches stay ours until it ends
-                    while not work.finished:
-                        self._cv.wait()
-        if work.error is not None:
-            raise work.error
-        return work
-
-    def _compute_next(self) -> bool:
-        """Compute the next group of queued rounds, unless another thread is computing (False)."""
-        with self._cv:
-            if self._busy:
-                return False
-            self._busy = True
-        try:
-            with self.lock:
-                self._linger()
-                with self._cv:
-                    size = math.ceil(max(self.live, len(self._queue), 1) / self.plan.groups(self.live))
-                    batch, self._queue = self._queue[:size], self._queue[size:]
-                if batch:
-                    t0 = time.perf_counter()
-                    self._compute(batch)
-                    self.plan.note_batch(len(batch), time.perf_counter() - t0)
-        finally:
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
-        return True
-
-    def _linger(self) -> None:
-        """With `linger_s` (a CPU head): while fewer rounds are queued than a group's worth, wait for the rest,
-        at most a round's measured wait for its verdict (4 * linger_s before one is measured; never more than
-        50 * linger_s, for a generation that does not come back soon, waiting on a busy tail, say), and while
-        generations keep entering within linger_s of each other (jobs started together). On a CPU a
-        batched forward costs little more than one sequence's, so generations that fell out of step (the first
-        of a batch run alone, the rest after it) cost more than one wait that puts them back in step."""
-        if self.linger_s <= 0:
-            return
-        deadline = time.monotonic() + min(max(4 * self.linger_s, self.plan.wait or 0.0), 50 * self.linger_s)
-        with self._cv:
-            while True:
-                now = time.monotonic()
-                starting = now - self._entered < self.linger_s  # jobs started together: wait for them all
-                if not starting and len(self._queue) >= math.ceil(max(self.live, 1) / self.plan.groups(self.live)):
-                    return
-                if now >= deadline:
-                    return
-                self._cv.wait(min(deadline - now, self.linger_s) if starting else deadline - now)
 
     def compute(
         self, batch: list[HeadWork], idle: Callable[[], None] | None = None, poll: Callable[[], None] | None = None
@@ -264,9 +186,6 @@ class Batcher:
             for w in batch:
                 w.error = w.error or e
             raise
-        finally:
-            for w in batch:
-                w.finished = True  # `_compute_next` notifies the threads waiting in `run` once this returns
 
     def _compute_batch(self, batch: list[HeadWork]) -> list[None]:
         t0 = time.perf_counter()
@@ -293,7 +212,7 @@ class Batcher:
             w.hidden, w.draft_s, w.head_s = h, t1 - t0, t2 - t1
             w.k_free = _k_free(w, self.engine)
         for w, ok in zip(batch, finite, strict=True):
-            if not ok:  # fails this generation (Batcher.submit raises it), never sent as a packet
+            if not ok:  # fails this generation (the loop fails it), never sent as a packet
                 w.error = non_finite_error("hidden states", self.engine.shard.layer_range, self.engine.shard.dtype)
         return [None] * len(batch)
 

@@ -1,10 +1,9 @@
 """The RQ job function a head worker runs.
 
 Producers enqueue jobs by the *name* `workers.head.job_function.run_generation` (schemas.jobs.RUN_GENERATION,
-a name on the wire; jobs queued by earlier releases as `workers.jobs.run_generation` still run): the head
-worker's job class maps it to `run_generation` here and refuses any other name,
-never importing a name a record holds; see relay_broker/rq_jobs.py) with one JSON argument (a
-GenerationRequest). The
+a name on the wire) with one JSON argument (a GenerationRequest): the head worker's job class maps it to
+`run_generation` here and refuses any other name, never importing a name a record holds (see
+relay_broker/rq_jobs.py). The
 function runs in the worker's own process, with the models and settings of its JobContext, and:
 - returns an already stored result untouched (a re-run cannot clobber a finished result);
 - publishes progress to the job's meta and committed text to a per-job token stream, throttled and off
@@ -98,20 +97,12 @@ def finish(ctx: JobContext, job: Job, progress: Progress, result: GenerationResu
 
 def finish_many(ctx: JobContext, ends: list[tuple[Job, Progress, GenerationResult, int]]) -> list[dict | BaseException]:
     """`finish` for several jobs: their final writes go through the flush pool together (one round trip for all
-    of them; a Progress with a pool of its own writes alone), then each job's rare leftovers (a stream that broke
+    of them), then each job's rare leftovers (a stream that broke
     at this very write, a result another attempt stored first) one by one. What failed a job is its entry."""
     pending = []
     for _job, progress, result, _ in ends:
         data = result.model_copy(update={"stream_broken": progress.stream_broken}).model_dump(mode="json")
-        if progress._own_pool:  # its pool is shut down once the generation ended (Progress.wait)
-            done: Future = Future()
-            try:
-                done.set_result(progress.flush(result.token_ids, final=True, result_json=json.dumps(data)))
-            except BaseException as e:
-                done.set_exception(e)
-        else:
-            done = ctx.flusher.submit(progress, result.token_ids, True, json.dumps(data))
-        pending.append((data, done))
+        pending.append((data, ctx.flusher.submit(progress, result.token_ids, True, json.dumps(data))))
     out: list[dict | BaseException] = []
     for (job, progress, _, ttl), (data, done) in zip(ends, pending, strict=True):
         try:
@@ -170,7 +161,7 @@ def start_generation(ctx: JobContext, job: Job, payload: dict, timeout_s: float 
         ctx.runtime.tokenizer,
         ttl,
         ctx.runtime.settings.jobs.progress_interval_s,
-        pool=ctx.flusher,
+        ctx.flusher,
     )
     job.meta.pop("error", None)
     job.meta.pop("stream_broken", None)  # an earlier attempt's: this one writes (or resets) the stream anew

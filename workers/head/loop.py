@@ -169,9 +169,9 @@ class HeadLoop:
             gen = slot.gen
             reply_to = self.rt.beacons.reply_to(gen.names)
             if reply_to != gen.reply_to:
-                self.receiver.unwatch(gen.reader.stream)
-                gen.reply_to, gen.reader.stream = reply_to, gen.names.reply(reply_to)
-                self.receiver.watch(gen.reader.stream, gen.names.dead_letters)
+                self.receiver.unwatch(gen.refusals.stream)
+                gen.reply_to, gen.refusals.stream = reply_to, gen.names.reply(reply_to)
+                self.receiver.watch(gen.refusals.stream, gen.names.dead_letters)
 
     def _wait(self) -> tuple[list[Slot], list[Reply], list]:
         """What the I/O threads and callers brought; sleeps while there is nothing to do."""
@@ -207,8 +207,8 @@ class HeadLoop:
         for slot in seated:
             gen = slot.gen
             gen.reply_to = self.rt.beacons.reply_to(gen.names)  # its beacon was ensured when it was made
-            gen.reader.stream = gen.names.reply(gen.reply_to)  # where its dead letters say the reply was
-            self.receiver.watch(gen.reader.stream, gen.names.dead_letters)
+            gen.refusals.stream = gen.names.reply(gen.reply_to)  # where its dead letters say the reply was
+            self.receiver.watch(gen.refusals.stream, gen.names.dead_letters)
             try:
                 if gen.begin() is not None:  # a checkpoint that already ends the generation
                     self._done(slot, add=False)
@@ -356,7 +356,7 @@ class HeadLoop:
             entry_id, fields = slot.replies.pop(0)
             if slot.state is State.BUSY:
                 continue  # the round it answered goes again: a later reply answers that
-            slot.gen.reader.entry_id = entry_id
+            slot.gen.refusals.entry_id = entry_id
             try:
                 outcome = slot.gen.take(fields)
             except BaseException as e:
@@ -410,8 +410,10 @@ class HeadLoop:
             gen.release()
         except Exception:
             log.exception("session %s: could not release its caches", gen.sid)
-        self.receiver.unwatch(gen.reader.stream)
+        self.receiver.unwatch(gen.refusals.stream)
         bye = gen.goodbye()
-        dead = [(gen.names.dead_letters, d) for d in gen.reader.take_dead() if self.dead_cap.allow(gen.reader.stream)]
+        dead = [
+            (gen.names.dead_letters, d) for d in gen.refusals.take_dead() if self.dead_cap.allow(gen.refusals.stream)
+        ]
         if bye is not None or dead:
             self.sender.put(Outgoing([bye] if bye is not None else [], dead=dead))

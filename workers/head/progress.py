@@ -29,10 +29,10 @@ class JobCancelled(JobError):
 class Progress:
     """Throttled progress for one job: meta (counts, speed) + committed text on the token stream.
 
-    Flushes between rounds run on the head's flush threads (`pool`), so a far Redis's round trip never
-    stalls the step loop (it only hands over a copy of the tokens); at most one per job is in flight, so
-    token-stream entries stay in order. What a flush finds (a cancel request, a Redis error) is raised
-    from `on_tokens` at the generation's next round, which fails (or cancels) that generation only."""
+    Flushes between rounds run on the head's flush threads (`pool`, shared by every job of the head), so a far
+    Redis's round trip never stalls the step loop (it only hands over a copy of the tokens); at most one per job
+    is in flight, so token-stream entries stay in order. What a flush finds (a cancel request, a Redis error) is
+    raised from `on_tokens` at the generation's next round, which fails (or cancels) that generation only."""
 
     job: Job
     r: redis.Redis
@@ -40,6 +40,7 @@ class Progress:
     tokenizer: object
     ttl: int  # of the checkpoint and the token stream: the job's result TTL
     interval_s: float  # least time between flushes (settings.jobs.progress_interval_s)
+    pool: FlushPool = field(repr=False)
     started: float = field(default_factory=time.monotonic)
     last_flush: float = 0.0
     rounds: int = 0
@@ -48,13 +49,7 @@ class Progress:
     text: str = ""
     fresh_stream: bool = True  # no checkpoint: the first write drops an earlier attempt's stale token stream
     stream_broken: str | None = None  # why the token stream is written no more (None: it holds the text so far)
-    pool: FlushPool | None = field(default=None, repr=False)  # default: a thread of its own
     _inflight: Future | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self._own_pool = self.pool is None
-        if self.pool is None:
-            self.pool = FlushPool(self.r, 1, "progress")
 
     def resume_from(self, generated: list[int]) -> None:
         """Continue after a checkpoint: its text is on the token stream already."""
@@ -72,15 +67,13 @@ class Progress:
             self._inflight = None
         if time.monotonic() - self.last_flush >= self.interval_s:
             self.last_flush = time.monotonic()
-            self._inflight = self.pool.submit(self, list(generated), False)  # type: ignore[union-attr]
+            self._inflight = self.pool.submit(self, list(generated), False)
 
     def wait(self) -> None:
         """Let the flush in flight finish (what it found is not raised: the generation is over)."""
         if self._inflight is not None:
             wait([self._inflight])
             self._inflight = None
-        if self._own_pool:
-            self.pool.shutdown()  # type: ignore[union-attr]
 
     def flush(self, generated: list[int], final: bool, result_json: str | None = None) -> bool:
         """Write progress, text and checkpoint (a final flush: end the text, drop the checkpoint), in one

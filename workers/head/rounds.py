@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from relay_broker.streams import ReplyReader
 from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeout
 from schemas.keys import Keys
 from schemas.macs import authentic, session_key
@@ -33,7 +32,7 @@ from schemas.tensors import DTYPE_NAMES, TensorMeta, tensor_meta
 from workers.head.batching import HeadWork
 from workers.head.round_times import add_round
 from workers.head.sealing import part_tokens
-from workers.head.verdicts import refusal, verdict_problem
+from workers.head.verdicts import Refusals, refusal, verdict_problem
 from workers.speculative.adaptive import DraftLength
 from workers.speculative.drafters import Draft, NoFreeSlot
 from workers.speculative.sampling import encode_q, round_generator
@@ -106,7 +105,7 @@ class RoundLoop:
         self.head = runtime.beacons.ensure(r, names)  # announced before the first round: tails see it alive
         self.tail_closed = False  # a final verdict came: the tail dropped the session, its reply stream expires
         self.settings = runtime.settings
-        self.reader = ReplyReader(r, names.reply(session_id), dead_stream=names.dead_letters, settings=self.settings)
+        self.refusals = Refusals("", self.settings.relay.reply_dead_letters_max)  # its stream: set by the loop
         cfg = runtime.shard.config  # read once: a config's attributes are slow to read, and rounds need these
         self.vocab_size, self.hidden_size = cfg.vocab_size, cfg.hidden_size
         self.row_bytes = self.hidden_size * runtime.shard.dtype.itemsize  # a hidden row on the wire
@@ -203,7 +202,6 @@ class RoundLoop:
             prefill_more=rnd.more,
             seed_round=self.resumed + self.rounds if self.parts else None,  # the round id, where no parts came
             reply_to=self.reply_to,
-            head_batch=dict(id=work.tag[0], size=work.tag[1]) if work.tag else None,
         )
         basis = (tuple(draft.tokens), tuple(work.pending), work.tag, self.replay_next, self.reply_to, rnd.more)
         return basis, header, q_tensors
@@ -248,7 +246,7 @@ class RoundLoop:
 
     def timed_out(self) -> Outcome:
         """No verdict within the reply timeout: replay (raises once the replays are used up)."""
-        return self._replay(ReplyTimeout(f"no reply on {self.reader.stream} within the reply timeout"))
+        return self._replay(ReplyTimeout(f"no reply on {self.refusals.stream} within the reply timeout"))
 
     def busy_wait_s(self) -> float:
         """How long to wait before sending the round again to a full tail (doubling, capped)."""
@@ -344,9 +342,9 @@ class RoundLoop:
 
     def _refuse(self, reason: str, fields: dict, msg: Verdict | ErrorReply | None) -> None:
         """Dead-letter a reply-stream entry with the reason (the first few of a generation; all are counted)."""
-        self.reader.refuse(refusal(self.reader.stream, self.reader.entry_id, reason, self.sid, msg, fields))
-        if self.reader.refused in (1, self.settings.relay.reply_dead_letters_max):
-            log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.reader.refused, reason)
+        self.refusals.refuse(refusal(self.refusals.stream, self.refusals.entry_id, reason, self.sid, msg, fields))
+        if self.refusals.refused in (1, self.settings.relay.reply_dead_letters_max):
+            log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.refusals.refused, reason)
         return None
 
     def _account(self, draft: Draft, v: Verdict, spans: tuple[float, ...], free: bool = False, part: int = 0) -> None:

@@ -38,7 +38,7 @@ from rq.utils import now
 
 from relay_broker.retry import ride_out
 from relay_broker.rq_jobs import SafeJob
-from schemas.jobs import LEGACY_RUN_GENERATION, RUN_GENERATION, ModelInfo
+from schemas.jobs import RUN_GENERATION, ModelInfo
 from schemas.keys import Keys
 from schemas.settings import Settings
 from workers.head import job_function as jobs
@@ -55,8 +55,7 @@ class _LoopEnded(Exception):
 def head_job_class(ctx: jobs.JobContext, fallback_ttl_s: int | None = None) -> type[SafeJob]:
     """This worker's job class: the one job function, bound to its models, looked up by its wire name (never
     imported by it; see relay_broker/rq_jobs.py)."""
-    run = functools.partial(jobs.run_generation, ctx)
-    functions: Mapping[str, Callable[..., Any]] = {RUN_GENERATION: run, LEGACY_RUN_GENERATION: run}
+    functions: Mapping[str, Callable[..., Any]] = {RUN_GENERATION: functools.partial(jobs.run_generation, ctx)}
     fallback = SafeJob.fallback_ttl_s if fallback_ttl_s is None else fallback_ttl_s  # a record's TTL if it has none
     return type("HeadJob", (SafeJob,), {"functions": functions, "fallback_ttl_s": fallback})
 

@@ -88,7 +88,7 @@ class HeadRuntime:
         # a CPU head and its tail usually share their cores: a split would leave nothing idle to fill
         groups = self.settings.relay.head_groups or (None if self.shard.device.type == "cuda" else 1)
         plan = GroupPlan(fixed=groups)
-        self.batcher = Batcher(self.engine, self.lock, plan, linger_s(self.shard, self.settings))
+        self.batcher = Batcher(self.engine, plan, linger_s(self.shard, self.settings))
         self.beacons = Beacons(self.name, self.settings)
         self._loops: dict[int, tuple[redis.Redis, HeadLoop]] = {}
         self._loops_lock = threading.Lock()

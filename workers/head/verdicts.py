@@ -4,8 +4,35 @@ is refused, never committed (workers/head/rounds.py `RoundLoop._reply_to`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from schemas.dead_letters import dead_letter
 from schemas.packets import ErrorReply, Verdict
+
+
+@dataclass
+class Refusals:
+    """One generation's account of its reply stream: where its replies come (`stream`, the head's own reply stream,
+    workers/head/beacon.py), the entry it took last (`entry_id`, set by the loop), and the entries it refused:
+    all counted, the first `keep` kept as dead-letter records for the loop to send (a flood is counted, not
+    stored; the head's cap per source stream, relay_broker/budgets.py, holds over them too)."""
+
+    stream: str
+    keep: int
+    entry_id: bytes = b""
+    refused: int = 0
+    _dead: list[dict] = field(default_factory=list, repr=False)
+
+    def refuse(self, record: dict) -> None:
+        """Count a refused entry; keep its dead-letter record (`refusal`) while fewer than `keep` are kept."""
+        self.refused += 1
+        if self.refused <= self.keep:
+            self._dead.append(record)
+
+    def take_dead(self) -> list[dict]:
+        """The records kept so far (the caller sends them)."""
+        dead, self._dead = self._dead, []
+        return dead
 
 
 def refusal(

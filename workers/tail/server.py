@@ -264,7 +264,7 @@ class TailWorker:
             msg = ErrorReply(session_id=sid, round_id=rid, error=str(e), tail_id=self.tail_id)
         else:
             return None
-        return self._reply_for(fields, sid, encode_message(msg))
+        return self._reply_for(fields, encode_message(msg))
 
     def _fail_with(self, sid: str, rid: int | None, e: Exception, fields: dict, key: bytes | None) -> Reply | None:
         """Dead-letter an authentic packet that failed with its reason, drop its session (its cache may be
@@ -284,23 +284,16 @@ class TailWorker:
             retryable=isinstance(e, SessionError),
             non_finite=isinstance(e, NonFiniteError),
         )
-        # a head waiting on this session reads it at once; one that is gone leaves nothing for long
-        return self._reply_for(fields, sid, encode_message(msg, key))
+        return self._reply_for(fields, encode_message(msg, key))
 
-    def _reply_for(self, packet: dict, sid: str, fields: dict) -> Reply:
-        """An error reply to a packet (its head's reply stream as its header names it, or the session's own)."""
+    def _reply_for(self, packet: dict, fields: dict) -> Reply | None:
+        """An error reply to a packet that did not validate: on the reply stream its header names, if it names one."""
         to = peek_reply_to(packet)
-        return self._to(to, sid, fields, self.settings.relay.final_reply_ttl_s)
+        return Reply(self.names.reply(to), fields) if to is not None else None
 
-    def _reply(self, p: RoundPacket, fields: dict, ttl_s: int) -> Reply:
-        """A round's reply: to its head's reply stream (shared by its sessions), or the session's own."""
-        return self._to(p.reply_to, p.session_id, fields, ttl_s)
-
-    def _to(self, reply_to: str | None, sid: str, fields: dict, ttl_s: int) -> Reply:
-        """A head's shared reply stream lives reply_ttl_s past its last reply (its other sessions go on)."""
-        if reply_to is None:
-            return Reply(self.names.reply(sid), fields, ttl_s)
-        return Reply(self.names.reply(reply_to), fields, self.settings.relay.reply_ttl_s, True)
+    def _reply(self, p: RoundPacket, fields: dict) -> Reply:
+        """A round's reply, on its head's reply stream."""
+        return Reply(self.names.reply(p.reply_to), fields)
 
     def _session_for(self, p: RoundPacket, key: bytes, mac: bytes) -> TailSession | None:
         return session_for(p, key, self.sessions, self.heads, self.engine, self.tail_id, mac)
@@ -318,7 +311,7 @@ class TailWorker:
             busy = ErrorReply(
                 session_id=msg.session_id, round_id=msg.round_id, error=str(e), tail_id=self.tail_id, busy=True
             )
-            return self._reply(msg, encode_message(busy, key), self.settings.relay.final_reply_ttl_s)
+            return self._reply(msg, encode_message(busy, key))
         if sess is None:  # duplicate or late: answer again with the verdict already sent, if it was the last one
             dup = self.sessions.get(msg.session_id)
             last = dup.last_reply if dup is not None and dup.last_round == msg.round_id else None
@@ -327,7 +320,7 @@ class TailWorker:
             if dup is None and (final := self.sessions.served(msg.session_id)) is not None:
                 last, why = final, "an opening round of a session already served here (its final verdict again)"
             self._dead.append(DeadLetter(fields, why, *peek_session(fields)))
-            return self._reply(msg, last, self.settings.relay.reply_ttl_s) if last is not None else None
+            return self._reply(msg, last) if last is not None else None
         # on the host; the hidden rows uncopied (views of the entry's bytes): a batch's rows go in one copy (upload)
         tensors = round_tensors(msg, fields, caps=self.settings.relay, views=frozenset({"hidden"}))
         hidden = tensors["hidden"]
@@ -371,8 +364,8 @@ class TailWorker:
 
     def _verify(self, prep: Prepared, judged: Outcome, timings: dict[str, float]) -> Reply:
         """Commit a judged round, or raise its error: crop the cache to the committed prefix, build the verdict. A
-        final verdict ends the session here: the tail drops it, and the reply stream expires soon after (its
-        head, which reads the verdict at once, sends no close and deletes nothing)."""
+        final verdict ends the session here: the tail drops it and remembers it served (its head, which reads the
+        verdict at once, sends no close)."""
         if isinstance(judged, Exception):
             raise judged
         (accepted, nxt), p, sess = judged, prep.packet, prep.sess
@@ -393,6 +386,6 @@ class TailWorker:
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict, prep.key)
         sess.last_mac = prep.fields.get(MAC, b"")
         if finish is None:
-            return self._reply(p, sess.last_reply, self.settings.relay.reply_ttl_s)
+            return self._reply(p, sess.last_reply)
         self.sessions.finish(p.session_id, sess.last_reply)
-        return self._reply(p, sess.last_reply, self.settings.relay.final_reply_ttl_s)
+        return self._reply(p, sess.last_reply)
