@@ -13,7 +13,8 @@ Entry points:
 - `gpu_parity`: greedy parity with HF `generate` on a GPU with CUDA graphs (dtypes, quantized shards);
 - `soak`: 10,000 tiny jobs, none lost, Redis memory back to where it started;
 - `memory`: what a shard load holds (parameters, peak RSS) for layers [a, b) of a checkpoint;
-- `mac_cost`: what sealing and checking rounds' MACs costs a head's sender and a tail (README, security);
+- `mac_cost`: what sealing and checking rounds' MACs costs a head's sender and a tail (docs/security.md, "Sessions
+  are authenticated");
 - `round_spread`: the rounds a batch's slowest job needs at a given acceptance, and the tokens/s bound it sets.
 
 `synthetic` is the benchmark worker plugin (`--plugin bench.synthetic`: the synthetic drafter, `random:<preset>`

@@ -234,7 +234,7 @@ def head(
     from schemas.jobs import ModelInfo
     from workers.engine.preflight import preflight_head
     from workers.engine.runner import Engine
-    from workers.head.rq_worker import HeadWorker
+    from workers.head.jobs.rq_worker import HeadWorker
     from workers.head.runtime import HeadRuntime
 
     if layers[0] != 0:
@@ -261,9 +261,11 @@ def head(
         draft=draft,
     )
     capacity = concurrency or runtime.capacity
-    # generations in flight each hold a connection for their reply reads and one for progress, at most
-    r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=2 * capacity + 16))
-    warm_pool(r, capacity)  # a burst of jobs finds a connection for each round's request ready
+    # a connection per thread at most, however many jobs are in flight: the step loop's senders and readers, the
+    # flush and finisher threads, the dispatcher and its housekeeping, RQ's scheduler and a beacon per prefix
+    pool = settings.relay.head_senders + settings.relay.head_readers + 16
+    r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=pool))
+    warm_pool(r, pool)  # opened ahead: the first rounds of a burst of jobs pay for no new connection
     level = logging.getLevelName(logging.getLogger().level)
     worker = HeadWorker([queue], runtime, r, names=Keys(prefix), model_info=info, name=name, capacity=capacity)
     engines = [runtime.engine, *([runtime.draft_model.engine] if runtime.draft_model is not None else [])]

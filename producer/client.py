@@ -94,7 +94,7 @@ class Client:
         prefix, queue = prefix or settings.redis.prefix, queue or settings.jobs.queue
         self.r, self.keys, self.queue_name = r, Keys(prefix), queue
         # SafeJob: RQ's cleanup (the worker's, or an operator's) calls the failure callback a job
-        # record names; a forged record must not make a producer import code (see README, Security).
+        # record names; a forged record must not make a producer import code (see docs/security.md, "Threat model").
         self.queue = Queue(queue, connection=r, serializer=JSONSerializer, job_class=SafeJob)
 
     # --- enqueue -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What `Client.follow` (producer/client.py) keeps of each job's token stream while it follows it.
 
 A head writes a job's text as entries whose ids say where the text ends (`END-0`, the end marker `END-1`;
-workers/head/job_function.py), and stores the whole result when the job finishes. Token streams can be
+workers/head/jobs/job_function.py), and stores the whole result when the job finishes. Token streams can be
 written by other clients (a Redis without ACLs, a misconfigured one), so a follower takes an entry only when
 it is the head's next one (a text chunk ending where its id says), skips anything else, and once the job
 finished checks what it streamed against the stored result: text that ended short of the result's is

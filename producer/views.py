@@ -105,7 +105,7 @@ def token_chunk(fields: dict) -> tuple[str, bool] | None:
 
 def entry_end(entry_id: bytes | str) -> tuple[int, int] | None:
     """(where the text ends, in characters; 1 for an end marker, else 0) of a head's token-stream entry id
-    (`END-SEQ`, workers/head/job_function.py), or None for an id that cannot be one."""
+    (`END-SEQ`, workers/head/jobs/job_function.py), or None for an id that cannot be one."""
     raw = entry_id.decode(errors="replace") if isinstance(entry_id, bytes) else entry_id
     end, _, seq = raw.partition("-")
     if not (end.isascii() and end.isdigit() and seq in ("0", "1")):

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # RQ job ids (BATCH-00000) allow no "."
 # The one job function producers enqueue (by name) and head workers allow: the module that defines it.
-RUN_GENERATION = "workers.head.job_function.run_generation"
+RUN_GENERATION = "workers.head.jobs.job_function.run_generation"
 
 
 def job_ttl(job: object, fallback_s: int) -> int:

@@ -289,7 +289,7 @@ HEAD_STREAM_ATTACKS = [
 def test_no_role_but_the_owning_head_reads_expires_or_drops_its_reply_stream(secured, role):
     """Issue 56, N2/N3: a tail could EXPIRE any reply stream and every head could XREADGROUP, DEL and EXPIRE
     every one (4 stolen verdicts pushed a victim's 7 jobs into RQ retries). Now only the head named in the stream
-    may (the shared `head` user, kept for setups that accept the risk, still may: README "Threat model")."""
+    may (the shared `head` user, kept for setups that accept the risk, still may: docs/security.md "Threat model")."""
     assert _allowed(secured, role, HEAD_STREAM_ATTACKS) == []
     own = [("XREADGROUP", "GROUP", "head.x", "r0", "STREAMS", VICTIM_STREAM, ">"), ("EXPIRE", VICTIM_STREAM, "60")]
     assert _dryruns(secured, "head-iso-a", [*own, ("DEL", VICTIM_STREAM)]) == ["OK"] * 3

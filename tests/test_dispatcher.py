@@ -1,4 +1,4 @@
-"""The head's job loop (workers/head/dispatcher.py): many jobs in flight in one worker, jobs beyond its
+"""The head's job loop (workers/head/jobs/dispatcher.py): many jobs in flight in one worker, jobs beyond its
 capacity wait in the queue, one pool of Redis connections whatever the concurrency."""
 
 from __future__ import annotations

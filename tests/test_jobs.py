@@ -147,7 +147,7 @@ def test_job_payloads_hold_no_pickle(env):
     job_id = json.loads(res.output.splitlines()[-1])["jobs"][0]["job_id"]
     raw = env.r.hgetall(f"rq:job:{job_id}")
     payload = json.loads(zlib.decompress(raw[b"data"]))
-    assert payload[0] == "workers.head.job_function.run_generation" and payload[2][0]["prompt"] == "payload check"
+    assert payload[0] == "workers.head.jobs.job_function.run_generation" and payload[2][0]["prompt"] == "payload check"
     assert json.loads(raw[b"meta"])["batch"] in job_id
     for key in (f"rq:job:{job_id}", f"{env.prefix}:result:{job_id}"):
         blob = b"".join(env.r.hgetall(key).values()) if key.startswith("rq:") else env.r.get(key)
@@ -319,8 +319,8 @@ def test_bench_plugin_sets_acceptance_through_the_job_path(models, redis_server,
 def test_the_allow_list_holds_only_the_job_functions_wire_name():
     """The job function's wire name names its module, and a head allows that name alone."""
     from schemas.jobs import RUN_GENERATION
-    from workers.head.rq_worker import head_job_class
+    from workers.head.jobs.rq_worker import head_job_class
 
     functions = head_job_class(object()).functions  # type: ignore[arg-type]
-    assert RUN_GENERATION == "workers.head.job_function.run_generation"
+    assert RUN_GENERATION == "workers.head.jobs.job_function.run_generation"
     assert list(functions) == [RUN_GENERATION]

@@ -24,7 +24,7 @@ from rq.serializers import JSONSerializer
 from relay_broker.connection import connect
 from schemas.jobs import RUN_GENERATION
 from schemas.settings import Settings
-from workers.head.scheduler import ThreadScheduler
+from workers.head.jobs.scheduler import ThreadScheduler
 
 SPLIT = 2
 
@@ -154,7 +154,7 @@ def test_thread_scheduler_enqueues_due_jobs_and_keeps_its_lock_without_lua(redis
 @pytest.mark.parametrize("burst", [False, True])
 def test_head_worker_schedules_through_its_thread(redis_server, no_lua, burst):
     """`HeadWorker` swaps RQ's forked scheduler for `ThreadScheduler`, in burst mode too."""
-    from workers.head.rq_worker import HeadWorker
+    from workers.head.jobs.rq_worker import HeadWorker
 
     r = connect(redis_server.url)
     name = f"q-hw-{burst}"

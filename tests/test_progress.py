@@ -1,4 +1,4 @@
-"""Job progress (workers/head/progress.py `Progress`): the token stream, checkpoints and cancel checks a running
+"""Job progress (workers/head/jobs/progress.py `Progress`): the token stream, checkpoints and cancel checks a running
 job writes, off its round loop."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from rq.serializers import JSONSerializer
 
 from schemas.keys import Keys
-from workers.head.flushes import FlushPool
-from workers.head.progress import JobCancelled, Progress
+from workers.head.jobs.flushes import FlushPool
+from workers.head.jobs.progress import JobCancelled, Progress
 
 
 class Chars:
@@ -70,7 +70,7 @@ def test_progress_flushes_off_the_round_loop(redis_client, monkeypatch):
 
 def test_flushes_queued_together_share_one_round_trip(redis_client, monkeypatch):
     """The head's flush threads send every flush queued when they come free as one pipeline
-    (workers/head/flushes.py): 40 jobs' flushes queued behind a slow one cost one more round trip, not 40; each
+    (workers/head/jobs/flushes.py): 40 jobs' flushes queued behind a slow one cost one more round trip, not 40; each
     job's answer stays its own (a cancel request fails that job's flush alone)."""
     import redis
 

@@ -157,7 +157,7 @@ def test_replay_before_any_token_is_a_fresh_first_round(models, hf_models, token
 def test_worker_restart_ends_its_own_stale_record(redis_client, monkeypatch):
     """A head worker whose loop lost Redis could not record its end; a Redis restored from disk still
     lists it as alive. Restarting must end that record instead of failing on RQ's 'name taken' check."""
-    from workers.head.rq_worker import HeadWorker
+    from workers.head.jobs.rq_worker import HeadWorker
 
     worker = HeadWorker(["stale-q"], None, redis_client, name="stale-worker")
     worker.register_birth()  # the record a lost loop leaves behind: alive, no death date

@@ -223,7 +223,7 @@ def test_a_generation_cancelled_while_it_waits_for_a_slot_ends_then(models, hf_m
     from schemas.requests import GenerationRequest
     from tests.conftest import PROMPTS
     from tests.job_env import SPLIT, reference
-    from workers.head.progress import JobCancelled
+    from workers.head.jobs.progress import JobCancelled
     from workers.head.runtime import HeadRuntime, round_loop
 
     ms = models["qwen2"]

@@ -21,9 +21,9 @@ from schemas.keys import Keys
 from schemas.requests import GenerationResult, RoundTimings
 from tests.conftest import PROMPTS
 from tests.job_env import Env, reference
-from workers.head.flushes import FlushPool
-from workers.head.job_function import finish
-from workers.head.progress import Progress
+from workers.head.jobs.flushes import FlushPool
+from workers.head.jobs.job_function import finish
+from workers.head.jobs.progress import Progress
 
 
 class Chars:

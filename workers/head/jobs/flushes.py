@@ -6,7 +6,7 @@ job's first text waited seconds for its turn (time to first token 5-6 s on an H2
 `FlushPool` runs on `threads` threads that each take *every* flush queued when they come free and send them as one
 pipeline: its cost per round trip stays one round trip, whatever the jobs in flight.
 
-A flush is a `Progress`'s (workers/head/job_function.py) `queue_flush` (its commands appended to the shared
+A flush is a `Progress`'s (workers/head/jobs/job_function.py) `queue_flush` (its commands appended to the shared
 pipeline; what they are noted in a `FlushMark`) then `took_flush` (what Redis answered them: raises what that
 flush found, a cancel request or a refused write, for that job alone). A pipeline that fails as a whole (Redis
 away past its retries) fails every flush in it, as each would have failed alone.

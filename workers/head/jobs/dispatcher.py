@@ -17,8 +17,8 @@ cleanup by heartbeat expiry) and changes how they are written:
   loop has resolved it;
 - **finish**: one transaction per job (result, finished registry, execution cleanup, worker counters); a failure goes
   through RQ's `handle_job_failure` (retries, failed registry); a job its user cancelled (JobCancelled,
-  workers/head/job_function.py) ends `canceled` (status, canceled registry), as RQ's own cancel leaves a queued job:
-  never failed, never retried by RQ (`shardflow retry` resumes it);
+  workers/head/jobs/job_function.py) ends `canceled` (status, canceled registry), as RQ's own cancel leaves a queued
+  job: never failed, never retried by RQ (`shardflow retry` resumes it);
 - **housekeeping** on a thread of its own, never between a free slot and the next dequeue: one pipelined heartbeat of
   the worker and every running job each `heartbeat_s` (which also asks whether a job still waiting for a cache slot
   was cancelled), RQ's maintenance each `maintenance_s`.
@@ -49,7 +49,7 @@ from rq.worker.base import WorkerStatus
 
 from schemas.requests import GenerationResult
 from workers.drain import take_queued
-from workers.head.job_function import (
+from workers.head.jobs.job_function import (
     JobCancelled,
     Started,
     end_generation,
@@ -76,7 +76,7 @@ class Dispatcher:
     """Dequeues, starts, runs and finishes up to `capacity` jobs at once for one HeadWorker."""
 
     def __init__(self, worker: SimpleWorker, capacity: int) -> None:
-        """`worker`: the HeadWorker (workers/head/rq_worker.py) whose records, settings (`shardflow_settings`),
+        """`worker`: the HeadWorker (workers/head/jobs/rq_worker.py) whose records, settings (`shardflow_settings`),
         key names (`names`) and job context (`job_context`) the jobs run under."""
         self.w, self.capacity = worker, max(capacity, 1)
         self.running: dict[str, Running] = {}

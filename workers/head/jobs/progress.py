@@ -1,6 +1,6 @@
 """One job's progress on the head: throttled meta (counts, speed), the committed text on the job's token stream and a
-checkpoint of its tokens, flushed off the step loop on the head's flush threads (workers/head/flushes.py); and the
-cancel a user asks for (`JobCancelled`). The job function (workers/head/job_function.py) makes one per job."""
+checkpoint of its tokens, flushed off the step loop on the head's flush threads (workers/head/jobs/flushes.py); and the
+cancel a user asks for (`JobCancelled`). The job function (workers/head/jobs/job_function.py) makes one per job."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from schemas.errors import JobError
 from schemas.jobs import Checkpoint
 from schemas.keys import Keys
 from schemas.requests import STREAM_BROKEN_MAX
-from workers.head.flushes import FlushMark, FlushPool
+from workers.head.jobs.flushes import FlushMark, FlushPool
 
 log = logging.getLogger("shardflow.jobs")
 
@@ -79,7 +79,7 @@ class Progress:
         """Write progress, text and checkpoint (a final flush: end the text, drop the checkpoint), in one
         round trip; `result_json` is stored first in the same round trip unless a result is there (then
         False is returned). Raises JobCancelled if the user asked to cancel. (On the head's flush threads many
-        jobs' flushes share a round trip: `queue_flush`, then `took_flush`, workers/head/flushes.py.)"""
+        jobs' flushes share a round trip: `queue_flush`, then `took_flush`, workers/head/jobs/flushes.py.)"""
         pipe = self.r.pipeline(transaction=False)
         mark = self.queue_flush(pipe, generated, final, result_json)
         return self.took_flush(pipe.execute(raise_on_error=False)[mark.start : mark.end], mark)

@@ -5,7 +5,7 @@
 RQ's default worker forks per job, which would lose loaded models and CUDA state; this is one
 `SimpleWorker` per head process that (1) runs only allow-listed job functions (RQ would import any name a
 job record holds, so anyone able to write to Redis could run code), (2) uses the JSON serializer (no
-pickle), (3) replaces RQ's one-job-at-a-time loop with its `Dispatcher` (`workers/head/dispatcher.py`):
+pickle), (3) replaces RQ's one-job-at-a-time loop with its `Dispatcher` (`workers/head/jobs/dispatcher.py`):
 up to `--concurrency` jobs in flight at once (default: what the batch slots hold), each on a thread of
 this process sharing the loaded models, dequeued, started and finished in a few pipelined round trips,
 while one housekeeping thread heartbeats the worker and every running job each `heartbeat_s` and runs
@@ -13,7 +13,7 @@ RQ's maintenance each `maintenance_s` (a killed head's jobs are retried within s
 a job its user cancelled ends `canceled`, never failed, (4) announces its model so producers can check
 prompts against the context length before enqueueing, (5) runs RQ's scheduler (which enqueues retries
 when their backoff is due) as a thread of its own process, not a forked child, with its locks kept
-without Lua (`workers/head/scheduler.py`): a SIGKILL or an out-of-memory kill of the head leaves no
+without Lua (`workers/head/jobs/scheduler.py`): a SIGKILL or an out-of-memory kill of the head leaves no
 process behind, and the head's Redis user needs no scripting, and (6) restarts its loop with backoff when
 it ends on an error (Redis lost, a forged key of the wrong type) rather than on a stop request.
 """
@@ -41,9 +41,9 @@ from relay_broker.rq_jobs import SafeJob
 from schemas.jobs import RUN_GENERATION, ModelInfo
 from schemas.keys import Keys
 from schemas.settings import Settings
-from workers.head import job_function as jobs
-from workers.head.dispatcher import Dispatcher
-from workers.head.scheduler import ThreadScheduler
+from workers.head.jobs import job_function as jobs
+from workers.head.jobs.dispatcher import Dispatcher
+from workers.head.jobs.scheduler import ThreadScheduler
 
 log = logging.getLogger("shardflow.head_worker")
 
@@ -122,7 +122,7 @@ class HeadWorker(SimpleWorker):
             return False
 
     def _work_once(self, burst: bool = False, logging_level: str | None = "INFO", with_scheduler: bool = False) -> bool:
-        """One run of the job loop (workers/head/dispatcher.py): its result if it finished or was stopped,
+        """One run of the job loop (workers/head/jobs/dispatcher.py): its result if it finished or was stopped,
         else _LoopEnded."""
         started = time.monotonic()
         try:

@@ -1,6 +1,6 @@
 """The RQ job function a head worker runs.
 
-Producers enqueue jobs by the *name* `workers.head.job_function.run_generation` (schemas.jobs.RUN_GENERATION,
+Producers enqueue jobs by the *name* `workers.head.jobs.job_function.run_generation` (schemas.jobs.RUN_GENERATION,
 a name on the wire) with one JSON argument (a GenerationRequest): the head worker's job class maps it to
 `run_generation` here and refuses any other name, never importing a name a record holds (see
 relay_broker/rq_jobs.py). The
@@ -33,8 +33,8 @@ from schemas.errors import InvalidRequest, NonFiniteError, ShardFlowError
 from schemas.jobs import Checkpoint, job_ttl, read_result
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
-from workers.head.flushes import FlushPool
-from workers.head.progress import JobCancelled, Progress
+from workers.head.jobs.flushes import FlushPool
+from workers.head.jobs.progress import JobCancelled, Progress
 from workers.head.runtime import HeadRuntime, round_loop
 
 log = logging.getLogger("shardflow.jobs")
@@ -53,7 +53,7 @@ class JobContext:
     # round trips per job); taken once, then read from Redis as usual
     prefetched: dict[str, tuple[bytes | None, bytes | None]] = field(default_factory=dict)
     # every job's progress flushes and final writes: a fixed few threads, each sending all that is queued in one
-    # round trip (workers/head/flushes.py), however many jobs are in flight
+    # round trip (workers/head/jobs/flushes.py), however many jobs are in flight
     flusher: FlushPool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
