@@ -4,7 +4,6 @@ Relay (head <-> tail):
   {prefix}:tail:requests            new sessions; every tail replica reads it through one group
   {prefix}:tails                    that consumer group
   {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
-  {prefix}:reply:{session_id}       verdicts for one session; capped and expiring
   {prefix}:reply:head.{name}.{boot} every reply to one head process's sessions (a group's in one entry); the
                                     head's alone to make, read and expire (`.{epoch}` added once it moves)
   {prefix}:dead-letters             packets tails refused, reply entries heads refused, with the reason
@@ -48,8 +47,9 @@ class Keys:
     def tail_requests(self, tail_id: str) -> str:
         return f"{self.prefix}:tail:{tail_id}:requests"
 
-    def reply(self, session_id: str) -> str:
-        return f"{self.prefix}:reply:{session_id}"
+    def reply(self, reply_to: str) -> str:
+        """A head's reply stream, by the suffix its rounds name (`head_reply_to`)."""
+        return f"{self.prefix}:reply:{reply_to}"
 
     @property
     def dead_letters(self) -> str:

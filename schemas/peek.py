@@ -1,5 +1,5 @@
 """Best-effort reads of a relay packet's header before (or after failing) validation: the session, round,
-reply stream, version and head-batch hint a worker needs to answer, dead-letter or batch a packet that
+reply stream and version a worker needs to answer or dead-letter a packet that
 schemas/packets.py has not (or could not) accept. Each returns None (or '') rather than raise."""
 
 from __future__ import annotations

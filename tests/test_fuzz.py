@@ -192,7 +192,7 @@ def junk_replies(sid: str, vocab: int) -> list[dict]:
 
 
 def test_junk_in_live_reply_streams_never_fails_a_generation(models, hf_models, tokenizers, tails, redis_client):
-    """Anyone who can write a session's reply stream (a tail, any client of a Redis without ACLs) floods it
+    """Anyone who can write a head's reply stream (a tail, any client of a Redis without ACLs) floods it
     with junk while the generation runs: the head dead-letters what is no reply to its round, keeps waiting
     for the real verdict, and the output equals HF generate."""
     ms = models[FAMILY]

@@ -3,10 +3,11 @@
 Run it with `shardflow tail --target MODEL --layers A:B --redis-url URL`. It reads new sessions from
 the shared request stream (one consumer group for all tail replicas) and later rounds from its own
 stream, verifies each round's drafts, rolls its cache back to the committed prefix, and replies on the
-session's reply stream. Every round is checked against its session's key (its MAC, schemas/packets.py)
-before anything touches a cache: a forged one is dead-lettered, never answered, and changes nothing. A
-bad packet of the session's own head gets a logged error and a (MAC'd) error reply; the worker keeps
-serving everyone else. Sessions of heads that died or restarted are freed (workers/tail/liveness.py).
+reply stream of the session's head (the one its rounds name). Every round is checked against its session's key
+(its MAC, schemas/packets.py) before anything touches a cache: a forged one is dead-lettered, never answered, and
+changes nothing. A bad packet of the session's own head gets a logged error and a (MAC'd) error reply; the worker
+keeps serving everyone else. Sessions of heads that died, restarted or never announced themselves are freed
+(workers/tail/liveness.py).
 """
 
 from __future__ import annotations
