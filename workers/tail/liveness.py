@@ -56,8 +56,10 @@ class HeadWatch:
     def new_boot(self, head: HeadRef) -> bool:
         """Note the head of a session opening here; whether an earlier one of that name had another boot (the
         head restarted: a check is worth making now)."""
-        seen = self._boots.get(head.name)
-        self._boots[head.name] = head.boot
+        seen = self._boots.pop(head.name, None)
+        self._boots[head.name] = head.boot  # the most recent last: the oldest go first beyond SEEN_MAX
+        while len(self._boots) > SEEN_MAX:
+            del self._boots[next(iter(self._boots))]
         return seen is not None and seen != head.boot
 
     def timeout_of(self, head: HeadRef) -> float:
@@ -66,8 +68,12 @@ class HeadWatch:
         return min(head.reply_timeout_s, self.timeout_s)
 
     def refused(self, name: str) -> None:
-        """A head of that name found no free cache here."""
-        self._refused[name] = time.monotonic()
+        """A head of that name found no free cache here (names refused longer ago than the reply timeout are
+        forgotten once many are kept: a flood of made-up names holds no memory)."""
+        now = time.monotonic()
+        self._refused[name] = now
+        if len(self._refused) > SEEN_MAX:
+            self._refused = {n: t for n, t in self._refused.items() if now - t <= self.timeout_s}
 
     def may_open(self, head: HeadRef, sessions: SessionStore, slots: int) -> bool:
         """Whether `head` may open one more session: always while it holds less than its share of the caches, or
