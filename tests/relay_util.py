@@ -11,9 +11,10 @@ import torch
 
 from schemas.groups import entry_parts
 from schemas.keys import Keys
-from schemas.macs import seal
+from schemas.macs import seal, session_key
 from schemas.packets import MAC, HeadRef, encode_round
 from schemas.peek import peek_session
+from schemas.requests import SamplingParams
 
 TEST_HEAD = HeadRef(name="test-head", boot="0123456789abcdef", reply_timeout_s=15.0)
 TEST_KEY = bytes(range(32))
@@ -61,3 +62,22 @@ def reseal(fields: dict[bytes, bytes], key: bytes = TEST_KEY) -> dict[bytes, byt
 def announce(r: redis.Redis, names: Keys, head: HeadRef = TEST_HEAD, ttl_s: float = 600.0) -> None:
     """Set the head's liveness key as a running head does (workers/head/beacon.py)."""
     r.set(names.head(head.name), head.boot, px=int(ttl_s * 1000))
+
+
+def opening_round(sid: str, head: HeadRef, hidden_size: int, max_new: int = 8) -> dict[bytes, bytes]:
+    """A round that opens session `sid` for `head` (3 prompt rows of random hidden states, no drafts), signed with a
+    fresh key of its own, as any writer of the request streams may send one."""
+    header = dict(
+        session_id=sid,
+        head=head,
+        reply_to=Keys.head_reply_to(head.name, head.boot),
+        round_id=0,
+        start_pos=0,
+        input_ids=[5, 6, 7],
+        draft_ids=[],
+        sampling=SamplingParams(),
+        eos_token_ids=[],
+        max_new=max_new,
+        q_kind="none",
+    )
+    return encode_round(header, {"hidden": torch.randn(3, hidden_size)}, session_key())[1]

@@ -38,15 +38,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from producer.client import Client
 from producer.local import wait_for_tails
 from schemas.keys import Keys
-from schemas.macs import session_key
-from schemas.packets import HeadRef, encode_round
-from schemas.requests import GenerationRequest, SamplingParams
+from schemas.packets import HeadRef
+from schemas.requests import GenerationRequest
 from tests.job_env import head_worker, spawn, tail_args
+from tests.relay_util import opening_round
 from tests.secure_redis import PREFIX, SPLIT, Secured
 from workers.tiny_models import PROMPTS, build_tokenizer, save_tiny_model
 
 QUEUE, N_LAYERS, NEW, JOBS, TIMEOUT_S = "isoq", 4, 12, 8, 3.0
 NAMES = Keys(PREFIX)
+MADE_UP = HeadRef(name="nobody", boot="0badf00d", reply_timeout_s=86400)  # a head that never ran, asking for a day
 
 
 @pytest.fixture(scope="module")
@@ -168,32 +169,14 @@ def test_n3_another_heads_reads_take_none_of_its_verdicts(victim, references):
         victim.s.client("head-iso-b").xreadgroup("head.x", "thief", {stream: ">"}, count=4)
 
 
-def _forged_opening(sid: str, hidden_size: int) -> dict:
-    """An opening round of a made-up head, signed with its own key, asking to be waited on for a day."""
-    head = HeadRef(name="nobody", boot="0badf00d", reply_timeout_s=86400)
-    header = dict(
-        session_id=sid,
-        head=head,
-        round_id=0,
-        start_pos=0,
-        input_ids=[5, 6, 7],
-        draft_ids=[],
-        sampling=SamplingParams(),
-        eos_token_ids=[],
-        max_new=100,
-        q_kind="none",
-        reply_to=Keys.head_reply_to(head.name, head.boot),
-    )
-    return encode_round(header, {"hidden": torch.randn(3, hidden_size)}, session_key())[1]
-
-
 def test_n4_forged_sessions_hold_the_tail_one_reply_timeout_at_most(victim, references, tiny):
     from transformers import AutoConfig
 
     hidden = AutoConfig.from_pretrained(tiny).hidden_size
     attacker = victim.s.client("head-iso-b")
     for i in range(16):
-        attacker.xadd(NAMES.shared_requests, _forged_opening(f"forged-{secrets.token_hex(4)}-{i}", hidden))
+        forged = opening_round(f"forged-{secrets.token_hex(4)}-{i}", MADE_UP, hidden, max_new=100)
+        attacker.xadd(NAMES.shared_requests, forged)
     time.sleep(1.0)  # the tail opened them: every cache is taken
     got, spent = victim.run()
     assert got == references

@@ -32,6 +32,7 @@ from schemas.packets import HEADER, MAC, ErrorReply, HeadRef, Verdict, decode_ta
 from schemas.requests import DraftSettings, GenerationRequest, SamplingParams
 from schemas.settings import Settings
 from tests.conftest import PROMPTS
+from tests.relay_util import opening_round
 from tests.test_parity import NEW, head_for, reference
 from workers.engine.runner import Engine
 from workers.engine.shard import load_shard
@@ -154,23 +155,6 @@ def _tail(target, r, names: Keys, **relay: float) -> TailWorker:
     return TailWorker(shard, r, names=names, engine=engine, settings=Settings(relay=relay))
 
 
-def _opening(sid: str, head: HeadRef, hidden_size: int) -> dict:
-    header = dict(
-        session_id=sid,
-        head=head,
-        round_id=0,
-        start_pos=0,
-        input_ids=[5, 6, 7],
-        draft_ids=[],
-        sampling=SamplingParams(),
-        eos_token_ids=[],
-        max_new=8,
-        q_kind="none",
-        reply_to=Keys.head_reply_to(head.name, head.boot),
-    )
-    return encode_round(header, {"hidden": torch.randn(3, hidden_size)}, session_key())[1]
-
-
 def _answer(worker: TailWorker, fields: dict) -> Verdict | ErrorReply:
     reply = worker.handle(fields)
     assert reply is not None
@@ -188,14 +172,14 @@ def test_a_tail_frees_the_sessions_of_heads_that_restarted_or_died(models, redis
     hidden = worker.shard.config.hidden_size
     old = HeadRef(name="h1", boot="0000000a", reply_timeout_s=60)
     redis_client.set(names.head("h1"), old.boot)
-    assert all(isinstance(_answer(worker, _opening(f"s{i}", old, hidden)), Verdict) for i in range(2))
+    assert all(isinstance(_answer(worker, opening_round(f"s{i}", old, hidden)), Verdict) for i in range(2))
     # full, its heads alive: a new session waits ("busy"); a forger claiming h1's new boot frees nothing, and
     # neither does a SET of h1's key to another boot while its sessions speak
-    assert _answer(worker, _opening("s2", HeadRef(name="h2", boot="0000000b", reply_timeout_s=60), hidden)).busy
+    assert _answer(worker, opening_round("s2", HeadRef(name="h2", boot="0000000b", reply_timeout_s=60), hidden)).busy
     time.sleep(Settings().relay.head_recheck_s)
     forger = HeadRef(name="h1", boot="000000ff", reply_timeout_s=60)
     redis_client.set(names.head("h1"), forger.boot)
-    assert _answer(worker, _opening("s3", forger, hidden)).busy
+    assert _answer(worker, opening_round("s3", forger, hidden)).busy
     assert _held(worker) == {"s0", "s1"}
     # h1 restarts (its key names the new boot): its old sessions, silent, go after the reply timeout (the shorter
     # of the packet's 60 s and the tail's own); the new head's session is served then
@@ -207,16 +191,16 @@ def test_a_tail_frees_the_sessions_of_heads_that_restarted_or_died(models, redis
     time.sleep(timeout / 2 + 0.1)
     worker.heads.sweep(worker.sessions, urgent=True)
     assert _held(worker) == {"s0"}
-    assert isinstance(_answer(worker, _opening("s4", new, hidden)), Verdict)
+    assert isinstance(_answer(worker, opening_round("s4", new, hidden)), Verdict)
     assert _held(worker) == {"s0", "s4"}
     time.sleep(timeout + 0.1)
-    assert isinstance(_answer(worker, _opening("s5", new, hidden)), Verdict)  # s0 went to make room
+    assert isinstance(_answer(worker, opening_round("s5", new, hidden)), Verdict)  # s0 went to make room
     assert _held(worker) == {"s4", "s5"}
     worker.sessions.drop("s5")
     # a killed head (its key expired): its sessions go once silent longer than the reply timeout
     brief = HeadRef(name="h3", boot="0000000d", reply_timeout_s=0.3)
     redis_client.set(names.head("h3"), brief.boot)
-    assert isinstance(_answer(worker, _opening("s6", brief, hidden)), Verdict)
+    assert isinstance(_answer(worker, opening_round("s6", brief, hidden)), Verdict)
     time.sleep(Settings().relay.head_recheck_s)
     worker.heads.sweep(worker.sessions, urgent=True)  # a check sees h3's key naming its boot
     redis_client.delete(names.head("h3"), names.head("h1"))
@@ -235,12 +219,12 @@ def test_a_forged_session_holds_a_cache_one_reply_timeout_at_most(models, redis_
     worker = _tail(models[FAMILY].target, redis_client, names, reply_timeout_s=timeout)
     hidden = worker.shard.config.hidden_size
     made_up = HeadRef(name="nobody", boot="0badf00d", reply_timeout_s=86400)
-    assert all(isinstance(_answer(worker, _opening(f"f{i}", made_up, hidden)), Verdict) for i in range(2))
+    assert all(isinstance(_answer(worker, opening_round(f"f{i}", made_up, hidden)), Verdict) for i in range(2))
     real = HeadRef(name="real", boot="00c0ffee", reply_timeout_s=60)
     redis_client.set(names.head("real"), real.boot)
-    assert _answer(worker, _opening("r0", real, hidden)).busy
+    assert _answer(worker, opening_round("r0", real, hidden)).busy
     t0 = time.monotonic()
-    while not isinstance(_answer(worker, _opening("r0", real, hidden)), Verdict):
+    while not isinstance(_answer(worker, opening_round("r0", real, hidden)), Verdict):
         worker.sessions.get("f0")  # the forger keeps speaking
         assert time.monotonic() - t0 < timeout + 2
         time.sleep(0.05)
@@ -255,7 +239,7 @@ def test_an_opening_round_of_a_session_already_served_is_answered_not_served(mod
     hidden = worker.shard.config.hidden_size
     head = HeadRef(name="h1", boot="0000000a", reply_timeout_s=60)
     redis_client.set(names.head("h1"), head.boot)
-    packet = _opening("done", head, hidden)
+    packet = opening_round("done", head, hidden)
     final = _answer(worker, packet)
     assert isinstance(final, Verdict)
     worker.sessions.finish("done", worker.sessions.get("done").last_reply)  # as a final verdict ends it
@@ -272,8 +256,10 @@ def test_a_head_past_its_share_gets_no_new_cache_while_another_waits(models, red
     big, small = (HeadRef(name=n, boot=b, reply_timeout_s=60) for n, b in (("big", "000000b1"), ("small", "000000b2")))
     for head in (big, small):
         redis_client.set(names.head(head.name), head.boot)
-    assert all(isinstance(_answer(worker, _opening(f"b{i}", big, hidden)), Verdict) for i in range(2))  # alone: all
-    assert _answer(worker, _opening("s0", small, hidden)).busy
+    assert all(
+        isinstance(_answer(worker, opening_round(f"b{i}", big, hidden)), Verdict) for i in range(2)
+    )  # alone: all
+    assert _answer(worker, opening_round("s0", small, hidden)).busy
     worker.sessions.drop("b0")  # one of big's jobs ends
-    assert "its share" in _answer(worker, _opening("b2", big, hidden)).error  # big holds 1 of 2: its share
-    assert isinstance(_answer(worker, _opening("s0", small, hidden)), Verdict)
+    assert "its share" in _answer(worker, opening_round("b2", big, hidden)).error  # big holds 1 of 2: its share
+    assert isinstance(_answer(worker, opening_round("s0", small, hidden)), Verdict)
