@@ -13,7 +13,7 @@ import time
 
 import click
 
-from producer.options import prefix_opt, redis_opt, run_guarded
+from producer.options import CliConfig, prefix_opt, redis_opt, run_guarded
 from schemas.keys import Keys
 
 
@@ -25,12 +25,12 @@ from schemas.keys import Keys
 @prefix_opt
 def dead_letters(count: int, as_json: bool, clear: bool, redis_url: str, prefix: str) -> None:
     """List packets tails refused (malformed, oversized, wrong version, duplicate, failed), newest first."""
-    from relay_broker.connection import connect
     from schemas.dead_letters import DeadLetterRecord  # imports torch: only when the command runs
     from schemas.packets import HEADER
 
-    r = run_guarded(lambda: connect(redis_url, attempts=3))
-    stream = Keys(prefix).dead_letters
+    config = CliConfig(redis={"url": redis_url, "prefix": prefix})
+    r = config.redis
+    stream = Keys(config.prefix).dead_letters
     total = run_guarded(lambda: r.xlen(stream))
     entries = run_guarded(lambda: r.xrevrange(stream, count=count))
     for entry_id, fields in entries:

@@ -15,6 +15,7 @@ from producer.options import (
     EXIT_BAD_INPUT,
     EXIT_JOB_FAILED,
     EXIT_OK,
+    CliConfig,
     batch_options,
     connection_options,
     fail,
@@ -25,12 +26,6 @@ from producer.options import (
 )
 
 json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
-
-
-def _client(redis_url: str, prefix: str, queue: str) -> Client:
-    from relay_broker.connection import connect
-
-    return run_guarded(lambda: Client(connect(redis_url, attempts=3), prefix=prefix, queue=queue))
 
 
 def _context_errors(client: Client, parsed) -> list[str]:
@@ -99,18 +94,15 @@ def enqueue(
     wait: bool,
     timeout: float | None,
     as_json: bool,
-    queue: str,
-    redis_url: str,
-    prefix: str,
+    config: CliConfig,
     **gen: object,
 ) -> None:
     """Enqueue one generation job per prompt under one batch; prints the batch id."""
     from producer.inputs import read_prompts
-    from schemas.settings import Settings
 
     defaults = request_defaults(**gen)  # type: ignore[arg-type]
-    parsed = run_guarded(lambda: read_prompts(list(prompts), file, defaults, Settings().generation))
-    client = _client(redis_url, prefix, queue) if not parsed.errors else None
+    parsed = run_guarded(lambda: read_prompts(list(prompts), file, defaults, config.settings.generation))
+    client = config.client if not parsed.errors else None
     errors = parsed.errors or _context_errors(client, parsed)  # type: ignore[arg-type]
     if errors:
         for e in errors:
@@ -145,9 +137,9 @@ def enqueue(
 @click.argument("target", required=False)
 @json_opt
 @connection_options
-def status(target: str | None, as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
+def status(target: str | None, as_json: bool, config: CliConfig) -> None:
     """Counts per state and per-job progress of a batch or job (no argument: the queue)."""
-    client = _client(redis_url, prefix, queue)
+    client = config.client
     if target is None:
         info = run_guarded(client.info)
         click.echo(
@@ -210,14 +202,12 @@ def results(
     fmt: str,
     output: str | None,
     timeout: float | None,
-    queue: str,
-    redis_url: str,
-    prefix: str,
+    config: CliConfig,
 ) -> None:
     """Results of a batch (or one job): text, token counts, finish reason, timings. A generation a stop string
     ended keeps it: its text and token ids run through the token that completed it (--format openai and
     `shardflow serve` leave it out, as OpenAI does)."""
-    client = _client(redis_url, prefix, queue)
+    client = config.client
     ids = run_guarded(lambda: client.resolve(batch))
     if fmt == "openai":
         from producer.openai_out import results_command
@@ -247,13 +237,11 @@ def results(
 @click.option("--wait", is_flag=True, help="Wait for the retried jobs to finish.")
 @timeout_opt
 @connection_options
-def retry(
-    target: str | None, all_failed: bool, wait: bool, timeout: float | None, queue: str, redis_url: str, prefix: str
-) -> None:
+def retry(target: str | None, all_failed: bool, wait: bool, timeout: float | None, config: CliConfig) -> None:
     """Re-enqueue failed generations of a batch or job (or --failed: all), keeping ids and batch."""
     if (target is None) == (not all_failed):
         fail("give a BATCH or JOB id, or --failed", EXIT_BAD_INPUT)
-    client = _client(redis_url, prefix, queue)
+    client = config.client
     ids = client.failed_job_ids() if all_failed else run_guarded(lambda: client.resolve(target))  # type: ignore[arg-type]
     done = client.retry(ids)
     click.echo(f"re-enqueued {len(done)} job(s)", err=True)
@@ -266,9 +254,9 @@ def retry(
 @click.command()
 @click.argument("target")
 @connection_options
-def cancel(target: str, queue: str, redis_url: str, prefix: str) -> None:
+def cancel(target: str, config: CliConfig) -> None:
     """Cancel a batch's or a job's unfinished generations."""
-    client = _client(redis_url, prefix, queue)
+    client = config.client
     done = client.cancel(run_guarded(lambda: client.resolve(target)))
     click.echo(f"cancelled {len(done)} job(s)")
 
@@ -276,9 +264,9 @@ def cancel(target: str, queue: str, redis_url: str, prefix: str) -> None:
 @click.command()
 @json_opt
 @connection_options
-def info(as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
+def info(as_json: bool, config: CliConfig) -> None:
     """The queue (--queue): its jobs per state, the workers that serve it, and the model its heads announced."""
-    data = run_guarded(_client(redis_url, prefix, queue).info)
+    data = run_guarded(config.client.info)
     if as_json:
         click.echo(json.dumps(data))
         return
@@ -290,7 +278,7 @@ def info(as_json: bool, queue: str, redis_url: str, prefix: str) -> None:
     for w in data["workers"]:
         click.echo(f"worker {w['name']}: {w['state']} on {', '.join(w['queues'])}")
     if not data["workers"]:
-        click.echo(f"no worker serves queue {queue}")
+        click.echo(f"no worker serves queue {config.queue}")
     if data["model"]:
         m = data["model"]
         click.echo(f"model {m['target']} (context {m['context_length']}, head layers {m['head_layers']})")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from producer.options import EXIT_BAD_INPUT, EXIT_UNREACHABLE, connection_options, fail, run_guarded, worker_settings
+from producer.options import EXIT_BAD_INPUT, EXIT_UNREACHABLE, CliConfig, connection_options, fail
 from schemas.settings import Settings
 
 
@@ -96,9 +96,7 @@ def serve(
     shared_batches: bool | None,
     served_model_name: str | None,
     no_auth: bool,
-    queue: str,
-    redis_url: str,
-    prefix: str,
+    config: CliConfig,
 ) -> None:
     """Serve OpenAI's chat completions, completions (streamed or not), models, files and batches over the
     queue: every request becomes a job for the head workers. Stop sequences are left out of the text returned
@@ -106,7 +104,6 @@ def serve(
     from producer.api import Api
     from producer.api_common import ApiConfig, loopback
     from producer.client import Client
-    from relay_broker.connection import connect
 
     admins = read_keys(admin_file, "SHARDFLOW_API_ADMIN_KEYS")
     keys = read_keys(keys_file) | admins
@@ -114,11 +111,11 @@ def serve(
         fail(f"--no-auth serves only a loopback address, not {host}", EXIT_BAD_INPUT)
     if not keys and not no_auth:
         fail("no API keys: give --api-keys FILE or SHARDFLOW_API_KEYS, or --no-auth on loopback", EXIT_BAD_INPUT)
-    api = {"shared_batches": shared_batches, "model_name": served_model_name}
-    settings = worker_settings(redis={"url": redis_url, "prefix": prefix}, jobs={"queue": queue}, api=api)
-    r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=settings.api.max_concurrent + 16))
-    client = Client(r, prefix=prefix, queue=queue, settings=settings)
-    config = ApiConfig(
+    config = config.with_flags(api={"shared_batches": shared_batches, "model_name": served_model_name})
+    settings = config.settings
+    r = config.connect(max_connections=settings.api.max_concurrent + 16)
+    client = Client(r, settings=settings)
+    api_config = ApiConfig(
         keys=None if no_auth else keys,
         max_body_bytes=settings.api.max_body_bytes,
         max_concurrent=settings.api.max_concurrent,
@@ -130,7 +127,8 @@ def serve(
         served_name=settings.api.model_name,
     )
     sock = bind(host, port)
-    run(Api(client, config).app(), sock, f"serving the OpenAI API for queue {queue} on {url_of(sock, host)}", settings)
+    ready = f"serving the OpenAI API for queue {config.queue} on {url_of(sock, host)}"
+    run(Api(client, api_config).app(), sock, ready, settings)
 
 
 def run(app: object, sock: socket.socket, ready: str, settings: Settings) -> None:

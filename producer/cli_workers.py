@@ -10,6 +10,7 @@ import sys
 import click
 
 from producer.options import (
+    CliConfig,
     connection_options,
     device_opt,
     draft_quant_opt,
@@ -212,9 +213,7 @@ def head(
     concurrency: int | None,
     groups: int | None,
     name: str | None,
-    queue: str,
-    redis_url: str,
-    prefix: str,
+    config: CliConfig,
     device: str | None,
     draft_device: str | None,
     dtype: str | None,
@@ -230,7 +229,7 @@ def head(
     plugins: tuple[str, ...],
 ) -> None:
     """Start a head worker: an RQ worker with the draft model and lower layers loaded once."""
-    from relay_broker.connection import connect, warm_pool
+    from relay_broker.connection import warm_pool
     from schemas.jobs import ModelInfo
     from workers.engine.preflight import preflight_head
     from workers.engine.runner import Engine
@@ -239,15 +238,14 @@ def head(
 
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
-    settings = worker_settings(
-        redis={"url": redis_url, "prefix": prefix},
-        jobs={"queue": queue},
+    config = config.with_flags(
         relay={"head_groups": groups},
         engine=dict(slots=slots, max_len=max_len, gpu_memory=gpu_memory, static=static, graphs=graphs)
         | dict(compile_draft=compile_draft or None)
         | dict(device=device, draft_device=draft_device, dtype=dtype, quant=quant, draft_quant=draft_quant)
         | dict(threads=threads),
     )
+    settings, queue = config.settings, config.queue
     registry = run_guarded(lambda: load_worker_plugins(plugins))
     torch_setup(settings)
     run_guarded(lambda: preflight_head(registry, target, layers, draft, settings))
@@ -264,10 +262,10 @@ def head(
     # a connection per thread at most, however many jobs are in flight: the step loop's senders and readers, the
     # flush and finisher threads, the dispatcher and its housekeeping, RQ's scheduler and a beacon per prefix
     pool = settings.relay.head_senders + settings.relay.head_readers + 16
-    r = run_guarded(lambda: connect(redis_url, settings=settings, max_connections=pool))
+    r = config.connect(max_connections=pool)
     warm_pool(r, pool)  # opened ahead: the first rounds of a burst of jobs pay for no new connection
     level = logging.getLevelName(logging.getLogger().level)
-    worker = HeadWorker([queue], runtime, r, names=Keys(prefix), model_info=info, name=name, capacity=capacity)
+    worker = HeadWorker([queue], runtime, r, names=Keys(config.prefix), model_info=info, name=name, capacity=capacity)
     engines = [runtime.engine, *([runtime.draft_model.engine] if runtime.draft_model is not None else [])]
     click.echo(
         f"head {worker.name} ready (layers {layers[0]}:{layers[1]}, queue {queue}, "

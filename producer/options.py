@@ -8,15 +8,21 @@ producer/cli.py, which imports them to register their commands: no module import
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from schemas.errors import InvalidRequest, ModelLoadError, ShardFlowError, TransportError
 from schemas.settings import Settings
+
+if TYPE_CHECKING:
+    import redis
+
+    from producer.client import Client
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
 
@@ -118,9 +124,75 @@ queue_opt = click.option(
 )
 
 
+class CliConfig:
+    """A command's one configuration, built once and carried whole (as rq's CliConfig is): its flags by settings
+    group (`CliConfig(redis={"url": url, "prefix": prefix}, jobs={"queue": queue})`; None = not given), the one
+    `Settings` they make on top of the environment (`worker_settings`, built on first use), and the command's Redis
+    connection and `Client`, opened from those settings on first use."""
+
+    def __init__(self, **groups: dict[str, Any]) -> None:
+        self.groups = groups
+        self._redis: redis.Redis | None = None
+        self._client: Client | None = None
+
+    def with_flags(self, **groups: dict[str, Any]) -> CliConfig:
+        """This configuration with more flags (a command's own, by group) on top; its settings not built yet."""
+        merged = dict(self.groups)
+        for group, flags in groups.items():
+            merged[group] = {**merged.get(group, {}), **flags}
+        return CliConfig(**merged)
+
+    @functools.cached_property
+    def settings(self) -> Settings:
+        """SHARDFLOW_* from the environment with the flags on top (a usage error, exit 2, if either is wrong)."""
+        return worker_settings(**self.groups)
+
+    @property
+    def redis_url(self) -> str:
+        return self.settings.redis.url
+
+    @property
+    def prefix(self) -> str:
+        return self.settings.redis.prefix
+
+    @property
+    def queue(self) -> str:
+        return self.settings.jobs.queue
+
+    def connect(self, **kwargs: Any) -> redis.Redis:
+        """A new connection to the settings' Redis (relay_broker.connection.connect's keywords: `attempts`,
+        `max_connections`)."""
+        from relay_broker.connection import connect
+
+        return run_guarded(lambda: connect(self.redis_url, settings=self.settings, **kwargs))
+
+    @property
+    def redis(self) -> redis.Redis:
+        """The command's connection, opened on first use (3 attempts: a user is waiting)."""
+        if self._redis is None:
+            self._redis = self.connect(attempts=3)
+        return self._redis
+
+    @property
+    def client(self) -> Client:
+        """The command's `Client` on `redis`, with these settings (their prefix and queue), made on first use."""
+        if self._client is None:
+            from producer.client import Client
+
+            self._client = run_guarded(lambda: Client(self.redis, settings=self.settings))
+        return self._client
+
+
 def connection_options(fn: Callable) -> Callable:
-    """--queue, --redis-url and --prefix, shared by every command that talks to the job system."""
-    return queue_opt(redis_opt(prefix_opt(fn)))
+    """--queue, --redis-url and --prefix, shared by every command that talks to the job system; the command gets
+    them as one `config: CliConfig` (rq's `pass_cli_config`)."""
+
+    @functools.wraps(fn)
+    def with_config(*args: Any, queue: str, redis_url: str, prefix: str, **kwargs: Any) -> Any:
+        config = CliConfig(redis={"url": redis_url, "prefix": prefix}, jobs={"queue": queue})
+        return fn(*args, config=config, **kwargs)
+
+    return queue_opt(redis_opt(prefix_opt(with_config)))
 
 
 timeout_opt = click.option(
@@ -217,19 +289,49 @@ def load_worker_plugins(plugins: tuple[str, ...]):
     return load_plugins([m.strip() for p in plugins for m in p.split(",") if m.strip()])
 
 
+_ENV_SETTINGS = "shardflow.env_settings"  # where a command's context (ctx.meta, shared by it and its group) keeps them
+
+
+def _read_environment() -> Settings:
+    """SHARDFLOW_* from the environment, read once per command: kept in the running command's click context (every
+    flag default and `worker_settings` of one command line share it); outside a command, read each time."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and _ENV_SETTINGS in ctx.meta:
+        return ctx.meta[_ENV_SETTINGS]
+    settings = Settings()  # a pydantic ValidationError if the environment is wrong: not kept
+    if ctx is not None:
+        ctx.meta[_ENV_SETTINGS] = settings
+    return settings
+
+
 def worker_settings(**groups: dict[str, Any]) -> Settings:
     """The one `Settings` a command runs with and passes down whole: SHARDFLOW_* from the environment, then the
     flags given on top, by group (`worker_settings(engine={"slots": slots, "device": device})`; None = not
-    given). A setting the environment or a flag gets wrong is a usage error (exit 2)."""
+    given). A setting the environment or a flag gets wrong is a usage error (exit 2). The environment is read
+    once per command (`_read_environment`); the flags go on top of it (`_on_top`)."""
     from pydantic import ValidationError
 
     given = {g: {k: v for k, v in flags.items() if v is not None} for g, flags in groups.items()}
+    given = {g: flags for g, flags in given.items() if flags}
     try:
-        return Settings(**{g: flags for g, flags in given.items() if flags})
+        try:
+            return _on_top(_read_environment(), given)
+        except ValidationError:  # said as Settings says it (a flag may also mend what the environment got wrong)
+            return Settings(**given)
     except ValidationError as e:
         from producer.reasons import plain_reason
 
         raise click.UsageError(f"settings: {plain_reason(e)}") from None
+
+
+def _on_top(base: Settings, given: dict[str, dict[str, Any]]) -> Settings:
+    """`base` with the flags `given` (by group) on top, each changed group validated whole, as `Settings.replace`
+    does, without building a `Settings` again (that would read the environment again: pydantic-settings' __init__)."""
+    changed = {}
+    for group, flags in given.items():
+        current = getattr(base, group)
+        changed[group] = type(current).model_validate({**current.model_dump(), **flags})
+    return base.model_copy(update=changed) if changed else base
 
 
 def engine_options(fn: Callable) -> Callable:

@@ -367,8 +367,9 @@ class Settings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
 
     def replace(self, **groups: dict[str, Any]) -> Settings:
-        """These settings with some fields of some groups changed (validated; no environment read again):
-        `settings.replace(engine={"slots": 4})`."""
+        """These settings with some fields of some groups changed, validated: `settings.replace(engine={"slots": 4})`.
+        (pydantic-settings reads the environment again while it validates, but every field is given here, so nothing
+        of it is taken.)"""
         data = self.model_dump()
         for group, changes in groups.items():
             data[group] = {**data[group], **changes}

@@ -32,6 +32,7 @@ from rq.timeouts import JobTimeoutException
 from relay_broker.budgets import DeadLetterCap
 from schemas.requests import GenerationResult
 from workers.head.beacon import reply_group
+from workers.head.core import Runtime
 from workers.head.relay_io import Outgoing, Receiver, Reply, Sender
 from workers.head.rounds import Outcome, RoundLoop
 from workers.head.sealing import outbound, packets, sealed
@@ -64,7 +65,7 @@ class Slot:
 class HeadLoop:
     """Steps every generation submitted to it, on a thread of its own (see the module docstring)."""
 
-    def __init__(self, runtime, r: redis.Redis) -> None:
+    def __init__(self, runtime: Runtime, r: redis.Redis) -> None:
         self.rt, self.r, self.settings = runtime, r, runtime.settings
         self.slots: dict[str, Slot] = {}  # by session id
         self._inbox: list[Slot] = []

@@ -8,7 +8,9 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import redis
 import torch
@@ -30,6 +32,7 @@ from schemas.packets import (
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.tensors import DTYPE_NAMES, TensorMeta, tensor_meta
 from workers.head.batching import HeadWork
+from workers.head.core import Runtime
 from workers.head.round_times import add_round
 from workers.head.sealing import part_tokens
 from workers.head.verdicts import Refusals, refusal, verdict_problem
@@ -49,6 +52,21 @@ class Outcome(enum.Enum):
     REPLAY = "replay"  # the next round replays the session onto a live tail
     COMMITTED = "committed"  # the verdict is committed: compute the next round
     FINISHED = "finished"
+
+
+class StepLoop(Protocol):
+    """What a generation needs of the head's step loop (workers/head/loop.py `HeadLoop`): to be run on it."""
+
+    def submit(self, gen: RoundLoop, timeout_s: float | None = None) -> Future[GenerationResult]: ...
+
+
+class GenerationRuntime(Runtime, Protocol):
+    """What a generation needs of its runtime (workers/head/runtime.py `HeadRuntime`): the loop's needs and the
+    step loop it runs on."""
+
+    def loop_for(self, r: redis.Redis) -> StepLoop:
+        """The step loop that runs the head's generations on connection `r`."""
+        ...
 
 
 @dataclass
@@ -77,7 +95,7 @@ class RoundLoop:
         self,
         *,
         req: GenerationRequest,
-        runtime,
+        runtime: GenerationRuntime,
         r: redis.Redis,
         names: Keys,
         session_id: str,
@@ -103,7 +121,7 @@ class RoundLoop:
         self.pinned = False
         self.key = session_key()  # MACs every round and reply of this generation (schemas/packets.py)
         self.head = runtime.beacons.ensure(r, names)  # announced before the first round: tails see it alive
-        self.tail_closed = False  # a final verdict came: the tail dropped the session, its reply stream expires
+        self.tail_closed = False  # a final verdict came: the tail dropped the session (no close packet to send)
         self.settings = runtime.settings
         self.refusals = Refusals("", self.settings.relay.reply_dead_letters_max)  # its stream: set by the loop
         cfg = runtime.shard.config  # read once: a config's attributes are slow to read, and rounds need these

@@ -18,7 +18,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import redis
 from transformers import AutoTokenizer
@@ -268,8 +267,27 @@ def round_loop(
     )
 
 
-def generate(req: GenerationRequest, runtime: HeadRuntime, r: redis.Redis, **keywords: Any) -> GenerationResult:
+def generate(
+    req: GenerationRequest,
+    runtime: HeadRuntime,
+    r: redis.Redis,
+    *,
+    names: Keys | None = None,
+    session_id: str | None = None,
+    on_tokens: TokenCallback | None = None,
+    reply_timeout_s: float | None = None,
+    resume: list[int] | None = None,
+) -> GenerationResult:
     """Run one split speculative generation against the tails reachable through `r`, on the head's step loop
-    (batched with every other generation in flight there); blocks the caller until it ends. `keywords` are
-    `round_loop`'s (names, session_id, on_tokens, reply_timeout_s, resume)."""
-    return round_loop(req, runtime, r, **keywords).run()
+    (batched with every other generation in flight there); blocks the caller until it ends. The keywords are
+    `round_loop`'s."""
+    return round_loop(
+        req,
+        runtime,
+        r,
+        names=names,
+        session_id=session_id,
+        on_tokens=on_tokens,
+        reply_timeout_s=reply_timeout_s,
+        resume=resume,
+    ).run()

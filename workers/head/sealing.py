@@ -5,7 +5,7 @@ MAC'd under their sessions' keys (schemas/groups.py `seal_group`; a round alone,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol, TypeVar
 
 from schemas.groups import chunk_rounds, part_mac, seal_group
 from schemas.macs import seal
@@ -16,13 +16,47 @@ from schemas.settings import RelaySettings
 # into one buffer with the command first (on this CPU an 8 MB XADD took 18 ms that way, 3.5 ms as a view)
 VIEW_BYTES = 1 << 16
 MAX_DRAFT_ROWS = 65  # a round's drafts (at most 64, schemas/packets.py) and its bonus row, beside its inputs
-Outbound = tuple[str, bytes, Any]  # (its tail stream, its session's key, its `OpenRound`, fields made)
 
 
-def packets(slots: Sequence[Any]) -> list[tuple[Any, Outbound | Exception]]:
+# What this module reads of the loop's slots (workers/head/loop.py's `Slot`) and their rounds, as protocols: the loop
+# and its rounds (workers/head/rounds.py) import this module, so it imports neither.
+class Round(Protocol):
+    """A computed round (`OpenRound`): its unsealed fields, and the MAC it last went out under."""
+
+    fields: dict[bytes, bytes]
+    mac: str
+
+
+class Generation(Protocol):
+    """A generation on the loop (`RoundLoop`): where its round goes, under which key, and the round."""
+
+    @property
+    def stream(self) -> str: ...
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def round(self) -> Round | None: ...
+
+    def packet(self) -> dict[bytes, bytes]: ...
+
+
+class Sending(Protocol):
+    """One of the loop's slots, as sealing reads it."""
+
+    @property
+    def gen(self) -> Generation: ...
+
+
+S = TypeVar("S", bound=Sending)
+Outbound = tuple[str, bytes, Round]  # (its tail stream, its session's key, its `OpenRound`, fields made)
+
+
+def packets(slots: Sequence[S]) -> list[tuple[S, Outbound | Exception]]:
     """(slot, its round as it goes out, or what keeps its fields from being made: it fails alone) for each of the
     loop's slots (workers/head/loop.py's `Slot`)."""
-    out: list[tuple[Any, Outbound | Exception]] = []
+    out: list[tuple[S, Outbound | Exception]] = []
     for slot in slots:
         try:
             slot.gen.packet()
@@ -32,9 +66,11 @@ def packets(slots: Sequence[Any]) -> list[tuple[Any, Outbound | Exception]]:
     return out
 
 
-def outbound(slot: Any) -> Outbound:
+def outbound(slot: Sending) -> Outbound:
     """The slot's round as it stands now (its `fields` made: `RoundLoop.packet`), with its stream and key."""
-    return slot.gen.stream, slot.gen.key, slot.gen.round
+    rnd = slot.gen.round
+    assert rnd is not None  # the loop sends only a slot with a round computed (`RoundLoop.packet` asserts it too)
+    return slot.gen.stream, slot.gen.key, rnd
 
 
 def entries(

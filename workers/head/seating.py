@@ -8,14 +8,46 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import Any
+from typing import Protocol, TypeVar
 
 from rq.timeouts import JobTimeoutException
 
 log = logging.getLogger("shardflow.head")
 
 
-def seat(waiting: list[Any], new: list[Any], now: float, freed: bool) -> tuple[list[Any], list[Any]]:
+# What this module reads of the loop's slots (workers/head/loop.py's `Slot`), as protocols: the loop imports this
+# module, so it does not import the loop.
+class Generation(Protocol):
+    """A generation on the loop (`RoundLoop`): whether it holds its cache slots, and how it takes and frees them."""
+
+    @property
+    def sid(self) -> str: ...
+
+    @property
+    def seated(self) -> bool: ...
+
+    def seat(self, overflow: bool = True) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+class Waiting(Protocol):
+    """One of the loop's slots, as seating reads it: its generation, its caller's Future and its job's deadline."""
+
+    @property
+    def gen(self) -> Generation: ...
+
+    @property
+    def future(self) -> Future: ...
+
+    @property
+    def deadline(self) -> float | None: ...
+
+
+S = TypeVar("S", bound=Waiting)
+
+
+def seat(waiting: list[S], new: list[S], now: float, freed: bool) -> tuple[list[S], list[S]]:
     """(seated, still waiting) of the loop's `Slot`s, in order: the new ones, and those waiting where a slot was
     freed since (`freed`) or a deadline passed (otherwise none of them can be seated: no acquire a step for each).
     One past its deadline, or whose seating failed (a drafter its request names that this head lacks), holds
@@ -25,8 +57,9 @@ def seat(waiting: list[Any], new: list[Any], now: float, freed: bool) -> tuple[l
     return seated, still if retry else waiting + still
 
 
-def _seat(slots: list[Any], now: float) -> tuple[list[Any], list[Any]]:
-    seated, still = [], []
+def _seat(slots: list[S], now: float) -> tuple[list[S], list[S]]:
+    seated: list[S] = []
+    still: list[S] = []
     for slot in slots:
         try:
             if slot.deadline is not None and now > slot.deadline:
@@ -43,7 +76,7 @@ def _seat(slots: list[Any], now: float) -> tuple[list[Any], list[Any]]:
     return seated, still
 
 
-def withdraw(lists: tuple[list[Any], ...], cancels: list[tuple[Future, BaseException]]) -> tuple[list[Any], ...]:
+def withdraw(lists: tuple[list[S], ...], cancels: list[tuple[Future, BaseException]]) -> tuple[list[S], ...]:
     """Each list of not yet seated `Slot`s without those whose Future `cancels` names, which end with its exception
     (a cancel for a generation seated already is dropped: it ends at its next progress flush)."""
     why = {id(f): e for f, e in cancels}

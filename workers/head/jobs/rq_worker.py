@@ -44,6 +44,7 @@ from schemas.settings import Settings
 from workers.head.jobs import job_function as jobs
 from workers.head.jobs.dispatcher import Dispatcher
 from workers.head.jobs.scheduler import ThreadScheduler
+from workers.head.runtime import HeadRuntime
 
 log = logging.getLogger("shardflow.head_worker")
 
@@ -70,7 +71,7 @@ class HeadWorker(SimpleWorker):
     def __init__(
         self,
         queues: list[str],
-        runtime: Any,
+        runtime: HeadRuntime | None,
         r: redis.Redis,
         *,
         names: Keys | None = None,
