@@ -21,7 +21,8 @@ from schemas.settings import Settings
 from workers.engine.kvcache import StaticKVCache
 from workers.engine.runner import Engine
 from workers.engine.shard import Cache, Shard, load_shard
-from workers.head.batching import Batcher, HeadWork
+from workers.head.batching import Batcher
+from workers.head.drafts import HeadWork
 from workers.speculative.drafters import Draft, DraftSession, ModelDrafter, NgramDrafter
 from workers.tiny_models import build_tokenizer, save_tiny_model
 

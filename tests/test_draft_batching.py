@@ -1,4 +1,4 @@
-"""Every drafter batches (workers/speculative/drafters.py, wired in workers/head/batching.py): no Redis, no subprocess.
+"""Every drafter batches (workers/speculative/drafters.py, wired in workers/head/drafts.py): no Redis, no subprocess.
 
 Sampled draft-model drafts of several generations advance together (one batched draft-model forward per draft
 position, greedy rows alongside), each row drawing from its own generator exactly what it draws alone, so a
@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-import workers.head.batching as batching
+import workers.head.drafts as drafts_module
 from schemas.requests import SamplingParams
 from tests.test_batcher import (  # noqa: F401  (tiny is a fixture)
     CTX,
@@ -32,7 +32,7 @@ from tests.test_batcher import (  # noqa: F401  (tiny is a fixture)
     spy,
     tiny,
 )
-from workers.head.batching import HeadWork
+from workers.head.drafts import HeadWork
 from workers.speculative.drafters import Draft, ModelDraftSession, NgramDrafter, propose_many, propose_ngram_many
 from workers.speculative.sampling import warp
 
@@ -217,7 +217,7 @@ def test_ngram_rounds_propose_in_one_call(tiny: Tiny, monkeypatch: pytest.Monkey
     specs = [Spec(c, "ngram", k) for c, k in zip(CTX, (2, 4, 3, 1, 2), strict=True)]
     samplings = [GREEDY, SAMPLED, GREEDY, SAMPLED, GREEDY]
     works = [make(head, s, sampling) for s, sampling in zip(specs, samplings, strict=True)]
-    monkeypatch.setattr(batching, "propose_ngram_many", counted)
+    monkeypatch.setattr(drafts_module, "propose_ngram_many", counted)
     monkeypatch.setattr(NgramDrafter, "propose", lambda *a: pytest.fail("an n-gram round proposed alone"))
     head.batcher.compute(works)
     monkeypatch.undo()
@@ -250,10 +250,10 @@ def test_a_prompt_batched_with_warm_rows_drafts_as_one_whole_draft(tiny: Tiny) -
 
 
 def test_drafts_left_on_the_device_join_the_lower_shards_ids():
-    """`Drafted.ids` (workers/head/batching.py): a draft read already, one still on the device (its row of a whole
+    """`Drafted.ids` (workers/head/drafts.py): a draft read already, one still on the device (its row of a whole
     draft's output, its first k tokens) and no draft at all give each round's [pending, drafts], back to back."""
     from schemas.requests import SamplingParams
-    from workers.head.batching import Drafted, HeadWork
+    from workers.head.drafts import Drafted, HeadWork
     from workers.speculative.drafters import GreedyLaunch
 
     def work(pending: list[int], k: int) -> HeadWork:

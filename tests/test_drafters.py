@@ -208,7 +208,8 @@ def test_a_graph_round_counts_as_free_of_k(models):
     """The batcher marks rounds run through graphs as free of K (workers/head/batching.py); eager ones not."""
     from workers.engine.runner import Engine
     from workers.engine.shard import load_shard
-    from workers.head.batching import HeadWork, _k_free
+    from workers.head.batching import _k_free
+    from workers.head.drafts import HeadWork
 
     shard = load_shard(models["qwen2"].target, (0, 1), embed=True, head=False)
     w = HeadWork(None, [1, 2], 4, SamplingParams(), None, None, [2], 1)  # type: ignore[arg-type]

@@ -56,7 +56,7 @@ def test_replies_taken_while_a_group_computes_change_nothing(
 def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_models, tokenizers, monkeypatch):
     """With a draft model on static caches (its whole greedy draft one `Engine.draft_many`), the loop also takes
     replies while the draft runs, before it is read back: the lower shard is queued behind the draft before the
-    drafts are read (`Drafted`, workers/head/batching.py), `_meanwhile` runs twice a group (both queued; drafts
+    drafts are read (`Drafted`, workers/head/drafts.py), `_meanwhile` runs twice a group (both queued; drafts
     read), the rounds' headers are made while the lower shard runs (`RoundLoop.prepare`), and every generation
     still equals HF generate."""
     from schemas.requests import DraftSettings

@@ -2,20 +2,15 @@
 
 The head's step loop (workers/head/loop.py) assembles a group of its ready generations (about live / G of them:
 workers/head/groups.py) and hands their rounds to `Batcher.compute` under the runtime's lock, one group at a time;
-each round (`HeadWork`) is to draft up to k tokens, then run the lower shard over [uncached committed tokens,
-drafts]. The model drafts of a batch, greedy or sampled, advance together per draft model (`propose_many`: one
-batched draft-model forward per draft position, or for an all-greedy batch the whole draft as one graph replay;
-plugin sessions around a model session get their inner model's draft, then `finish` it), n-gram proposals run in
-one call (`propose_ngram_many`), other drafters propose one by one, and the lower shard runs once over every
-sequence's round. A whole greedy draft is not read back before the lower shard is queued behind it: the drafts a
-session proposes as they are join the lower shard's ids on the device (`Drafted`), so the device runs draft and
-lower shard with no host round trip between them. While the device runs, the loop's own work goes on: `compute`
-calls its `idle` once both are queued and again once the drafts are read, and its `poll` while it waits for the
-device (`await_device`). The hidden states come back to the host in one copy, with one check for non-finite rows
-on the device (`to_host_checked`); a sequence with such rows fails alone. If a batch fails, each of its rounds is
-retried alone (its caches rolled back to where the round started, a sampled draft's generator to its state as
-handed in), so one bad sequence fails only itself; an interrupt (a BaseException: a shutdown, say) fails the
-whole batch and is raised on.
+each round (`HeadWork`, workers/head/drafts.py) is to draft up to k tokens, then run the lower shard over [uncached
+committed tokens, drafts]. The group's drafts are made together (`draft_all`, workers/head/drafts.py) and the lower
+shard runs once over every sequence's round, a greedy draft joining its ids on the device. While the device runs,
+the loop's own work goes on: `compute` calls its `idle` once both are queued and again once the drafts are read, and
+its `poll` while it waits for the device (`await_device`). The hidden states come back to the host in one copy, with
+one check for non-finite rows on the device (`to_host_checked`); a sequence with such rows fails alone. If a batch
+fails, each of its rounds is retried alone (its caches rolled back to where the round started, a sampled draft's
+generator to its state as handed in), so one bad sequence fails only itself; an interrupt (a BaseException: a
+shutdown, say) fails the whole batch and is raised on.
 """
 
 from __future__ import annotations
@@ -24,56 +19,15 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
-from schemas.requests import SamplingParams
 from workers.engine.isolate import run_isolated
 from workers.engine.numerics import non_finite_error
 from workers.engine.runner import Engine
-from workers.engine.shard import Cache
+from workers.head.drafts import HeadWork, Wait, draft_all, model_session
 from workers.head.groups import GroupPlan
-from workers.speculative.drafters import (
-    Draft,
-    DraftSession,
-    GreedyLaunch,
-    ModelDraftSession,
-    NgramDrafter,
-    launch_greedy_many,
-    propose_many,
-    propose_ngram_many,
-)
-
-
-@dataclass(eq=False)  # compared by identity: its fields hold tensors and caches
-class HeadWork:
-    """One generation's round, as the step loop hands it in (`RoundLoop.next_work`); the batch fills in draft, hidden
-    and the stage times."""
-
-    drafter: DraftSession | None
-    context: list[int]  # committed tokens
-    k: int  # drafts wanted
-    sampling: SamplingParams
-    gen: torch.Generator | None
-    cache: Cache  # the lower shard's cache of this sequence
-    pending: list[int]  # committed tokens the shard has not seen yet
-    start: int  # their first position
-    draft: Draft | None = None
-    hidden: torch.Tensor | None = None
-    draft_s: float = 0.0
-    head_s: float = 0.0
-    batch: int = 0  # rounds in the batch that computed it
-    k_free: bool = False  # its cost did not depend on k (graphs: the longest draft and K + 1 rows for every row)
-    route: str = ""  # the stream its packet goes to
-    tag: tuple[str, int] | None = None  # (the batch's id, its rounds with the same route): the tail's hint
-    error: BaseException | None = None
-    gen_state: torch.Tensor | None = field(default=None, init=False)  # a sampled draft's generator, as handed in
-
-    def __post_init__(self) -> None:
-        if self.gen is not None and not self.sampling.greedy:  # only sampled drafts draw from it
-            self.gen_state = self.gen.get_state()
 
 
 def _k_free(w: HeadWork, engine: Engine) -> bool:
@@ -81,19 +35,8 @@ def _k_free(w: HeadWork, engine: Engine) -> bool:
     K + 1) and its draft, if a model drafted it, through the whole-draft graph (the longest K for every row)."""
     if not engine.graphs:
         return False
-    session = _model_session(w)
+    session = model_session(w)
     return session is None or (session.engine.graphs and w.sampling.greedy)
-
-
-def _model_session(w: HeadWork) -> ModelDraftSession | None:
-    """The draft-model session that drafts for `w` in the batch (a sampled draft needs the round's generator)."""
-    if w.k <= 0 or w.drafter is None or (w.gen is None and not w.sampling.greedy):
-        return None
-    session = w.drafter.model_session
-    return session if isinstance(session, ModelDraftSession) else None
-
-
-Wait = Callable[[torch.cuda.Event], None]  # waits until the device has passed an event
 
 
 def await_device(done: torch.cuda.Event, poll: Callable[[], None] | None = None) -> None:
@@ -189,7 +132,7 @@ class Batcher:
 
     def _compute_batch(self, batch: list[HeadWork]) -> list[None]:
         t0 = time.perf_counter()
-        drafted = _drafts(batch)
+        drafted = draft_all(batch)
         dev = self.engine.shard.device
         with torch.inference_mode():
             flat, sizes = drafted.ids(batch, dev)  # one copy; a draft still on the device joins there
@@ -215,102 +158,3 @@ class Batcher:
             if not ok:  # fails this generation (the loop fails it), never sent as a packet
                 w.error = non_finite_error("hidden states", self.engine.shard.layer_range, self.engine.shard.dtype)
         return [None] * len(batch)
-
-
-class Drafted:
-    """A batch's drafts as its lower shard needs them: each item's `Draft` read already, or where its model draft
-    sits on the device (`GreedyLaunch`), read only once the lower shard is queued behind it (`read`)."""
-
-    def __init__(self, n: int) -> None:
-        self.host: list[Draft | None] = [None] * n
-        self.device: dict[int, tuple[GreedyLaunch, int]] = {}  # item -> (its launch, its session there)
-        self.launches: list[GreedyLaunch] = []
-
-    def ids(self, batch: list[HeadWork], device: torch.device) -> tuple[torch.Tensor, list[int]]:
-        """Every item's [pending tokens, drafts] back to back on `device` (one copy from the host; drafts still on
-        the device copied in there) and each item's length."""
-        flat: list[int] = []
-        sizes: list[int] = []
-        parts: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by draft tensor: (it, flat at, its at)
-        for i, w in enumerate(batch):
-            row = list(w.pending)
-            d, where = self.host[i], None
-            if d is None and i in self.device:
-                launch, j = self.device[i]
-                where = launch.on_device(j)
-                d = launch.known(j) if where is None else None
-            if where is not None:
-                k, (tensor, r) = launch.ks[j], where
-                part = parts.setdefault(id(tensor), (tensor, [], []))
-                part[1].extend(range(len(flat) + len(row), len(flat) + len(row) + k))
-                part[2].extend(r * tensor.shape[1] + c for c in range(k))
-                row += [0] * k
-            elif d is not None:
-                row += d.tokens
-            flat += row
-            sizes.append(len(row))
-        n = len(flat)
-        host = torch.tensor(flat + [x for _, at, src in parts.values() for x in (*at, *src)], dtype=torch.long)
-        out = host.to(device, non_blocking=True)
-        ids, at = out[:n], n
-        for tensor, dst, _ in parts.values():
-            m = len(dst)
-            src = out[at + m : at + 2 * m].to(tensor.device)  # a draft model may sit on another GPU
-            ids[out[at : at + m]] = tensor.view(-1)[src].to(device)
-            at += 2 * m
-        return ids, sizes
-
-    def read(self, wait: Wait | None = None) -> list[Draft]:
-        """Every item's draft (empty where none was wanted), reading those still on the device. Every launch is
-        read, also one whose sessions all proposed alone: reading brings its sessions' record of their caches up to
-        date (unread, the next round would feed their draft positions again)."""
-        for launch in self.launches:
-            launch.drafts(wait)
-        for i, (launch, j) in self.device.items():
-            if self.host[i] is None:
-                self.host[i] = launch.drafts(wait)[j]
-        return [d if d is not None else Draft([]) for d in self.host]
-
-
-def _drafts(batch: list[HeadWork]) -> Drafted:
-    """Every round's draft: model sessions batched per draft model, n-gram sessions in one call, the rest one by
-    one. An all-greedy model batch is only queued on the device (`launch_greedy_many`): a session that is its own
-    drafter leaves its draft there, one whose `finish` ignores the model draft (`proposes_alone`: it only pays its
-    cost) finishes now, and any other reads the batch's drafts first."""
-    out = Drafted(len(batch))
-    models: dict[int, list[tuple[int, ModelDraftSession]]] = {}  # by draft engine: one batch per draft model
-    for i, w in enumerate(batch):
-        if (s := _model_session(w)) is not None:
-            models.setdefault(id(s.engine), []).append((i, s))
-    for group in models.values():
-        ws = [batch[i] for i, _ in group]
-        sessions, contexts, ks = [s for _, s in group], [w.context for w in ws], [w.k for w in ws]
-        if all(w.sampling.greedy for w in ws):
-            launch = launch_greedy_many(sessions, contexts, ks)
-            out.launches.append(launch)
-            for j, ((i, s), w) in enumerate(zip(group, ws, strict=True)):
-                if w.drafter is s:
-                    out.device[i] = (launch, j)
-                elif getattr(w.drafter, "proposes_alone", False):
-                    out.host[i] = w.drafter.finish(Draft([]), w.context, w.k, w.gen)  # type: ignore[union-attr]
-                else:
-                    out.host[i] = w.drafter.finish(launch.drafts()[j], w.context, w.k, w.gen)  # type: ignore[union-attr]
-            continue
-        drafts = propose_many(sessions, contexts, ks, [w.sampling for w in ws], [w.gen for w in ws])
-        for (i, _), w, d in zip(group, ws, drafts, strict=True):
-            out.host[i] = w.drafter.finish(d, w.context, w.k, w.gen)  # type: ignore[union-attr]
-    rest = [
-        i for i, w in enumerate(batch) if i not in out.device and out.host[i] is None and w.k > 0 and w.gen is not None
-    ]
-    ngrams = [(i, d) for i in rest if isinstance(d := batch[i].drafter, NgramDrafter)]
-    if ngrams:
-        ws = [batch[i] for i, _ in ngrams]
-        for (i, _), d in zip(
-            ngrams, propose_ngram_many([d for _, d in ngrams], [w.context for w in ws], [w.k for w in ws]), strict=True
-        ):
-            out.host[i] = d
-    for i in rest:
-        w = batch[i]
-        if out.host[i] is None and w.drafter is not None:
-            out.host[i] = w.drafter.propose(w.context, w.k, w.sampling, w.gen)  # type: ignore[arg-type]
-    return out

@@ -31,8 +31,8 @@ from schemas.packets import (
 )
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.tensors import DTYPE_NAMES, TensorMeta, tensor_meta
-from workers.head.batching import HeadWork
 from workers.head.core import Runtime
+from workers.head.drafts import HeadWork
 from workers.head.round_times import add_round
 from workers.head.sealing import part_tokens
 from workers.head.verdicts import Refusals, refusal, verdict_problem
