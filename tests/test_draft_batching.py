@@ -270,85 +270,61 @@ def test_drafts_left_on_the_device_join_the_lower_shards_ids():
     assert ids.tolist() == [5, 7, 8, 6, 9, 11, 12, 3, 4, 21, 22, 23]
 
 
-def test_a_wait_for_the_device_takes_what_comes_meanwhile():
-    """`await_device` (workers/head/batching.py): while the device has not passed the event the caller's `poll` runs
-    (the head's loop takes each reply as it comes), then one sync; without a poll, only the sync."""
-    from workers.head.batching import await_device
-
-    class Event:
-        def __init__(self, busy: int) -> None:
-            self.busy, self.queries, self.syncs = busy, 0, 0
-
-        def query(self) -> bool:
-            self.queries += 1
-            return self.queries > self.busy
-
-        def synchronize(self) -> None:
-            self.syncs += 1
-
-    polls: list[int] = []
-    ev = Event(busy=3)
-    await_device(ev, lambda: polls.append(ev.queries))  # type: ignore[arg-type]
-    assert polls == [1, 2, 3] and ev.syncs == 1
-    ev = Event(busy=3)
-    await_device(ev)  # type: ignore[arg-type]
-    assert ev.queries == 0 and ev.syncs == 1
-
-
-def test_the_loops_poll_takes_a_reply_that_comes_while_it_waits():
-    """`HeadLoop._poll` waits at most `relay.head_wait_poll_ms` for a reply and routes what came; with nothing
-    coming it returns within about that time, having routed nothing."""
+def _bare_loop(poll_ms: float):
+    """A HeadLoop without its threads, models or Redis: what `_take_meanwhile` and `_poll` read."""
     import logging
+    import threading
+
+    from schemas.settings import Settings
+    from workers.head.loop import HeadLoop, Inbox
+    from workers.phases import PhaseClock
+
+    loop = HeadLoop.__new__(HeadLoop)
+    loop.settings = Settings(relay={"head_wait_poll_ms": poll_ms})
+    loop._cv, loop._inbox, loop._aside = threading.Condition(), Inbox(), 0.0
+    loop.clock = loop.relay_clock = PhaseClock("test", logging.getLogger("test"))
+    taken: list[list] = []
+    loop._take = taken.append  # type: ignore[method-assign]
+    return loop, taken
+
+
+def test_the_loops_poll_takes_each_reply_as_it_comes_until_the_device_is_done():
+    """`HeadLoop._poll` asks the group's `Launch` whether the device is done and, while it is not, takes the replies
+    that come (waiting at most `relay.head_wait_poll_ms` for one); with 0 it never waits (`collect` blocks)."""
     import threading
     import time
 
-    from schemas.settings import Settings
-    from workers.head.loop import HeadLoop
-    from workers.phases import PhaseClock
+    loop, taken = _bare_loop(200.0)
 
-    loop = HeadLoop.__new__(HeadLoop)
-    loop.settings = Settings(relay={"head_wait_poll_ms": 200.0})
-    loop._cv, loop._replies, loop._failed, loop._idle_s = threading.Condition(), [], [], 0.0
-    loop._group, loop._held = [], []
-    loop.clock = loop.relay_clock = PhaseClock("test", logging.getLogger("test"))
-    loop._replies_at = None
-    routed: list[list] = []
-    loop._route = routed.append  # type: ignore[method-assign]
+    class Launch:
+        def __init__(self, busy: int) -> None:
+            self.busy, self.asked = busy, 0
+
+        def ready(self) -> bool:
+            self.asked += 1
+            return self.asked > self.busy
+
     threading.Timer(0.02, loop._deliver, args=([("sid", b"1-1", {})],)).start()
     t0 = time.monotonic()
-    loop._poll()
-    assert routed == [[("sid", b"1-1", {})]] and time.monotonic() - t0 < 0.19
-    loop.settings = Settings(relay={"head_wait_poll_ms": 5.0})
-    t0 = time.monotonic()
-    loop._poll()
-    assert len(routed) == 1 and time.monotonic() - t0 < 0.1
+    loop._poll(Launch(busy=1))  # type: ignore[arg-type]
+    assert taken == [[("sid", b"1-1", {})]] and time.monotonic() - t0 < 0.19
+    loop.settings = loop.settings.replace(relay={"head_wait_poll_ms": 0.0})
+    launch = Launch(busy=5)
+    loop._poll(launch)  # type: ignore[arg-type]
+    assert launch.asked == 0 and len(taken) == 1
 
 
-def test_a_failed_send_of_the_computing_group_waits_until_it_is_computed():
-    """A failed send reported while a group computes fails the generations outside the group at once; those inside
-    it are held (failing one mid-compute would free caches its queued forward still writes) and come back to the
-    loop with the next step."""
-    import logging
-    import threading
-
-    from schemas.settings import Settings
-    from workers.head.loop import HeadLoop
-    from workers.phases import PhaseClock
-
-    loop = HeadLoop.__new__(HeadLoop)
-    loop.settings = Settings(relay={"head_wait_poll_ms": 1.0})
-    loop._cv, loop._replies, loop._idle_s, loop._held = threading.Condition(), [], 0.0, []
-    loop.clock = PhaseClock("test", logging.getLogger("test"))
-    inside, outside, err = object(), object(), RuntimeError("send failed")
-    loop._group = [inside]  # type: ignore[list-item]
-    loop._failed = [([inside, outside], err)]  # type: ignore[list-item]
-    failed: list[object] = []
-    loop._fail = lambda slot, e: failed.append(slot)  # type: ignore[method-assign]
-    loop._route = lambda replies: None  # type: ignore[method-assign]
-    loop._poll()
-    assert failed == [outside] and loop._held == [([inside], err)] and loop._failed == []
-    loop._poll()  # held: nothing to take, so the poll waits rather than spins
-    assert failed == [outside]
+def test_replies_taken_while_a_group_computes_leave_failed_sends_for_the_next_step():
+    """While a group computes, the loop takes only replies: a failed send reported meanwhile (which may name the
+    group's own generations, whose caches its queued forward still writes) waits in the inbox for the next step,
+    as do submissions and cancels."""
+    loop, taken = _bare_loop(1.0)
+    err = RuntimeError("send failed")
+    loop._send_failed(["a", "b"], err)
+    loop._deliver([("a", b"1-1", {})])
+    loop._take_meanwhile(0.0)
+    assert taken == [[("a", b"1-1", {})]]
+    assert loop._inbox.failed == [(["a", "b"], err)] and not loop._inbox.replies
 
 
 @STATIC

@@ -195,21 +195,29 @@ def test_a_round_that_cannot_be_sealed_fails_its_generation_alone(
     from schemas.requests import GenerationRequest
     from tests.conftest import PROMPTS
     from tests.job_env import reference
-    from workers.head.rounds import RoundLoop
+    from workers.head.generation import Generation
     from workers.head.runtime import HeadRuntime, generate
+    from workers.head.sealing import Outbound
 
     ms = models["qwen2"]
     names = tails.get(ms.target, 2, ms.n_layers)
     runtime = HeadRuntime.load(ms.target, (0, 2))
     prompts, bad = PROMPTS[:6], PROMPTS[2]
-    packet = RoundLoop.packet
+    outbound, fields, broken = Generation.outbound, Outbound.fields, set()
 
-    def sealing(self: RoundLoop) -> dict:
+    def marking(self: Generation) -> Outbound:
+        out = outbound(self)
         if self.req.prompt == bad and self.rounds >= 1:
-            raise PacketError("this round cannot be sealed")
-        return packet(self)
+            broken.add(out.sid)
+        return out
 
-    monkeypatch.setattr(RoundLoop, "packet", sealing)
+    def sealing(self: Outbound) -> dict:
+        if self.sid in broken:
+            raise PacketError("this round cannot be sealed")
+        return fields(self)
+
+    monkeypatch.setattr(Generation, "outbound", marking)
+    monkeypatch.setattr(Outbound, "fields", sealing)
 
     def one(p: str) -> list[int] | str:
         req = GenerationRequest(prompt=p, max_new_tokens=6, chat_template=False)

@@ -1,5 +1,5 @@
 """The head's step loop takes replies while the device runs a group's whole draft and its lower shard
-(`HeadLoop._meanwhile`): with two groups in flight, the replies of one are committed while the other computes,
+(`HeadLoop._take_meanwhile`): with two groups in flight, the replies of one are committed while the other computes,
 and every generation still equals HF generate (a real tail process; the head in-process)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_replies_taken_while_a_group_computes_change_nothing(
     names = tails.get(ms.target, 2, ms.n_layers)
     runtime = HeadRuntime.load(ms.target, (0, 2), settings=Settings(relay={"head_groups": 2}))
     taken: list[int] = []
-    forward, meanwhile = Engine.forward_many, HeadLoop._meanwhile
+    forward, meanwhile = Engine.forward_many, HeadLoop._take_meanwhile
 
     def slow_forward(self: Engine, *args, **kwargs):  # the lower shard "runs" a while: replies come meanwhile
         out = forward(self, *args, **kwargs)
@@ -34,13 +34,13 @@ def test_replies_taken_while_a_group_computes_change_nothing(
             time.sleep(0.05)
         return out
 
-    def counting(self: HeadLoop) -> None:
+    def counting(self: HeadLoop, wait_s: float) -> None:
         with self._cv:
-            taken.append(len(self._replies))
-        meanwhile(self)
+            taken.append(len(self._inbox.replies))
+        meanwhile(self, wait_s)
 
     monkeypatch.setattr(Engine, "forward_many", slow_forward)
-    monkeypatch.setattr(HeadLoop, "_meanwhile", counting)
+    monkeypatch.setattr(HeadLoop, "_take_meanwhile", counting)
     prompts = PROMPTS[:8]
 
     def one(p: str) -> list[int]:
@@ -56,9 +56,9 @@ def test_replies_taken_while_a_group_computes_change_nothing(
 def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_models, tokenizers, monkeypatch):
     """With a draft model on static caches (its whole greedy draft one `Engine.draft_many`), the loop also takes
     replies while the draft runs, before it is read back: the lower shard is queued behind the draft before the
-    drafts are read (`Drafted`, workers/head/drafts.py), `_meanwhile` runs twice a group (both queued; drafts
-    read), the rounds' headers are made while the lower shard runs (`RoundLoop.prepare`), and every generation
-    still equals HF generate."""
+    drafts are read (`Drafted`, workers/head/drafts.py), replies are taken once both are queued, the rounds'
+    headers are made while the lower shard runs (`Generation.prepare`), and every generation still equals HF
+    generate."""
     from schemas.requests import DraftSettings
 
     ms = models["qwen2"]
@@ -66,7 +66,7 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
     settings = Settings(engine={"static": True, "slots": 8}, relay={"head_groups": 2})
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
     during_draft: list[int] = []
-    draft_many, meanwhile, forward = Engine.draft_many, HeadLoop._meanwhile, Engine.forward_many
+    draft_many, meanwhile, forward = Engine.draft_many, HeadLoop._take_meanwhile, Engine.forward_many
     drafting = [False]
     order: list[str] = []  # per group: the lower shard queued, then the drafts read
 
@@ -79,10 +79,10 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
 
     read = GreedyLaunch.drafts
 
-    def reading(self: GreedyLaunch, wait=None):
+    def reading(self: GreedyLaunch):
         if self.queued:
             order.append("read")
-        return read(self, wait)
+        return read(self)
 
     def slow_draft(self: Engine, *args, **kwargs):  # the whole draft "runs" a while: replies come meanwhile
         out = draft_many(self, *args, **kwargs)
@@ -90,14 +90,14 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
         time.sleep(0.03)
         return out
 
-    def counting(self: HeadLoop) -> None:
+    def counting(self: HeadLoop, wait_s: float) -> None:
         if drafting[0]:
             with self._cv:
-                during_draft.append(len(self._replies))
+                during_draft.append(len(self._inbox.replies))
             drafting[0] = False
-        meanwhile(self)
+        meanwhile(self, wait_s)
 
-    from workers.head import rounds
+    from workers.head import sealing as rounds
 
     ahead, round_fields = [0], rounds.round_fields
 
@@ -108,7 +108,7 @@ def test_replies_taken_while_a_whole_draft_runs(models, tails, redis_client, hf_
     monkeypatch.setattr(Engine, "draft_many", slow_draft)
     monkeypatch.setattr(Engine, "forward_many", lower)
     monkeypatch.setattr(GreedyLaunch, "drafts", reading)
-    monkeypatch.setattr(HeadLoop, "_meanwhile", counting)
+    monkeypatch.setattr(HeadLoop, "_take_meanwhile", counting)
     monkeypatch.setattr(rounds, "round_fields", sealing)
     prompts = PROMPTS[:8]
 

@@ -23,17 +23,17 @@ def _long_prompt(tok) -> str:
 
 def _spy_headers(monkeypatch) -> list[tuple[int, int, bool]]:
     """(start_pos, prefill_more, replay) of every round header the head makes from now on."""
-    from workers.head.rounds import RoundLoop
+    from workers.head.generation import Generation
 
     sent: list[tuple[int, int, bool]] = []
-    fields = RoundLoop._header_fields
+    fields = Generation._header_fields
 
-    def header_fields(self: RoundLoop) -> tuple:
+    def header_fields(self: Generation) -> tuple:
         basis, header, q = fields(self)
         sent.append((header["start_pos"], header["prefill_more"], header["replay"]))
         return basis, header, q
 
-    monkeypatch.setattr(RoundLoop, "_header_fields", header_fields)
+    monkeypatch.setattr(Generation, "_header_fields", header_fields)
     return sent
 
 
@@ -76,7 +76,7 @@ def test_a_replay_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     from schemas.requests import DraftSettings, GenerationRequest
     from schemas.settings import Settings
     from tests.job_env import reference
-    from workers.head.rounds import RoundLoop
+    from workers.head.generation import Generation
     from workers.head.runtime import HeadRuntime
 
     ms, cap, tok = models["qwen2"], 54_000, tokenizers["qwen2"]
@@ -87,7 +87,7 @@ def test_a_replay_past_the_packet_cap_goes_in_parts(models, tails, redis_client,
     sent = _spy_headers(monkeypatch)
     req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
     ids = runtime.prompt_ids(req)
-    loop = RoundLoop(
+    loop = Generation(
         req=req, runtime=runtime, r=redis_client, names=names, session_id="replay-in-parts", prompt=ids,
         on_tokens=None, reply_timeout_s=None, resume=want[:5],
     )  # fmt: skip
@@ -110,7 +110,7 @@ def test_a_verdict_lost_on_its_way_then_a_replay_in_parts(
     from schemas.requests import DraftSettings, GenerationRequest
     from schemas.settings import Settings
     from tests.job_env import reference
-    from workers.head.rounds import Outcome, RoundLoop
+    from workers.head.generation import Generation
     from workers.head.runtime import HeadRuntime
 
     ms, cap, tok = models["qwen2"], 54_000, tokenizers["qwen2"]
@@ -118,9 +118,9 @@ def test_a_verdict_lost_on_its_way_then_a_replay_in_parts(
     settings = Settings(relay={"max_packet_bytes": cap, "resume_attempts": 1})
     runtime = HeadRuntime.load(ms.target, (0, 2), draft=ms.drafter, settings=settings)
     prompt = _long_prompt(tok)
-    take, dropped = RoundLoop.take, []
+    take, dropped = Generation.take, []
 
-    def lossy(self: RoundLoop, fields: dict) -> Outcome:
+    def lossy(self: Generation, entry_id: bytes, fields: dict) -> dict | None:
         assert self.round is not None
         hit = (
             self.generated and not self.round.more
@@ -129,12 +129,12 @@ def test_a_verdict_lost_on_its_way_then_a_replay_in_parts(
         )
         if hit and not dropped:
             dropped.append(self.round.rid)
-            return Outcome.IGNORED
-        return take(self, fields)
+            return None
+        return take(self, entry_id, fields)
 
-    monkeypatch.setattr(RoundLoop, "take", lossy)
+    monkeypatch.setattr(Generation, "take", lossy)
     req = GenerationRequest(prompt=prompt, max_new_tokens=12, chat_template=False, draft=DraftSettings(k=4))
-    loop = RoundLoop(
+    loop = Generation(
         req=req, runtime=runtime, r=redis_client, names=names, session_id=f"lost-{len(lost)}",
         prompt=runtime.prompt_ids(req), on_tokens=None, reply_timeout_s=1.5,
     )  # fmt: skip

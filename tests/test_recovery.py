@@ -22,7 +22,7 @@ from tests.conftest import PROMPTS
 from tests.job_env import SPLIT, Env, reference
 from tests.test_parity import NEW, head_for
 from tests.test_parity import reference as parity_reference
-from workers.head.rounds import RoundLoop
+from workers.head.generation import Generation
 
 N_NEW = 150
 pytestmark = pytest.mark.slow  # kills and restarts real processes (about a minute); CI runs them
@@ -137,7 +137,7 @@ def test_replay_before_any_token_is_a_fresh_first_round(models, hf_models, token
     names = tails.get(ms.target, SPLIT, ms.n_layers)
     runtime = head_for(ms, SPLIT, ms.drafter)
     req = GenerationRequest(prompt=PROMPTS[0], max_new_tokens=NEW, chat_template=False)
-    loop = RoundLoop(
+    loop = Generation(
         req=req,
         runtime=runtime,
         r=redis_client,

@@ -19,6 +19,13 @@ from workers.engine.sizing import SlotPlan
 from workers.speculative.drafters import ModelDrafter, propose_greedy_many
 
 
+def _seated(gen) -> bool:
+    """Whether a generation holds its cache slots (seated, not yet ended)."""
+    from workers.head.generation import Phase
+
+    return gen.phase in (Phase.READY, Phase.IN_FLIGHT, Phase.BUSY)
+
+
 def _engine(models) -> Engine:
     shard = load_shard(models["qwen2"].target, None, embed=True, head=True)
     return Engine(
@@ -177,7 +184,7 @@ def test_generations_longer_than_the_free_slots_wait_for_one(models, hf_models, 
     from schemas.requests import GenerationRequest
     from tests.conftest import PROMPTS
     from tests.job_env import SPLIT, reference
-    from workers.head.runtime import HeadRuntime, round_loop
+    from workers.head.runtime import HeadRuntime, new_generation
 
     ms = models["qwen2"]
     names = tails.get(ms.target, SPLIT, ms.n_layers)
@@ -185,15 +192,15 @@ def test_generations_longer_than_the_free_slots_wait_for_one(models, hf_models, 
     runtime = HeadRuntime.load(ms.target, (0, SPLIT), draft=ms.drafter, settings=cfg)
     assert [(p.slots, p.max_len) for p in runtime.engine.pools] == [(2, 32), (2, 64)]
     reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=20) for p in PROMPTS[:5]]
-    gens = [round_loop(req, runtime, redis_client, names=names) for req in reqs]
-    assert all(g.need > 32 and not g.seated for g in gens)  # none fits a short slot
+    gens = [new_generation(req, runtime, redis_client, names=names) for req in reqs]
+    assert all(g.need > 32 and not _seated(g) for g in gens)  # none fits a short slot
     loop = runtime.loop_for(redis_client)
     futures = [loop.submit(g) for g in gens]
     results = [f.result(timeout=120) for f in futures]
     want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 20) for p in PROMPTS[:5]]
     assert [r.token_ids for r in results] == want
     assert runtime.engine._spare == [] and runtime.draft_model.engine._spare == []  # no pool beyond the plan
-    assert not any(g.seated for g in gens)  # every slot given back
+    assert not any(_seated(g) for g in gens)  # every slot given back
 
 
 def test_a_draft_model_with_no_free_slot_says_so_rather_than_growing(models):
@@ -224,18 +231,18 @@ def test_a_generation_cancelled_while_it_waits_for_a_slot_ends_then(models, hf_m
     from tests.conftest import PROMPTS
     from tests.job_env import SPLIT, reference
     from workers.head.jobs.progress import JobCancelled
-    from workers.head.runtime import HeadRuntime, round_loop
+    from workers.head.runtime import HeadRuntime, new_generation
 
     ms = models["qwen2"]
     names = tails.get(ms.target, SPLIT, ms.n_layers)
     cfg = Settings(engine={"cpu_slots": 4, "long_slots_share": 0.5, "max_len": 64, "short_cache_len": 32})
     runtime = HeadRuntime.load(ms.target, (0, SPLIT), draft=ms.drafter, settings=cfg)
     reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=30) for p in PROMPTS[:3]]
-    gens = [round_loop(req, runtime, redis_client, names=names) for req in reqs]
+    gens = [new_generation(req, runtime, redis_client, names=names) for req in reqs]
     loop = runtime.loop_for(redis_client)
     futures = [loop.submit(g) for g in gens]  # two full-length slots: the third waits
     deadline = time.monotonic() + 30
-    while not (gens[0].seated and gens[1].seated):
+    while not (_seated(gens[0]) and _seated(gens[1])):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     t0 = time.monotonic()
@@ -244,10 +251,10 @@ def test_a_generation_cancelled_while_it_waits_for_a_slot_ends_then(models, hf_m
     with pytest.raises(JobCancelled, match="waiting for a cache slot"):
         futures[2].result(timeout=30)
     assert time.monotonic() - t0 < 5  # at once, not once a slot frees (the seated one ends as asked, below)
-    assert not gens[2].seated
+    assert not _seated(gens[2])
     want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 30) for p in PROMPTS[:2]]
     assert [f.result(timeout=120).token_ids for f in futures[:2]] == want
-    assert not any(g.seated for g in gens)
+    assert not any(_seated(g) for g in gens)
 
 
 @pytest.mark.slow  # 16 s here: a second loop's threads and reply stream
@@ -260,7 +267,7 @@ def test_a_slot_freed_on_one_loop_seats_a_generation_waiting_on_another(
     from schemas.requests import GenerationRequest
     from tests.conftest import PROMPTS
     from tests.job_env import SPLIT, reference
-    from workers.head.runtime import HeadRuntime, round_loop
+    from workers.head.runtime import HeadRuntime, new_generation
 
     ms = models["qwen2"]
     names = tails.get(ms.target, SPLIT, ms.n_layers)
@@ -269,9 +276,9 @@ def test_a_slot_freed_on_one_loop_seats_a_generation_waiting_on_another(
     other = connect(redis_server.url)
     reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=20) for p in PROMPTS[:3]]
     conns = [redis_client, redis_client, other]
-    gens = [round_loop(req, runtime, r, names=names) for req, r in zip(reqs, conns, strict=True)]
+    gens = [new_generation(req, runtime, r, names=names) for req, r in zip(reqs, conns, strict=True)]
     futures = [runtime.loop_for(redis_client).submit(g) for g in gens[:2]]  # both full-length slots
     futures.append(runtime.loop_for(other).submit(gens[2]))  # no timeout: only a freed slot seats it
     want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, 20) for p in PROMPTS[:3]]
     assert [f.result(timeout=120).token_ids for f in futures] == want
-    assert not any(g.seated for g in gens)
+    assert not any(_seated(g) for g in gens)

@@ -10,7 +10,6 @@ them; `Drafted.read` reads them once both are queued (workers/head/batching.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +26,6 @@ from workers.speculative.drafters import (
     propose_many,
     propose_ngram_many,
 )
-
-Wait = Callable[[torch.cuda.Event], None]  # waits until the device has passed an event
 
 
 @dataclass(eq=False)  # compared by identity: its fields hold tensors and caches
@@ -111,15 +108,15 @@ class Drafted:
             at += 2 * m
         return ids, sizes
 
-    def read(self, wait: Wait | None = None) -> list[Draft]:
+    def read(self) -> list[Draft]:
         """Every item's draft (empty where none was wanted), reading those still on the device. Every launch is
         read, also one whose sessions all proposed alone: reading brings its sessions' record of their caches up to
         date (unread, the next round would feed their draft positions again)."""
         for launch in self.launches:
-            launch.drafts(wait)
+            launch.drafts()
         for i, (launch, j) in self.device.items():
             if self.host[i] is None:
-                self.host[i] = launch.drafts(wait)[j]
+                self.host[i] = launch.drafts()[j]
         return [d if d is not None else Draft([]) for d in self.host]
 
 

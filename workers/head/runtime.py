@@ -42,10 +42,10 @@ from workers.engine.sizing import (
 )
 from workers.head.batching import Batcher
 from workers.head.beacon import Beacons
+from workers.head.generation import Generation
 from workers.head.groups import GroupPlan
 from workers.head.loop import HeadLoop
 from workers.head.prompts import encode_prompt
-from workers.head.rounds import RoundLoop
 from workers.plugins import DrafterContext, Registry
 from workers.speculative.drafters import DraftSession, ModelDrafter, NgramDrafter
 
@@ -100,7 +100,7 @@ class HeadRuntime:
             return self._loops[id(r)][1]
 
     def slot_freed(self) -> None:
-        """A generation gave its cache slots back: every loop's waiting generations try again (`HeadLoop._admit`)."""
+        """A generation gave its cache slots back: every loop's waiting generations try again (`Schedule.freed`)."""
         with self._loops_lock:
             loops = [loop for _, loop in self._loops.values()]
         for loop in loops:
@@ -235,7 +235,7 @@ def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan 
     )
 
 
-def round_loop(
+def new_generation(
     req: GenerationRequest,
     runtime: HeadRuntime,
     r: redis.Redis,
@@ -245,15 +245,15 @@ def round_loop(
     on_tokens: TokenCallback | None = None,
     reply_timeout_s: float | None = None,
     resume: list[int] | None = None,
-) -> RoundLoop:
-    """One split speculative generation's state, ready for the head's step loop (`runtime.loop_for(r)`).
+) -> Generation:
+    """One split speculative generation (WAITING), ready for the head's step loop (`runtime.loop_for(r)`).
 
     `resume`: tokens already generated (a checkpoint of an earlier attempt); the generation goes on
     from there, its first round replaying prompt + those tokens onto a tail."""
     prompt = runtime.prompt_ids(req)
     if req.sampling.seed is None and not req.sampling.greedy:
         req = req.model_copy(update={"sampling": req.sampling.model_copy(update={"seed": secrets.randbits(62)})})
-    return RoundLoop(
+    return Generation(
         req=req,
         runtime=runtime,
         r=r,
@@ -263,7 +263,6 @@ def round_loop(
         on_tokens=on_tokens,
         reply_timeout_s=reply_timeout_s,
         resume=resume,
-        seat=False,  # the step loop seats it once a slot of its length is free (`HeadLoop._admit`)
     )
 
 
@@ -280,8 +279,8 @@ def generate(
 ) -> GenerationResult:
     """Run one split speculative generation against the tails reachable through `r`, on the head's step loop
     (batched with every other generation in flight there); blocks the caller until it ends. The keywords are
-    `round_loop`'s."""
-    return round_loop(
+    `new_generation`'s."""
+    return new_generation(
         req,
         runtime,
         r,

@@ -1,15 +1,19 @@
-"""What a head puts on the wire: how much of a long prompt a round carries (`part_tokens`), and on a sender thread
-for a computed group each round's fields (its header and tensors), then one group entry per tail stream, its parts
-MAC'd under their sessions' keys (schemas/groups.py `seal_group`; a round alone, `seal`)."""
+"""What a head puts on the wire: how much of a long prompt a round carries (`part_tokens`), a computed round as a
+frozen value (`Outbound`), and on a sender thread for a computed group each round's fields (its header and
+tensors), then one group entry per tail stream, its parts MAC'd under their sessions' keys (`seal_rounds`;
+schemas/groups.py `seal_group`; a round alone, `seal`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from schemas.groups import chunk_rounds, part_mac, seal_group
 from schemas.macs import seal
-from schemas.packets import MAC
+from schemas.packets import MAC, RoundPacket, make_round, round_fields
 from schemas.settings import RelaySettings
 
 # A field this large goes to Redis as a view: redis-py then sends it as it is, rather than having hiredis copy it
@@ -18,59 +22,48 @@ VIEW_BYTES = 1 << 16
 MAX_DRAFT_ROWS = 65  # a round's drafts (at most 64, schemas/packets.py) and its bonus row, beside its inputs
 
 
-# What this module reads of the loop's slots (workers/head/loop.py's `Slot`) and their rounds, as protocols: the loop
-# and its rounds (workers/head/rounds.py) import this module, so it imports neither.
-class Round(Protocol):
-    """A computed round (`OpenRound`): its unsealed fields, and the MAC it last went out under."""
+@dataclass(frozen=True, eq=False)
+class Outbound:
+    """A computed round as it goes on the wire, fixed when the loop made it (`Generation.outbound`): a sender thread
+    reads this, never the generation. Its fields are made from the header made ahead (`made`: packet and JSON,
+    `Generation.prepare`), else from the header's fields (`header`); `mac` is where the sender puts the MAC the
+    round went out under (hex: what a tail's unsigned error reply echoes)."""
 
-    fields: dict[bytes, bytes]
-    mac: str
+    sid: str
+    stream: str  # the tail stream it goes to
+    key: bytes  # its session's key
+    tensors: dict[str, torch.Tensor]
+    made: tuple[RoundPacket, bytes] | None = None
+    header: dict | None = None
+    mac: Future[str] = field(default_factory=Future)
 
+    def fields(self) -> dict[bytes, bytes]:
+        """Its unsealed stream fields: the tensors' bytes (copied from pinned memory) beside the header."""
+        if self.made is not None:
+            return round_fields(*self.made, self.tensors)
+        assert self.header is not None
+        return make_round(self.header, self.tensors, self.key)[1]
 
-class Generation(Protocol):
-    """A generation on the loop (`RoundLoop`): where its round goes, under which key, and the round."""
-
-    @property
-    def stream(self) -> str: ...
-
-    @property
-    def key(self) -> bytes: ...
-
-    @property
-    def round(self) -> Round | None: ...
-
-    def packet(self) -> dict[bytes, bytes]: ...
-
-
-class Sending(Protocol):
-    """One of the loop's slots, as sealing reads it."""
-
-    @property
-    def gen(self) -> Generation: ...
+    def again(self) -> Outbound:
+        """The same round to send again (a full tail's wait is over), with a MAC of its own."""
+        return replace(self, mac=Future())
 
 
-S = TypeVar("S", bound=Sending)
-Outbound = tuple[str, bytes, Round]  # (its tail stream, its session's key, its `OpenRound`, fields made)
-
-
-def packets(slots: Sequence[S]) -> list[tuple[S, Outbound | Exception]]:
-    """(slot, its round as it goes out, or what keeps its fields from being made: it fails alone) for each of the
-    loop's slots (workers/head/loop.py's `Slot`)."""
-    out: list[tuple[S, Outbound | Exception]] = []
-    for slot in slots:
+def seal_rounds(rounds: Sequence[Outbound], relay: RelaySettings) -> tuple[list[tuple[str, dict]], list[Outbound]]:
+    """On a sender's thread: these rounds as stream entries (`entries`), each round told the MAC it went out under;
+    and the rounds whose fields could not be made (each fails alone, on the loop)."""
+    made: list[tuple[Outbound, dict[bytes, bytes]]] = []
+    bad: list[Outbound] = []
+    for out in rounds:
         try:
-            slot.gen.packet()
-            out.append((slot, outbound(slot)))
+            made.append((out, out.fields()))
         except Exception as e:
-            out.append((slot, e))
-    return out
-
-
-def outbound(slot: Sending) -> Outbound:
-    """The slot's round as it stands now (its `fields` made: `RoundLoop.packet`), with its stream and key."""
-    rnd = slot.gen.round
-    assert rnd is not None  # the loop sends only a slot with a round computed (`RoundLoop.packet` asserts it too)
-    return slot.gen.stream, slot.gen.key, rnd
+            out.mac.set_exception(e)
+            bad.append(out)
+    group, macs = entries([(out.stream, out.key, fields) for out, fields in made], relay)
+    for (out, _), mac in zip(made, macs, strict=True):
+        out.mac.set_result(mac.hex())
+    return group, bad
 
 
 def entries(
@@ -97,16 +90,6 @@ def entries(
                     macs[i] = part_mac(entry, j)
             out.append((stream, _viewed(entry)))
     return out, macs
-
-
-def sealed(rounds: Sequence[Outbound], relay: RelaySettings) -> list[tuple[str, dict]]:
-    """These rounds as stream entries (`entries`), each told the MAC it goes out under (`OpenRound.mac`: what a
-    tail's unsigned error reply echoes). Each is the round object captured when it was made, not its generation's
-    round by the time it is sealed (a timed-out one's replay may have replaced it)."""
-    out, macs = entries([(stream, key, rnd.fields) for stream, key, rnd in rounds], relay)
-    for (_, _, rnd), mac in zip(rounds, macs, strict=True):
-        rnd.mac = mac.hex()
-    return out
 
 
 def _viewed(fields: dict) -> dict:

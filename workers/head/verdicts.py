@@ -1,38 +1,83 @@
 """What a head checks of a tail's verdict before it commits anything: the tail is another process (and on a
 no-ACL Redis anyone may write its reply stream), so a verdict that is not a possible answer to the round sent
-is refused, never committed (workers/head/rounds.py `RoundLoop._reply_to`)."""
+is refused, never committed (`check_reply`, called by workers/head/generation.py `Generation.take`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hmac
+from dataclasses import dataclass
 
 from schemas.dead_letters import dead_letter
-from schemas.packets import ErrorReply, Verdict
+from schemas.errors import PacketError
+from schemas.macs import authentic
+from schemas.packets import ErrorReply, Verdict, decode_tail_message
+from schemas.settings import RelaySettings
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the round in flight allows a reply to be: its session and round, the MAC it went out under (what an
+    unsigned "replay it" must echo; "" until its sender sealed it), its drafts, the tokens it may still commit, and
+    whether it is a part of a long prompt (commits nothing)."""
+
+    key: bytes
+    sid: str
+    rid: int
+    mac: str
+    drafts: list[int]
+    remaining: int
+    vocab_size: int
+    part: bool
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a reply-stream entry is refused, and what it said (None: it did not decode)."""
+
+    reason: str
+    msg: Verdict | ErrorReply | None = None
+
+
+def check_reply(fields: dict, want: Expected, caps: RelaySettings) -> Verdict | ErrorReply | Refused | None:
+    """The entry as the round's reply; None where it is stale (an earlier round's: dropped); else why it is refused.
+    A reply counts only if its MAC verifies under the session's key, or it is an unsigned "replay it" that echoes
+    this round's MAC: a tail that lost the session has no key to sign with."""
+    try:
+        msg = decode_tail_message(fields, caps=caps)
+    except PacketError as e:
+        return Refused(str(e))
+    if not authentic(want.key, fields, reply=True):
+        echoed = isinstance(msg, ErrorReply) and msg.echo is not None and hmac.compare_digest(msg.echo, want.mac)
+        if not echoed or not want.mac:
+            return Refused("its MAC does not verify under the session's key", msg)
+    if msg.session_id != want.sid:
+        return Refused(f"a reply naming session {msg.session_id}", msg)
+    if msg.round_id is None:  # never final, never a replay: a reply must say which round it answers
+        return Refused("an error reply naming no round", msg)
+    if msg.round_id < want.rid:
+        return None
+    if msg.round_id > want.rid:
+        return Refused(f"a reply to round {msg.round_id}, which was not sent", msg)
+    if isinstance(msg, Verdict):
+        problem = verdict_problem(msg, want.drafts, want.remaining, want.vocab_size, want.part)
+        if problem:
+            return Refused(problem, msg)
+    return msg
 
 
 @dataclass
 class Refusals:
-    """One generation's account of its reply stream: where its replies come (`stream`, the head's own reply stream,
-    workers/head/beacon.py), the entry it took last (`entry_id`, set by the loop), and the entries it refused:
-    all counted, the first `keep` kept as dead-letter records for the loop to send (a flood is counted, not
-    stored; the head's cap per source stream, relay_broker/budgets.py, holds over them too)."""
+    """One generation's count of the reply-stream entries it refused: all counted, the first `keep` turned into
+    dead-letter records for the loop to send (a flood is counted, not stored; the head's cap per source stream,
+    relay_broker/budgets.py, holds over them too)."""
 
-    stream: str
     keep: int
-    entry_id: bytes = b""
     refused: int = 0
-    _dead: list[dict] = field(default_factory=list, repr=False)
 
-    def refuse(self, record: dict) -> None:
-        """Count a refused entry; keep its dead-letter record (`refusal`) while fewer than `keep` are kept."""
+    def refuse(self, record: dict) -> dict | None:
+        """Count a refused entry; its dead-letter record (`refusal`) while fewer than `keep` went, else None."""
         self.refused += 1
-        if self.refused <= self.keep:
-            self._dead.append(record)
-
-    def take_dead(self) -> list[dict]:
-        """The records kept so far (the caller sends them)."""
-        dead, self._dead = self._dead, []
-        return dead
+        return record if self.refused <= self.keep else None
 
 
 def refusal(

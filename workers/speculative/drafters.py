@@ -312,13 +312,12 @@ class GreedyLaunch:
         row = self.rows[i]
         return Draft(row[: self.ks[i]]) if row is not None else None
 
-    def drafts(self, wait: Callable[[torch.cuda.Event], None] | None = None) -> list[Draft]:
-        """Every session's draft; `wait(event)` waits for the device to pass a read's event (default: blocks in
-        `synchronize`; the head's batcher takes replies meanwhile)."""
+    def drafts(self) -> list[Draft]:
+        """Every session's draft (waiting for the device to pass each read's event)."""
         if self._drafts is None:
             for idx, host, done in self._reads:
                 if done is not None:
-                    (wait or torch.cuda.Event.synchronize)(done)
+                    done.synchronize()
                 for i, row in zip(idx, host.tolist(), strict=True):
                     self.rows[i] = row
             out = []

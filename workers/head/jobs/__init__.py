@@ -2,6 +2,8 @@
 
 - `rq_worker.py`: the RQ worker that keeps the head's models loaded (`HeadWorker`), with its allow-listed job class;
 - `dispatcher.py`: its job loop, many jobs in flight, a few Redis round trips each;
+- `rq_records.py`: the loop's RQ bookkeeping: the records of its jobs (started, finished, canceled, failed),
+  heartbeats and maintenance, with RQ's own calls in as few round trips as the loop allows;
 - `job_function.py`: one job: its request checked, its generation submitted to the core's step loop, its result
   stored once;
 - `progress.py` and `flushes.py`: a job's throttled progress, token stream and checkpoints, flushed off the loop;

@@ -3,25 +3,27 @@
 RQ's own loop runs one job at a time and spends ~25 sequential round trips per job on bookkeeping (heartbeats, state,
 registries, maintenance) between dequeues, which over a WAN link costs seconds per job. `Dispatcher` keeps RQ's
 records and semantics (started/finished/failed registries, executions, retries through RQ's scheduler, abandoned-job
-cleanup by heartbeat expiry) and changes how they are written:
+cleanup by heartbeat expiry) and changes how they are written; the writes themselves, RQ's bookkeeping, are
+`RQRecords`'s (workers/head/jobs/rq_records.py), called from this loop:
 
 - **dequeue**: as many jobs as there are free slots, `LMOVE`d to the queue's intermediate list in one pipelined round
   trip (when the queue was empty, `BLMOVE` with a short timeout, pipelined with the `LMOVE`s that take the rest of a
   batch enqueued at once);
-- **fetch + start**: one pipeline reads the records, one transaction starts them all (execution records, started
-  registry, status, the worker's state), sent while the jobs begin to compute (a job records its end only after that
-  transaction);
+- **fetch + start**: one pipeline reads the records, one transaction starts them all (`RQRecords.start`: execution
+  records, started registry, status, the worker's state), sent while the jobs begin to compute (a job records its end
+  only after that transaction);
 - **run**: each job's generation goes to the head's step loop (workers/head/loop.py: one thread steps every
   generation in flight); no thread per job: its start (`start_generation`) runs on this loop's thread, its end
   (`end_generation`: the result stored, then RQ's records) on one of a fixed few `finisher` threads once the step
   loop has resolved it;
-- **finish**: one transaction per job (result, finished registry, execution cleanup, worker counters); a failure goes
-  through RQ's `handle_job_failure` (retries, failed registry); a job its user cancelled (JobCancelled,
-  workers/head/jobs/job_function.py) ends `canceled` (status, canceled registry), as RQ's own cancel leaves a queued
-  job: never failed, never retried by RQ (`shardflow retry` resumes it);
+- **finish**: one transaction for the jobs that ended together (`RQRecords.finished`: result, finished registry,
+  execution cleanup, worker counters); a failure goes through RQ's `handle_job_failure` (`RQRecords.failed`: retries,
+  failed registry); a job its user cancelled (JobCancelled, workers/head/jobs/job_function.py) ends `canceled`
+  (`RQRecords.canceled`: status, canceled registry), as RQ's own cancel leaves a queued job: never failed, never
+  retried by RQ (`shardflow retry` resumes it);
 - **housekeeping** on a thread of its own, never between a free slot and the next dequeue: one pipelined heartbeat of
-  the worker and every running job each `heartbeat_s` (which also asks whether a job still waiting for a cache slot
-  was cancelled), RQ's maintenance each `maintenance_s`.
+  the worker and every running job each `heartbeat_s` (`RQRecords.heartbeat`, which also asks whether a job still
+  waiting for a cache slot was cancelled), RQ's maintenance each `maintenance_s` (`RQRecords.maintain`).
 
 Capacity (jobs in flight) is the head's `--concurrency`, by default what its batch slots hold.
 """
@@ -30,22 +32,16 @@ from __future__ import annotations
 
 import logging
 import queue as queues
-import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
-from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
-from rq.job import Job, JobStatus
-from rq.job_lifecycle import format_exc_info
+from rq.job import Job
 from rq.queue import Queue
-from rq.registry import CanceledJobRegistry
 from rq.utils import now
 from rq.worker import SimpleWorker
-from rq.worker.base import WorkerStatus
 
 from schemas.requests import GenerationResult
 from workers.drain import take_queued
@@ -58,6 +54,7 @@ from workers.head.jobs.job_function import (
     settle,
     start_generation,
 )
+from workers.head.jobs.rq_records import ExcInfo, RQRecords, exc_info
 
 log = logging.getLogger("shardflow.dispatcher")
 FINISHERS = 2  # threads that store results and record ends (each end batch: two Redis round trips for all of it)
@@ -79,10 +76,12 @@ class Dispatcher:
         """`worker`: the HeadWorker (workers/head/jobs/rq_worker.py) whose records, settings (`shardflow_settings`),
         key names (`names`) and job context (`job_context`) the jobs run under."""
         self.w, self.capacity = worker, max(capacity, 1)
+        self.records = RQRecords(worker)
         self.running: dict[str, Running] = {}
         self.cond = threading.Condition()
         self.completed = 0
-        self._ends: queues.Queue[tuple[Running, Started | None, Any]] = queues.Queue()  # jobs whose generation ended
+        # jobs whose generation ended: each with its generation (None if it never began) and what failed it, if known
+        self._ends: queues.Queue[tuple[Running, Started | None, ExcInfo | None]] = queues.Queue()
         for i in range(FINISHERS):  # each takes every end queued: results and RQ's records a round trip for all
             threading.Thread(target=self._finisher, daemon=True, name=f"finisher_{i}").start()
 
@@ -147,8 +146,9 @@ class Dispatcher:
             pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
         return [(_text(x), queue) for x in pipe.execute() if x]
 
-    def _start(self, taken: list[tuple[str, Queue]]) -> None:
-        """Read the records (one round trip), start them all (one transaction), hand each to a thread."""
+    def _fetch(self, taken: list[tuple[str, Queue]]) -> tuple[list[tuple[Job, Queue]], list[tuple[str, Queue]]]:
+        """Read the records of the jobs taken, with the stored result and checkpoint their function reads (kept in
+        the job context), in one round trip: the jobs, and the ids whose record is gone (or never was a job)."""
         w, r = self.w, self.w.connection
         pipe = r.pipeline(transaction=False)
         for jid, _ in taken:  # each job's record, and the stored result and checkpoint its function reads
@@ -171,24 +171,17 @@ class Dispatcher:
                 gone.append((jid, queue))
                 continue
             jobs.append((job, queue))
-        with r.pipeline() as tx:
-            w.heartbeat(pipeline=tx)
-            started = []
-            for job, queue in jobs:
-                ttl = w.get_heartbeat_ttl(job)
-                execution = Execution.create(job, ttl, pipeline=tx, worker_name=w.name)
-                job.heartbeat(now(), ttl, pipeline=tx)
-                job.prepare_for_execution(w.name, pipeline=tx)
-                tx.persist(job.key)
-                tx.lrem(queue.intermediate_queue_key, 1, job.id)
-                started.append(Running(job, queue, execution))
-            for jid, queue in gone:
-                tx.lrem(queue.intermediate_queue_key, 1, jid)
-            if started:
-                w.set_state(WorkerStatus.BUSY, pipeline=tx)
+        return jobs, gone
+
+    def _start(self, taken: list[tuple[str, Queue]]) -> None:
+        """Read the records (one round trip), start them all (one transaction), hand each to the step loop."""
+        jobs, gone = self._fetch(taken)
+        tx, executions = self.records.start(jobs, gone)  # queued, sent below
+        with tx:
+            started = [Running(job, queue, ex) for (job, queue), ex in zip(jobs, executions, strict=True)]
             with self.cond:
                 for run in started:
-                    w.executions[run.execution.id] = run.execution
+                    self.w.executions[run.execution.id] = run.execution
                     self.running[run.job.id] = run
             # the jobs start computing while their start transaction travels (their first round needs a round
             # trip of its own anyway); each records how it ended only after that transaction has run
@@ -212,8 +205,8 @@ class Dispatcher:
                 raise TypeError(f"job function {job.func_name!r} is not a generation")
             timeout = job.timeout or run.queue.DEFAULT_TIMEOUT
             started = start_generation(self.w.job_context, job, *job.args, timeout_s=timeout, **job.kwargs)
-        except BaseException:
-            self._ends.put((run, None, sys.exc_info()))
+        except BaseException as e:
+            self._ends.put((run, None, exc_info(e)))
             return
         run.started = started
         if started.future is None:
@@ -229,7 +222,7 @@ class Dispatcher:
             except BaseException:  # a bug: logged; each job's heartbeat expiry retries what was not recorded
                 log.exception("recording the ends of %d jobs failed", len(batch))
 
-    def _end_many(self, batch: list[tuple[Running, Started | None, Any]]) -> None:
+    def _end_many(self, batch: list[tuple[Running, Started | None, ExcInfo | None]]) -> None:
         """Record how these jobs ended. Generations that succeeded are finished together: their results and
         final text in one round trip (the flush pool's), RQ's records in one transaction; anything else (a
         stored result, a failure, a cancel) one job at a time, as `_end`."""
@@ -240,30 +233,30 @@ class Dispatcher:
                 continue
             try:
                 ended.append((run, started, settle(started)))
-            except BaseException:
-                self._end(run, started, sys.exc_info())
+            except BaseException as e:
+                self._end(run, started, exc_info(e))
         if not ended:
             return
         ctx = self.w.job_context
         values = finish_many(ctx, [(s.job, s.progress, result, s.ttl) for _, s, result in ended])  # type: ignore[misc]
-        done: list[tuple[Running, Any]] = []
+        done: list[tuple[Running, dict]] = []
         for (run, started, _), value in zip(ended, values, strict=True):
             if isinstance(value, BaseException):
-                self._end(run, started, (type(value), value, value.__traceback__))
+                self._end(run, started, exc_info(value))
                 continue
             run.job._result, run.job.ended_at = value, now()
             done.append((run, value))
         try:
             for run, _ in done:
                 run.recorded.wait()
-            self._finish_many(done)
+            self._finished(done)
         except BaseException:  # could not be recorded: heartbeat expiry retries them (their results are stored)
             log.exception("could not record the ends of %d jobs", len(done))
         finally:
             for run, _ in done:
                 self._forget(run)
 
-    def _end(self, run: Running, started: Started | None, failed: Any) -> None:
+    def _end(self, run: Running, started: Started | None, failed: ExcInfo | None) -> None:
         """Record how the job ended: finished (its result stored), canceled, or failed (RQ's retries)."""
         job = run.job
         try:
@@ -275,18 +268,30 @@ class Dispatcher:
                 job._result = value
                 job.ended_at = now()
                 run.recorded.wait()
-                self._finish(run, value)
+                self._finished([(run, value)])
             except BaseException as e:
                 job.ended_at = job.ended_at or now()
                 run.recorded.wait()
                 if isinstance(e, JobCancelled):
-                    self._cancelled(run)
+                    self.records.canceled(job, run.execution, idle=len(self.running) <= 1)
+                    log.info("job %s cancelled by its user", job.id)
                 else:
-                    self._fail(run, sys.exc_info())
+                    self.records.failed(job, run.queue, run.execution, exc_info(e))
         except BaseException:  # the failure could not be recorded either: heartbeat expiry retries it
             log.exception("job %s: could not record how it ended", job.id)
         finally:
             self._forget(run)
+
+    def _finished(self, done: list[tuple[Running, dict]]) -> None:
+        """RQ's success records of these jobs (each with its result) in one transaction (`RQRecords.finished`),
+        the worker marked idle in it when they were the last in flight."""
+        if not done:
+            return
+        idle = len(self.running) <= len(done)
+        self.records.finished([(run.job, run.execution, value) for run, value in done], idle)
+        for run, _ in done:
+            job = run.job
+            log.info("job %s finished in %.2fs", job.id, (job.ended_at - job.started_at).total_seconds())  # type: ignore[operator]
 
     def _forget(self, run: Running) -> None:
         """The job is over for this worker: out of its running set (room for the next)."""
@@ -298,70 +303,6 @@ class Dispatcher:
             self.completed += 1
             self.cond.notify_all()
 
-    def _finish(self, run: Running, value: Any) -> None:
-        """RQ's success bookkeeping for one job as one transaction (jobs never have dependents here)."""
-        self._finish_many([(run, value)])
-
-    def _finish_many(self, done: list[tuple[Running, Any]]) -> None:
-        """RQ's success bookkeeping for these jobs as one transaction (jobs never have dependents here)."""
-        if not done:
-            return
-        w = self.w
-        with w.connection.pipeline() as tx:
-            for run, value in done:
-                job, ex = run.job, run.execution
-                job._result, job._status = value, JobStatus.FINISHED
-                ttl = job.get_result_ttl(w.default_result_ttl)
-                w.increment_successful_job_count(pipeline=tx)
-                w.increment_total_working_time(job.ended_at - job.started_at, tx)  # type: ignore[operator]
-                job._handle_success(
-                    ttl,
-                    pipeline=tx,
-                    worker_name=w.name,
-                    execution_id=ex.id,
-                    execution_started_at=ex.created_at,
-                    execution_ended_at=job.ended_at,
-                )
-                job.cleanup(ttl, pipeline=tx, remove_from_queue=False)
-                w.cleanup_execution(job, pipeline=tx, execution=ex)
-            if len(self.running) <= len(done):
-                w.set_state(WorkerStatus.IDLE, pipeline=tx)
-            tx.execute()
-        for run, _ in done:
-            job = run.job
-            log.info("job %s finished in %.2fs", job.id, (job.ended_at - job.started_at).total_seconds())  # type: ignore[operator]
-
-    def _cancelled(self, run: Running) -> None:
-        """A job its user cancelled, as one transaction: `canceled` (status, canceled registry) with its
-        execution cleaned up and its record kept as long as a failure's (failure_ttl), never failed."""
-        job, w, ex = run.job, self.w, run.execution
-        job._status = JobStatus.CANCELED
-        ttl = job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
-        canceled = CanceledJobRegistry(job.origin, w.connection, job_class=w.job_class, serializer=w.serializer)
-        with w.connection.pipeline() as tx:
-            job.save(pipeline=tx, include_meta=False, include_result=False)  # status, ended_at, retries_left
-            canceled.add(job, ttl=ttl, pipeline=tx)
-            job.cleanup(ttl, pipeline=tx, remove_from_queue=False)
-            w.cleanup_execution(job, pipeline=tx, execution=ex)
-            w.increment_total_working_time(job.ended_at - job.started_at, tx)  # type: ignore[operator]
-            if len(self.running) <= 1:
-                w.set_state(WorkerStatus.IDLE, pipeline=tx)
-            tx.execute()
-        log.info("job %s cancelled by its user", job.id)
-
-    def _fail(self, run: Running, exc_info: Any) -> None:
-        job, w = run.job, self.w
-        job._status = JobStatus.FAILED
-        w.handle_exception(job, *exc_info)
-
-        w.handle_job_failure(
-            job=job,
-            queue=run.queue,
-            started_job_registry=run.queue.started_job_registry,
-            exc_string=format_exc_info(exc_info),
-            execution=run.execution,
-        )
-
     # --- housekeeping -----------------------------------------------------------------------------------
     def _housekeep(self, stop: threading.Event) -> None:
         """Heartbeats of the worker and its running jobs every heartbeat_s; RQ's maintenance when due.
@@ -370,8 +311,7 @@ class Dispatcher:
         while not stop.wait(cfg.jobs.heartbeat_s):
             try:
                 self.beat()
-                if self.w.should_run_maintenance_tasks:
-                    self.w.run_maintenance_tasks()
+                self.records.maintain()
             except (redis.RedisError, OSError) as e:
                 log.warning("worker %s: housekeeping failed: %s", self.w.name, e)
 
@@ -381,17 +321,10 @@ class Dispatcher:
         w = self.w
         with self.cond:
             runs = list(self.running.values())
-        ttl = w.get_heartbeat_ttl(runs[0].job) if runs else 0
         unseated = [s for r in runs if (s := r.started) and s.future and not (s.progress and s.progress.rounds)]
-        with w.connection.pipeline(transaction=False) as pipe:
-            w.heartbeat(w.job_monitoring_interval + 60, pipeline=pipe)
-            for run in runs:
-                run.execution.heartbeat(run.job.started_job_registry, ttl, pipeline=pipe)
-                run.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
-            for started in unseated:
-                pipe.exists(w.names.cancel(started.job.id))
-            replies = pipe.execute()
-        for started in (s for s, yes in zip(unseated, replies[len(replies) - len(unseated) :], strict=True) if yes):
+        asks = [w.names.cancel(started.job.id) for started in unseated]
+        cancelled = self.records.heartbeat([(run.job, run.execution) for run in runs], asks)
+        for started in (s for s, yes in zip(unseated, cancelled, strict=True) if yes):
             loop = w.job_context.runtime.loop_for(w.job_context.r)
             loop.cancel(started.future, JobCancelled("cancelled by its user while waiting for a cache slot"))
 

@@ -35,7 +35,7 @@ from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from workers.head.jobs.flushes import FlushPool
 from workers.head.jobs.progress import JobCancelled, Progress
-from workers.head.runtime import HeadRuntime, round_loop
+from workers.head.runtime import HeadRuntime, new_generation
 
 log = logging.getLogger("shardflow.jobs")
 FLUSH_THREADS = 2  # a head's flush threads (each round trip carries every flush queued)
@@ -170,11 +170,11 @@ def start_generation(ctx: JobContext, job: Job, payload: dict, timeout_s: float 
         log.info("job %s resumes from a checkpoint of %d tokens", job.id, len(resume))
         progress.resume_from(resume)
     try:
-        loop = round_loop(req, ctx.runtime, ctx.r, names=ctx.names, on_tokens=progress.on_tokens, resume=resume)
+        gen = new_generation(req, ctx.runtime, ctx.r, names=ctx.names, on_tokens=progress.on_tokens, resume=resume)
     except InvalidRequest as e:  # a prompt the head cannot take (too long, say): never worth retrying
         no_retry(job, str(e))
         raise
-    return Started(job, ttl, progress=progress, future=ctx.runtime.loop_for(ctx.r).submit(loop, timeout_s))
+    return Started(job, ttl, progress=progress, future=ctx.runtime.loop_for(ctx.r).submit(gen, timeout_s))
 
 
 def end_generation(ctx: JobContext, started: Started) -> dict:

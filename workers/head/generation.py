@@ -1,63 +1,62 @@
-"""One generation's state on the head, stepped by the head's loop (workers/head/loop.py; entry: runtime.generate)."""
+"""One generation on the head: a `Generation` is a request from its submission to its result, with one state
+(`Phase`), stepped only by the head's loop thread (workers/head/loop.py; entry: runtime.generate).
+
+    WAITING --seated (workers/head/schedule.py)--> READY --computed and sent--> IN_FLIGHT
+    IN_FLIGHT --verdict--> READY (or its end) · --"busy" from a full tail--> BUSY --due--> IN_FLIGHT
+    IN_FLIGHT --error reply or silence--> READY (a replay onto a live tail)
+    any --result, error, timeout or cancel--> DONE (its cache slots freed, its Future resolved)
+
+What leaves the loop thread is data: a round goes to a sender thread as a frozen `Outbound`
+(workers/head/sealing.py), a refused reply comes back from `take` as a dead-letter record for the loop to send.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import hmac
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import redis
 import torch
 
-from schemas.errors import NonFiniteError, PacketError, RemoteError, ReplyTimeout
+from schemas.errors import NonFiniteError, RemoteError, ReplyTimeout
 from schemas.keys import Keys
-from schemas.macs import authentic, session_key
-from schemas.packets import (
-    ClosePacket,
-    ErrorReply,
-    RoundPacket,
-    Verdict,
-    decode_tail_message,
-    encode_message,
-    make_round,
-    round_fields,
-    round_header,
-)
+from schemas.macs import session_key
+from schemas.packets import ClosePacket, ErrorReply, RoundPacket, Verdict, encode_message, round_header
 from schemas.requests import FinishReason, GenerationRequest, GenerationResult, RoundTimings
 from schemas.tensors import DTYPE_NAMES, TensorMeta, tensor_meta
 from workers.head.core import Runtime
 from workers.head.drafts import HeadWork
 from workers.head.round_times import add_round
-from workers.head.sealing import part_tokens
-from workers.head.verdicts import Refusals, refusal, verdict_problem
+from workers.head.sealing import Outbound, part_tokens
+from workers.head.verdicts import Expected, Refusals, Refused, check_reply, refusal
 from workers.speculative.adaptive import DraftLength
 from workers.speculative.drafters import Draft, NoFreeSlot
 from workers.speculative.sampling import encode_q, round_generator
 from workers.speculative.stopping import StopStrings
 
 log = logging.getLogger("shardflow.head")
+MAX_HELD = 64  # reply-stream entries kept for a generation between its rounds (a flood beyond is dropped unread)
 
 
-class Outcome(enum.Enum):
-    """What a reply-stream entry (or its absence) did to a generation's round in flight."""
+class Phase(enum.Enum):
+    """Where a generation is (the module docstring draws the moves)."""
 
-    IGNORED = "ignored"  # stale or refused: keep waiting
-    BUSY = "busy"  # a full tail: the same round again after `busy_wait_s`
-    REPLAY = "replay"  # the next round replays the session onto a live tail
-    COMMITTED = "committed"  # the verdict is committed: compute the next round
-    FINISHED = "finished"
+    WAITING = "waiting"  # submitted: no cache slot of its length free yet
+    READY = "ready"  # its next round is to be computed
+    IN_FLIGHT = "in_flight"  # its round is on the wire: waiting for the verdict until `due`
+    BUSY = "busy"  # a full tail refused its new session: the same round goes again at `due`
+    DONE = "done"  # ended: its slots freed, its Future resolved
 
 
 class StepLoop(Protocol):
     """What a generation needs of the head's step loop (workers/head/loop.py `HeadLoop`): to be run on it."""
 
-    def submit(self, gen: RoundLoop, timeout_s: float | None = None) -> Future[GenerationResult]: ...
+    def submit(self, gen: Generation, timeout_s: float | None = None) -> Future[GenerationResult]: ...
 
 
 class GenerationRuntime(Runtime, Protocol):
@@ -77,19 +76,19 @@ class OpenRound:
     start: int
     remaining: int
     work: HeadWork
-    fields: dict[bytes, bytes] = field(default_factory=dict)  # unsealed (sealed when sent: workers/head/sealing.py)
     header: tuple[tuple, RoundPacket, bytes] | None = None  # (what it was made from, packet, JSON): `prepare`
-    mac: str = ""  # its MAC as last sent (hex): what a tail's unsigned error reply echoes
+    out: Outbound | None = None  # as it went out last (sent again as it is to a full tail)
     sent_at: float = 0.0
     sent_wall: float = 0.0  # time.time() when sent (beside the tail's wall-clock timings)
     busy: int = 0  # "busy" answers so far (the resend waits double each time)
     more: int = 0  # committed tokens left for later rounds: this one is a part of a long prompt, committing nothing
 
 
-class RoundLoop:
-    """State of one generation on the head: caches, committed tokens, stats. The head's step loop (workers/head/loop.py)
-    drives it: `next_work` (batched with other generations'), `packet`, `sent`, then `take` for each entry of its
-    reply stream (or `timed_out`)."""
+class Generation:
+    """One request on the head, from its submission to its result: its phase, caches, committed tokens and
+    stats. The head's loop (workers/head/loop.py) drives it: `seat` and `begin` (workers/head/schedule.py),
+    `next_work` (batched with other generations'), `outbound`, `sent`, then `take` for each entry of its reply
+    stream (or `timed_out`), and at its end `release` and `goodbye`."""
 
     def __init__(
         self,
@@ -103,27 +102,27 @@ class RoundLoop:
         on_tokens: Callable[[list[int], list[int]], None] | None,
         reply_timeout_s: float | None,
         resume: list[int] | None = None,
-        seat: bool = True,
     ) -> None:
-        """`seat`: take its caches now (`seat`), else the loop seats it once a slot of its length is free."""
         self.req, self.rt, self.r, self.names, self.sid = req, runtime, r, names, session_id
         self.on_tokens, self.reply_timeout_s = on_tokens, reply_timeout_s
+        self.phase = Phase.WAITING
+        self.future: Future[GenerationResult] = Future()  # its result, or what failed it
+        self.deadline: float | None = None  # the job's timeout (monotonic), set when submitted
+        self.due = 0.0  # IN_FLIGHT: when its verdict is late; BUSY: when its round goes again
+        self.since = time.monotonic()  # when it last became READY
+        self.held: list[tuple[bytes, dict]] = []  # reply-stream entries (id, fields) that came while it was READY
         self.generated: list[int] = list(resume or [])  # a checkpoint's tokens: the first round replays them
         self.prompt, self.committed = list(prompt), list(prompt) + self.generated
         self.pending = list(self.committed)
         self.resumed, self.replays = len(self.generated), 0
         self.replay_next = bool(self.generated)
         self.need = len(prompt) + req.max_new_tokens + req.draft.k + 1  # positions its caches may hold
-        self.seated = False
-        if seat:
-            self.seat()
         self.stream = names.shared_requests
-        self.pinned = False
         self.key = session_key()  # MACs every round and reply of this generation (schemas/packets.py)
         self.head = runtime.beacons.ensure(r, names)  # announced before the first round: tails see it alive
         self.tail_closed = False  # a final verdict came: the tail dropped the session (no close packet to send)
         self.settings = runtime.settings
-        self.refusals = Refusals("", self.settings.relay.reply_dead_letters_max)  # its stream: set by the loop
+        self.refusals = Refusals(self.settings.relay.reply_dead_letters_max)
         cfg = runtime.shard.config  # read once: a config's attributes are slow to read, and rounds need these
         self.vocab_size, self.hidden_size = cfg.vocab_size, cfg.hidden_size
         self.row_bytes = self.hidden_size * runtime.shard.dtype.itemsize  # a hidden row on the wire
@@ -132,10 +131,17 @@ class RoundLoop:
         self.rounds = self.parts = self.drafted = self.accepted = 0  # parts: of a long prompt, not rounds
         self.length = DraftLength(req.draft.k)  # this generation's draft length (adapted if asked)
         self.reply_to: str | None = None  # its head's reply stream (`reply:REPLY_TO`), set by the loop
+        self.reply_stream = ""  # that stream's key (what its dead letters name)
         self.round: OpenRound | None = None  # the round computed and sent, until its verdict
         self.finish: FinishReason | None = None
         self.started = time.perf_counter()
 
+    @property
+    def pinned(self) -> bool:
+        """Whether its rounds go to the tail that holds its session (after its first verdict), not the shared stream."""
+        return self.stream != self.names.shared_requests
+
+    # --- the steps the head's loop (workers/head/loop.py) drives: no method blocks -------------------------
     # --- the steps the head's loop (workers/head/loop.py) drives: no method blocks -------------------------
     def seat(self, overflow: bool = True) -> bool:
         """Take its cache slot (a short one where its tokens and drafts fit) and its drafter's; False, holding nothing,
@@ -150,12 +156,12 @@ class RoundLoop:
             if isinstance(e, NoFreeSlot):  # the draft model's slots of its length are taken: seated later
                 return False
             raise
-        self.cache, self.seated = cache, True
+        self.cache, self.phase = cache, Phase.READY
         return True
 
     def begin(self) -> FinishReason | None:
         """Start the clock; a finish if the checkpoint already ends the generation."""
-        self.started = time.perf_counter()
+        self.started, self.since = time.perf_counter(), time.monotonic()
         self.finish = self._already_finished()
         return self.finish
 
@@ -175,8 +181,9 @@ class RoundLoop:
         return work
 
     def prepare(self) -> None:
-        """While the device computes the round's hidden states: its header, validated and serialized ahead of
-        `packet` (which then only encodes the tensors and MACs them)."""
+        """While the device computes the round's hidden states (its drafts known): its header, validated and
+        serialized ahead of `outbound` (its sender then only encodes the tensors and MACs them). Greedy rounds
+        only (a sampled round's q tensors are made with it)."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None
         basis, fields, q_tensors = self._header_fields()
@@ -185,22 +192,29 @@ class RoundLoop:
         metas = {"hidden": hidden, **{name: tensor_meta(t) for name, t in q_tensors.items()}}
         rnd.header = (basis, *round_header(fields, metas, self.key))
 
-    def packet(self) -> dict[bytes, bytes]:
-        """The computed round as unsealed stream fields (kept for a resend to a full tail; sealed when sent)."""
+    def outbound(self) -> Outbound:
+        """The computed round as it goes to a sender thread: the header made ahead where it still holds (made for
+        this batch), else the header's fields, and the tensors."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None and rnd.work.hidden is not None
-        basis, fields, q_tensors = self._header_fields()
-        tensors = {"hidden": rnd.work.hidden, **q_tensors}
-        made, rnd.fields = rnd.header, {}
-        if made is not None and made[0] == basis:
-            with contextlib.suppress(PacketError):  # not what `prepare` foresaw (another dtype, say): made whole
-                rnd.fields = round_fields(made[1], made[2], tensors)
-        if not rnd.fields:
-            _, rnd.fields = make_round(fields, tensors, self.key)
-        return rnd.fields
+        made = rnd.header
+        if made is not None and made[0] == (rnd.work.tag, self.reply_to):
+            rnd.out = Outbound(self.sid, self.stream, self.key, {"hidden": rnd.work.hidden}, made=(made[1], made[2]))
+        else:
+            _, header, q_tensors = self._header_fields()
+            tensors = {"hidden": rnd.work.hidden, **q_tensors}
+            rnd.out = Outbound(self.sid, self.stream, self.key, tensors, header=header)
+        return rnd.out
+
+    def resend(self) -> Outbound:
+        """BUSY, its wait over: the same round again, sealed anew."""
+        assert self.round is not None and self.round.out is not None
+        self.round.out = self.round.out.again()
+        return self.round.out
 
     def _header_fields(self) -> tuple[tuple, dict, dict[str, torch.Tensor]]:
-        """The round's header fields and q tensors, and what they depend on that a retried batch may change."""
+        """The round's header fields and q tensors, and what a header made ahead holds for (its batch, a retried
+        one drafting anew, and the reply stream it names)."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None
         draft, work = rnd.work.draft, rnd.work
@@ -221,34 +235,44 @@ class RoundLoop:
             seed_round=self.resumed + self.rounds if self.parts else None,  # the round id, where no parts came
             reply_to=self.reply_to,
         )
-        basis = (tuple(draft.tokens), tuple(work.pending), work.tag, self.replay_next, self.reply_to, rnd.more)
-        return basis, header, q_tensors
+        return (work.tag, self.reply_to), header, q_tensors
 
-    def sent(self) -> float:
-        """The round went out: the time by which its verdict must come (the reply timeout)."""
+    def sent(self) -> None:
+        """The round went out: IN_FLIGHT, its verdict due within the reply timeout."""
         assert self.round is not None
         self.round.sent_at, self.round.sent_wall = time.perf_counter(), time.time()
         timeout = self.reply_timeout_s if self.reply_timeout_s is not None else self.settings.relay.reply_timeout_s
-        return time.monotonic() + timeout
+        self.phase, self.due = Phase.IN_FLIGHT, time.monotonic() + timeout
 
-    def take(self, fields: dict) -> Outcome:
-        """One entry of the reply stream for the round in flight: ignored (stale, or refused into the dead-letter
-        stream), a full tail's "busy" (the seconds to wait before the same round goes again), a replay, or
-        the round committed (finished or not). Raises what fails the generation."""
+    def take(self, entry_id: bytes, fields: dict) -> dict | None:
+        """One entry of its reply stream, for the round in flight: stale (dropped), refused (its dead-letter record
+        returned, for the loop to send), a full tail's "busy" (BUSY: the same round again after a wait), a replay
+        (READY), or the round committed (READY, or `finish` set: the loop ends it). Raises what fails the
+        generation."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None
-        msg = self._reply_to(rnd, fields)
+        out = rnd.out
+        mac = out.mac.result() if out is not None and out.mac.done() and not out.mac.exception() else ""
+        drafts = rnd.work.draft.tokens
+        want = Expected(self.key, self.sid, rnd.rid, mac, drafts, rnd.remaining, self.vocab_size, bool(rnd.more))
+        msg = check_reply(fields, want, self.settings.relay)
         if msg is None:
-            return Outcome.IGNORED
+            log.debug("session %s: dropping a stale reply", self.sid)
+            return None
+        if isinstance(msg, Refused):
+            return self._refuse(entry_id, fields, msg)
         if isinstance(msg, ErrorReply):
             if msg.busy and not self.pinned:  # only a new session's round: no cache
                 rnd.busy += 1
-                return Outcome.BUSY
+                self.phase, self.due = Phase.BUSY, time.monotonic() + self._busy_wait_s()
+                return None
             if msg.non_finite:  # the same inputs overflow again on any tail: no replay
                 raise NonFiniteError(f"tail {msg.tail_id or '?'}: {msg.error}")
             if msg.retryable:  # the tail lost this session (restarted under the same name, say)
-                return self._replay(ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}"))
-            return self._replay(RemoteError(f"tail {msg.tail_id or '?'} failed round {rnd.rid}: {msg.error}"))
+                self._replay(ReplyTimeout(f"tail {msg.tail_id or '?'} lost the session: {msg.error}"))
+            else:
+                self._replay(RemoteError(f"tail {msg.tail_id or '?'} failed round {rnd.rid}: {msg.error}"))
+            return None
         wait_s = time.perf_counter() - rnd.sent_at
         if not rnd.busy:  # the link and the tail, without waits for a full tail
             self.rt.batcher.plan.note_wait(wait_s)
@@ -259,14 +283,14 @@ class RoundLoop:
             self.pending, self.parts = self.pending[len(rnd.work.pending) :], self.parts + 1
         else:
             self.replay_next, self.finish, self.rounds = False, self._commit(msg, rnd.start), self.rounds + 1
-        self.round = None
-        return Outcome.FINISHED if self.finish is not None else Outcome.COMMITTED
+        self.round, self.phase, self.since = None, Phase.READY, time.monotonic()
+        return None
 
-    def timed_out(self) -> Outcome:
+    def timed_out(self) -> None:
         """No verdict within the reply timeout: replay (raises once the replays are used up)."""
-        return self._replay(ReplyTimeout(f"no reply on {self.refusals.stream} within the reply timeout"))
+        self._replay(ReplyTimeout(f"no reply on {self.reply_stream} within the reply timeout"))
 
-    def busy_wait_s(self) -> float:
+    def _busy_wait_s(self) -> float:
         """How long to wait before sending the round again to a full tail (doubling, capped)."""
         assert self.round is not None
         return min(
@@ -316,54 +340,29 @@ class RoundLoop:
             return "point", {}
         return encode_q(draft.q)
 
-    def _replay(self, why: ReplyTimeout | RemoteError) -> Outcome:
+    def _replay(self, why: ReplyTimeout | RemoteError) -> None:
         """The tail holding this session is gone, cut off, lost the session, or answered with an error (a
         tail's own, MAC'd: a forged one never gets here): rebuild the session on any live tail by replaying
-        every committed token from position 0 in the next round. The generation fails (with the last reason)
-        once it has used `resume_attempts` replays."""
+        every committed token from position 0 in the next round (READY). The generation fails (with the last
+        reason) once it has used `resume_attempts` replays."""
         if self.replays >= self.settings.relay.resume_attempts:
             raise type(why)(f"{why} (after {self.replays} replays onto other tails)")
         self.replays += 1
         log.warning("session %s: %s; replaying %d tokens onto a live tail", self.sid, why, len(self.committed))
-        self.cache.crop(0)
+        if self.phase is not Phase.WAITING:  # seated: its cache holds positions to drop
+            self.cache.crop(0)
         self.pending, self.replay_next = list(self.committed), bool(self.generated)  # prompt only: a new round 0
-        self.stream, self.pinned = self.names.shared_requests, False
-        self.round = None
-        return Outcome.REPLAY
+        self.stream = self.names.shared_requests
+        self.round, self.since = None, time.monotonic()
+        self.phase = Phase.READY if self.phase is not Phase.WAITING else Phase.WAITING
 
-    def _reply_to(self, rnd: OpenRound, fields: dict) -> Verdict | ErrorReply | None:
-        """The entry as this round's reply, or None (stale, or refused into the dead-letter stream). A reply
-        counts only if its MAC verifies under the session's key, or it is an unsigned "replay it" that echoes
-        this round's MAC: a tail that lost the session has no key to sign with."""
-        try:
-            msg = decode_tail_message(fields, caps=self.settings.relay)
-        except PacketError as e:
-            return self._refuse(str(e), fields, None)
-        if not authentic(self.key, fields, reply=True):
-            echoed = isinstance(msg, ErrorReply) and msg.echo is not None and hmac.compare_digest(msg.echo, rnd.mac)
-            if not echoed:
-                return self._refuse("its MAC does not verify under the session's key", fields, msg)
-        if msg.session_id != self.sid:
-            return self._refuse(f"a reply naming session {msg.session_id}", fields, msg)
-        if msg.round_id is None:  # never final, never a replay: a reply must say which round it answers
-            return self._refuse("an error reply naming no round", fields, msg)
-        if msg.round_id < rnd.rid:
-            log.debug("session %s: dropping a stale reply for round %s", self.sid, msg.round_id)
-            return None
-        if msg.round_id > rnd.rid:
-            return self._refuse(f"a reply to round {msg.round_id}, which was not sent", fields, msg)
-        part, drafts = bool(rnd.more), rnd.work.draft.tokens if rnd.work.draft else []
-        problem = (
-            verdict_problem(msg, drafts, rnd.remaining, self.vocab_size, part) if isinstance(msg, Verdict) else None
-        )
-        return self._refuse(problem, fields, msg) if problem else msg
-
-    def _refuse(self, reason: str, fields: dict, msg: Verdict | ErrorReply | None) -> None:
-        """Dead-letter a reply-stream entry with the reason (the first few of a generation; all are counted)."""
-        self.refusals.refuse(refusal(self.refusals.stream, self.refusals.entry_id, reason, self.sid, msg, fields))
+    def _refuse(self, entry_id: bytes, fields: dict, why: Refused) -> dict | None:
+        """A reply-stream entry refused: its dead-letter record (the first few of a generation; all are counted)."""
+        record = refusal(self.reply_stream, entry_id, why.reason, self.sid, why.msg, fields)
+        kept = self.refusals.refuse(record)
         if self.refusals.refused in (1, self.settings.relay.reply_dead_letters_max):
-            log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.refusals.refused, reason)
-        return None
+            log.warning("session %s: refused %d reply-stream entries (%s)", self.sid, self.refusals.refused, why.reason)
+        return kept
 
     def _account(self, draft: Draft, v: Verdict, spans: tuple[float, ...], free: bool = False, part: int = 0) -> None:
         timings = {k: x for k, x in v.timings.items() if k != "batch"} if part else v.timings
@@ -379,7 +378,7 @@ class RoundLoop:
     def _pin(self, v: Verdict) -> None:
         """A session's rounds after its first go to the tail that holds it."""
         if not self.pinned:
-            self.stream, self.pinned = self.names.tail_requests(v.tail_id), True
+            self.stream = self.names.tail_requests(v.tail_id)
 
     def _commit(self, v: Verdict, start: int) -> FinishReason | None:
         finish = v.finish_reason
@@ -401,9 +400,9 @@ class RoundLoop:
         return finish
 
     def release(self) -> None:
-        """Free this generation's slots (no Redis)."""
-        if self.seated:
-            self.seated = False
+        """DONE: its slots freed, if it held any (no Redis)."""
+        seated, self.phase = self.phase not in (Phase.WAITING, Phase.DONE), Phase.DONE
+        if seated:
             self.rt.engine.release(self.cache)
             if self.drafter is not None:
                 self.drafter.close()
