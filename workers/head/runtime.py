@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import redis
 from transformers import AutoTokenizer
@@ -235,16 +236,18 @@ def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan 
     )
 
 
+class GenerationOptions(TypedDict, total=False):
+    """The keywords of `new_generation` and `generate`, beside the request, runtime and connection."""
+
+    names: Keys | None  # the key prefix's names (None: Keys())
+    session_id: str | None  # None: a fresh random id
+    on_tokens: TokenCallback | None  # called with (new tokens, all generated) as verdicts commit them
+    reply_timeout_s: float | None  # None: relay.reply_timeout_s
+    resume: list[int] | None  # tokens already generated: a checkpoint of an earlier attempt
+
+
 def new_generation(
-    req: GenerationRequest,
-    runtime: HeadRuntime,
-    r: redis.Redis,
-    *,
-    names: Keys | None = None,
-    session_id: str | None = None,
-    on_tokens: TokenCallback | None = None,
-    reply_timeout_s: float | None = None,
-    resume: list[int] | None = None,
+    req: GenerationRequest, runtime: HeadRuntime, r: redis.Redis, **options: Unpack[GenerationOptions]
 ) -> Generation:
     """One split speculative generation (WAITING), ready for the head's step loop (`runtime.loop_for(r)`).
 
@@ -257,36 +260,19 @@ def new_generation(
         req=req,
         runtime=runtime,
         r=r,
-        names=names or Keys(),
-        session_id=session_id or secrets.token_hex(12),
+        names=options.get("names") or Keys(),
+        session_id=options.get("session_id") or secrets.token_hex(12),
         prompt=prompt,
-        on_tokens=on_tokens,
-        reply_timeout_s=reply_timeout_s,
-        resume=resume,
+        on_tokens=options.get("on_tokens"),
+        reply_timeout_s=options.get("reply_timeout_s"),
+        resume=options.get("resume"),
     )
 
 
 def generate(
-    req: GenerationRequest,
-    runtime: HeadRuntime,
-    r: redis.Redis,
-    *,
-    names: Keys | None = None,
-    session_id: str | None = None,
-    on_tokens: TokenCallback | None = None,
-    reply_timeout_s: float | None = None,
-    resume: list[int] | None = None,
+    req: GenerationRequest, runtime: HeadRuntime, r: redis.Redis, **options: Unpack[GenerationOptions]
 ) -> GenerationResult:
     """Run one split speculative generation against the tails reachable through `r`, on the head's step loop
     (batched with every other generation in flight there); blocks the caller until it ends. The keywords are
-    `new_generation`'s."""
-    return new_generation(
-        req,
-        runtime,
-        r,
-        names=names,
-        session_id=session_id,
-        on_tokens=on_tokens,
-        reply_timeout_s=reply_timeout_s,
-        resume=resume,
-    ).run()
+    `new_generation`'s (`GenerationOptions`)."""
+    return new_generation(req, runtime, r, **options).run()
