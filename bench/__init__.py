@@ -7,7 +7,8 @@ Entry points:
   through the producer `Client`): aggregate and per-job tokens/s, latency, time to first token, GPU busy, memory,
   greedy outputs checked. Its parts: `jobs_models` (target, prompts, references), `jobs_requests` (each job's
   request), `jobs_report` (the figures and jobs.json / jobs.md), `jobs_singles` (the N=1 row), `usage` (GPU and
-  thread sampling), `delay_proxy` (the WAN link between the head and Redis; also runs alone);
+  thread sampling), `link` (the emulated link between each worker and Redis: bandwidth on one shared wire, delay,
+  jitter, stalls, named profiles; also runs alone);
 - `stages`: one group's draft, head and tail alone at B sequences against the floor (`stages_floor`), with the top
   kernels of a stage (`--profile`);
 - `gpu_parity`: greedy parity with HF `generate` on a GPU with CUDA graphs (dtypes, quantized shards);

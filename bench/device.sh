@@ -6,8 +6,9 @@
 #   OUT=$OUT bash bench/device.sh jobs:330                  # the job path, the shared setup, N = 1, 64, 256
 #   NS=256 VARIANTS="auto=;g2=--groups 2" OUT=$OUT bash bench/device.sh jobs:480 stages:200
 # The shared setup (docs/benchmarks.md): random:<preset> weights through the bench.synthetic plugin, bf16, synthetic
-# acceptance 0.78, 128-token prompts (16 distinct, cycled), 128 new tokens, a seed per job, 43 ms each way between
-# the head and Redis, each worker --gpu-memory 0.45; the N=1 row runs 3 prompts one at a time.
+# acceptance 0.78, 128-token prompts (16 distinct, cycled), 128 new tokens, a seed per job, the head's link to Redis
+# LINK (a bench/link.py profile: wan, 43 ms each way, no cap, unless set), each worker --gpu-memory 0.45; the N=1 row
+# runs 3 prompts one at a time.
 # Parts:
 #   jobs      the job path (bench.jobs) at NS (1,64,256) for TARGET=preset:split:drafter (qwen2.5-7b:14:qwen2.5-0.5b);
 #             VARIANTS="NAME=HEAD ARGS | TAIL ARGS;..." (default=), HEAD_ARGS / TAIL_ARGS (every variant's worker
@@ -47,7 +48,7 @@ job_path() {
   echo "== $name: $preset split $split, drafter $draft, N = $ns"
   # shellcheck disable=SC2086
   timeout "$cap" python3 -m bench.jobs --target "random:$preset" --split "$split" --draft "random:$draft" \
-    --synthetic 0.78 --head-device cuda:0 --tail-device "$TAIL" --dtype bfloat16 --delay-ms 43 --prompt-tokens 128 \
+    --synthetic 0.78 --head-device cuda:0 --tail-device "$TAIL" --dtype bfloat16 ${LINK_ARGS:---link ${LINK:-wan}} --prompt-tokens 128 \
     --new-tokens 128 --n "$ns" --distinct 16 --singles 3 --head-args "${HEAD_ARGS:---gpu-memory 0.45}" \
     --tail-args "${TAIL_ARGS:---gpu-memory 0.45}" "$@" ${JOBS_ARGS:-} --out "/tmp/sf/$name" 2>&1 | quiet \
     | tee "$OUT/$name.log" | grep -E "^\||N=[0-9]+:|rror" | tail -30
@@ -90,8 +91,10 @@ case "${part%%:*}" in
       i=$((i + 1)); name=${run%%:*}; envs=()
       [ "$run" != "$name" ] && IFS=',' read -ra envs <<< "${run#*:}"
       dir=$ROOT; [ "$name" = base ] && dir=$ROOT/.clean/base
-      # the base's own modules first: `python -m` puts its directory (the cwd) first, PYTHONPATH the wheels after
-      (cd "$dir" && export "${envs[@]}" PYTHONPATH=/tmp/site:$dir && job_path "ab-$i-$name" "$LIMIT" \
+      # the base's own modules first: `python -m` puts its directory (the cwd) first, PYTHONPATH the wheels after;
+      # a base from before bench/link.py (BASE_LINK_ARGS, e.g. "--delay-ms 43") gets its own link flags
+      la=${LINK_ARGS:-}; [ "$name" = base ] && la=${BASE_LINK_ARGS:-$la}
+      (cd "$dir" && export "${envs[@]}" PYTHONPATH=/tmp/site:$dir LINK_ARGS="$la" && job_path "ab-$i-$name" "$LIMIT" \
         qwen2.5-7b:14:qwen2.5-0.5b "${NS:-256}")
       grep -E "^\| default" "$OUT/ab-$i-$name.md" 2>/dev/null | head -3 | sed "s/^| default/| $i ${run//|/ }/" >> "$OUT/ab.md"
     done

@@ -1,24 +1,29 @@
 """The end-to-end job-path benchmark: real `shardflow tail` and `shardflow head` worker processes, an embedded Redis,
-optionally a WAN delay between the head and Redis, and batches of N jobs enqueued through the producer `Client`; for
-each N the aggregate and per-job tokens/s, job latency, time to first token, worker memory and (with --check) greedy
-outputs against Hugging Face `generate`.
+an emulated link between each worker and Redis (bench/link.py: bandwidth, delay, jitter, stalls; by default the
+86 ms WAN to the head only), and batches of N jobs enqueued through the producer `Client`; for each N the aggregate
+and per-job tokens/s, job latency, time to first token, the bytes each way per committed token through each link,
+worker memory and (with --check) greedy outputs against Hugging Face `generate`.
 
     # CPU: tiny random model, n-gram drafter, outputs checked against HF generate
     python -m bench.jobs --tiny --n 1,4,8 --new-tokens 32 --prompt-tokens 32 --check --out /tmp/jobs_tiny
     # SmolLM2-135M-Instruct as the demo runs it (n-gram drafter)
     python -m bench.jobs --smollm --n 1,8 --new-tokens 32 --out /tmp/jobs_smollm
-    # any checkpoint; several worker configurations one after another; 43 ms between head and Redis
-    python -m bench.jobs --target DIR --split 14 [--draft DIR] --delay-ms 43 \\
+    # any checkpoint; several worker configurations one after another; two notebooks' link, head and tail alike
+    python -m bench.jobs --target DIR --split 14 [--draft DIR] --link notebooks --tail-link notebooks \\
         --variant default= --variant "c16=--concurrency 16" --variant "c16s32=--concurrency 16 | --slots 32"
     # GPU, random weights, synthetic acceptance (the worker plugin bench/synthetic.py)
     python -m bench.jobs --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b --synthetic 0.78 \\
-        --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --delay-ms 43
+        --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --link small-relay
 
 Workers run with their default flags plus --head-args / --tail-args and a variant's own (`--variant NAME=HEAD ARGS[ |
 TAIL ARGS]`, repeatable; each variant starts its own pair of workers, which serve every N in order after a warm-up
-job). The head reaches Redis through the delay proxy (it is the far machine); the tail and the producer connect
-directly. Writes jobs.json, jobs.md and (with matplotlib) jobs.png to --out, worker logs to --out/logs; progress to
-stderr, the table to stdout.
+job). The head reaches Redis through its link (`--link SPEC`, default `wan`: 43 ms each way, no cap; it is the far
+machine), the tail through its own (`--tail-link SPEC`, default `none`: local to Redis), each link a proxy process of
+its own with its own wire (bench/link.py: the profiles and the spec syntax, e.g. `notebooks` or
+`wan:mbit=100,jitter_ms=5`; `none`: a direct connection); the producer connects directly. A link's bytes per
+committed token are what its proxy delivered each way while the batch ran (up: worker -> Redis, down: Redis ->
+worker; all of that worker's traffic, RQ's included), over the batch's completion tokens. Writes jobs.json, jobs.md
+and (with matplotlib) jobs.png to --out, worker logs to --out/logs; progress to stderr, the table to stdout.
 
 Each job has its own sampling seed by default (job i of every N the same one), so the synthetic drafter's accept/reject
 pattern differs from job to job as real traffic's would (`--same-seed`: none, every job rejects the same positions and
@@ -29,6 +34,7 @@ without nvidia-smi or CUDA workers) and the head's and tail's thread counts (/pr
 from __future__ import annotations
 
 import _thread
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -43,19 +49,20 @@ from pathlib import Path
 
 import click
 
-from bench.delay_proxy import spawn_proxy
 from bench.jobs_models import Model, build_prompts, hf_references, resolve_model, say
 from bench.jobs_report import (
     BatchRun,
     FirstTokens,
     git_state,
     memory_parts,
+    per_token,
     process_memory_gb,
     summarize,
     write_outputs,
 )
 from bench.jobs_requests import cycle, draft_dict, job_seed, plugin_args, request, seeds_note
 from bench.jobs_singles import merge_singles
+from bench.link import Counters, Link, SpawnedLink, parse_link, spawn_link
 from bench.usage import Usage, brief
 from producer.client import Client, Followed, JobEnded, TextChunk
 from producer.local import stop_processes, wait_for_tails
@@ -113,6 +120,15 @@ class Config:
     seed: int | None  # prompt seed, from which each job's sampling seed comes; None: no seeds (--same-seed)
 
 
+@dataclass(frozen=True)
+class Urls:
+    """Where each side reaches Redis: the producer directly, each worker directly or through its link."""
+
+    producer: str
+    tail: str
+    head: str
+
+
 @dataclass
 class Workers:
     client: Client
@@ -123,16 +139,16 @@ class Workers:
 
 @contextmanager
 def start_workers(
-    model: Model, cfg: Config, name: str, extra: tuple[list[str], list[str]], urls: tuple[str, str], logs: Path
+    model: Model, cfg: Config, name: str, extra: tuple[list[str], list[str]], urls: Urls, logs: Path
 ) -> Iterator[Workers]:
     """A tail and a head worker for one variant, on a queue and key prefix of its own; yields once the tail
     reads its stream and the head has finished a small warm-up job."""
     prefix = f"jobs-{name}"
     common = ["--target", model.target, "--prefix", prefix, "--dtype", cfg.dtype]
     random_target, synthetic = model.target.startswith("random:"), cfg.alpha is not None
-    tail_args = ["tail", *common, "--layers", f"{model.split}:{model.layers}", "--redis-url", urls[0]]
+    tail_args = ["tail", *common, "--layers", f"{model.split}:{model.layers}", "--redis-url", urls.tail]
     tail_args += ["--device", cfg.tail_device, *plugin_args(synthetic, random_target), *extra[1]]
-    head_args = ["head", *common, "--layers", f"0:{model.split}", "--redis-url", urls[1], "--queue", prefix]
+    head_args = ["head", *common, "--layers", f"0:{model.split}", "--redis-url", urls.head, "--queue", prefix]
     head_args += ["--device", cfg.head_device, *(["--draft", model.draft] if model.draft else [])]
     head_args += [*plugin_args(synthetic, random_target), *extra[0]]
     for args in (tail_args, head_args):
@@ -142,7 +158,7 @@ def start_workers(
     dog = Watchdog({"tail": tail, "head": head})
     try:
         dog.start()
-        r = connect(urls[0])
+        r = connect(urls.producer)
         wait_for_tails(r, Keys(prefix), proc=tail, timeout_s=900)
         client = Client(r, prefix=prefix, queue=prefix)
         # warm-up: one short job (not a measured prompt); the synthetic drafter needs references, so none there
@@ -196,6 +212,14 @@ def run_batch(client: Client, reqs: list[GenerationRequest], timeout: float, lab
     return run
 
 
+def link_option(spec: str, hint: str) -> Link | None:
+    """A --link / --tail-link spec (bench/link.py's `parse_link`) as a click parameter."""
+    try:
+        return parse_link(spec)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=hint) from None
+
+
 def parse_variants(variants: tuple[str, ...], head_args: str, tail_args: str) -> list[tuple[str, list, list]]:
     """(name, head flags, tail flags) per `--variant NAME=HEAD ARGS[ | TAIL ARGS]`; one "default" if none."""
     out = []
@@ -208,9 +232,30 @@ def parse_variants(variants: tuple[str, ...], head_args: str, tail_args: str) ->
     return out
 
 
-def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: list | None, synth: list | None) -> dict:
+def link_bytes(
+    links: dict[str, SpawnedLink], before: dict[str, Counters], tokens: int
+) -> dict[str, dict[str, int | float | None]]:
+    """Per worker with a link: the bytes its proxy delivered each way since `before`, and per committed token."""
+    out: dict[str, dict[str, int | float | None]] = {}
+    for role, link in links.items():
+        d = link.counters() - before[role]
+        per = {f"{k}_per_token": round(v / tokens, 1) if tokens else None for k, v in (("up", d.up), ("down", d.down))}
+        out[role] = {"up": d.up, "down": d.down, **per}
+    return out
+
+
+def measure(
+    w: Workers,
+    name: str,
+    cfg: Config,
+    n: int,
+    prompts: list,
+    refs: list | None,
+    synth: list | None,
+    links: dict[str, SpawnedLink],
+) -> dict:
     """One batch of N jobs on a variant's workers: its report row. N=1 runs `cfg.singles` prompts one job at a
-    time and reports them as one row (bench/jobs_singles.py)."""
+    time and reports them as one row (bench/jobs_singles.py). `links`: each worker's link, by role."""
     reqs = [
         request(
             prompts[i],
@@ -222,6 +267,7 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
     ]
     say(f"variant {name}: N={n} ..." + (f" ({len(reqs)} prompts, one job at a time)" if len(reqs) > n else ""))
     # sampled over the whole batch (N=1: its single jobs one after another)
+    before = {role: link.counters() for role, link in links.items()}
     with Usage({"head": w.head.pid, "tail": w.tail.pid}, [cfg.head_device, cfg.tail_device]) as use:
         if n == 1:
             singles = []
@@ -234,6 +280,7 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
             row = {"variant": name, **merge_singles(singles)}
         else:
             row = {"variant": name, **summarize(run_batch(w.client, reqs, cfg.timeout, f"N={n}"), refs)}
+    row["link_bytes"] = link_bytes(links, before, row["completion_tokens"])
     row["usage"], row["seeds"] = use.result, "same (none sent)" if cfg.seed is None else "per job"
     gpu = {"head": cfg.head_device.startswith("cuda"), "tail": cfg.tail_device.startswith("cuda")}
     row["memory_gb"] = {role: process_memory_gb(p.pid, gpu[role]) for role, p in (("head", w.head), ("tail", w.tail))}
@@ -247,6 +294,7 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
         f"not finished {len(row['failed'])}; GPU mean / share >= 50%: {gpu_use}"
         + (f" ({use.result['gpu']['note']})" if use.result["gpu"]["note"] else "")
         + f"; max threads head / tail {threads}"
+        + "".join(f"; {role} link B/token up / down {per_token(x)}" for role, x in row["link_bytes"].items())
     )
     return row
 
@@ -279,7 +327,22 @@ def measure(w: Workers, name: str, cfg: Config, n: int, prompts: list, refs: lis
     default=None,
     help="Synthetic drafter with this acceptance (random weights); references from --check or the job path.",
 )
-@click.option("--delay-ms", type=click.FloatRange(0), default=0.0, show_default=True, help="Head <-> Redis, each way.")
+@click.option(
+    "--link",
+    "head_link",
+    default="wan",
+    show_default=True,
+    callback=lambda _ctx, _param, spec: link_option(spec, "--link"),
+    help="The head's link to Redis: a profile of bench/link.py (lan, wan, notebooks, small-relay, ...), with "
+    "overrides (wan:mbit=100,jitter_ms=5), or none.",
+)
+@click.option(
+    "--tail-link",
+    default="none",
+    show_default=True,
+    callback=lambda _ctx, _param, spec: link_option(spec, "--tail-link"),
+    help="The tail's link to Redis, as --link (none: the tail local to Redis).",
+)
 @click.option("--head-device", default="cpu", show_default=True)
 @click.option("--tail-device", default="cpu", show_default=True)
 @click.option(
@@ -323,7 +386,8 @@ def main(
     check: bool,
     check_device: str,
     alpha: float | None,
-    delay_ms: float,
+    head_link: Link | None,
+    tail_link: Link | None,
     head_device: str,
     tail_device: str,
     dtype: str,
@@ -366,12 +430,22 @@ def main(
         prompts = cycle(base, jobs)
         refs = cycle(hf_references(model, base, new_tokens, check_device, dtype), jobs) if check else None
         server = stack.enter_context(EmbeddedRedis(die_with_parent=True))
-        proxy_port = stack.enter_context(spawn_proxy(server.port, delay_ms / 1000)) if delay_ms > 0 else None
-        urls = (server.url, f"redis://127.0.0.1:{proxy_port}/0" if proxy_port else server.url)
+        links = {
+            role: stack.enter_context(spawn_link(server.port, link))
+            for role, link in (("head", head_link), ("tail", tail_link))
+            if link is not None
+        }
+        for role, link in (("head", head_link), ("tail", tail_link)):
+            say(f"{role} <-> Redis: " + (link.describe() if link else "direct"))
+        via = {role: f"redis://127.0.0.1:{link.port}/0" for role, link in links.items()}
+        urls = Urls(server.url, via.get("tail", server.url), via.get("head", server.url))
         settings = {
             "model": model.name, "target": model.target, "split": model.split, "layers": model.layers,
             "draft": model.draft, "drafter": kind, "k": k, "alpha": alpha, "prompt_tokens": prompt_tokens,
-            "new_tokens": new_tokens, "ns": sizes, "delay_ms": delay_ms, "head_device": head_device,
+            "new_tokens": new_tokens, "ns": sizes, "link": head_link.spec() if head_link else "none",
+            "link_settings": dataclasses.asdict(head_link) if head_link else None,
+            "tail_link": tail_link.spec() if tail_link else "none",
+            "tail_link_settings": dataclasses.asdict(tail_link) if tail_link else None, "head_device": head_device,
             "tail_device": tail_device, "dtype": dtype, "check": check, "check_device": check_device,
             "variants": [{"name": n, "head_args": h, "tail_args": t} for n, h, t in runs], "distinct": len(base),
             "singles": singles, "seeds": seeds_note(same_seed),
@@ -390,7 +464,7 @@ def main(
                     settings["reference_source"] = "job path, draft none (synthetic drafter only)"
                 for n in sizes:
                     # greedy outputs against HF (--check) or else the job path's own no-speculation outputs
-                    doc["rows"].append(measure(w, name, cfg, n, prompts, refs or synth, synth))
+                    doc["rows"].append(measure(w, name, cfg, n, prompts, refs or synth, synth, links))
                     write_outputs(out_dir, doc)  # after every N: a cut-short run still reports
     write_outputs(out_dir, doc)
     click.echo((out_dir / "jobs.md").read_text())

@@ -268,6 +268,15 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def per_token(link: dict) -> str:
+    """One link's bytes per committed token, up / down (bench/jobs.py `link_bytes`)."""
+    return f"{_f(link.get('up_per_token'), ',.0f')} / {_f(link.get('down_per_token'), ',.0f')}"
+
+
+def _links(x: dict) -> str:  # each worker's link: bytes per committed token, up / down
+    return "; ".join(f"{role} {per_token(v)}" for role, v in (x.get("link_bytes") or {}).items()) or "—"
+
+
 def _stages(x: dict) -> str:  # draft / head / relay (send, tail prepare, back) / tail queue / tail ms per round
     st = x.get("stage_ms_per_round") or {}
     parts = " ".join(_f(st.get(k), ".0f") for k in ("send_ms", "tail_prepare_ms", "back_ms"))
@@ -284,8 +293,8 @@ def markdown(rows: list[dict], seeds: str | None = None) -> str:
         "| variant | N | done | aggregate tok/s | GPU busy: mean / share >= 50% | max threads head / tail | "
         "per-job tok/s p50 | latency p50 / p95 s | TTFT p50 / p95 s | tok/round | "
         "draft / head / relay (send prepare back) / tail queue / tail ms | "
-        "rounds/forward head / tail | head / tail mem GB | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "rounds/forward head / tail | link B/token up / down | head / tail mem GB | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:
         lat, ttft, mem = x["latency_s"], x["ttft_s"], x.get("memory_gb", {})
@@ -297,7 +306,8 @@ def markdown(rows: list[dict], seeds: str | None = None) -> str:
             f"| {x['variant']} | {n} | {x['finished']}/{jobs} | {_f(x['aggregate_tokens_per_s'])} | {gpu} | "
             f"{threads} | {_f(x['per_job_tokens_per_s']['p50'])} | {_f(lat['p50'])} / {_f(lat['p95'])} | "
             f"{_f(ttft['p50'], '.3f')} / {_f(ttft['p95'], '.3f')} | {_f(x['tokens_per_round'])} | {_stages(x)} | "
-            f"{_batched(x['rounds_batched_per_forward'])} | {_f(mem.get('head'))} / {_f(mem.get('tail'))} | {mism} |"
+            f"{_batched(x['rounds_batched_per_forward'])} | {_links(x)} | {_f(mem.get('head'))} / "
+            f"{_f(mem.get('tail'))} | {mism} |"
         )
     for x in rows:
         if tl := x.get("timeline"):
@@ -350,7 +360,7 @@ def write_outputs(out: Path, doc: dict) -> None:
     ax.set_xlabel("jobs in the batch (N)")
     ax.set_ylabel("aggregate tokens/s")
     s = doc["settings"]
-    ax.set_title(f"{s['model']}: {s['prompt_tokens']}+{s['new_tokens']} tokens, +{s['delay_ms']} ms head link")
+    ax.set_title(f"{s['model']}: {s['prompt_tokens']}+{s['new_tokens']} tokens, head link {s['link']}")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

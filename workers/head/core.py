@@ -13,6 +13,7 @@ from workers.engine.runner import Engine
 from workers.engine.shard import Shard
 from workers.head.batching import Batcher
 from workers.head.beacon import Beacons
+from workers.head.link import LinkMeter
 from workers.speculative.drafters import DraftSession
 
 
@@ -42,6 +43,9 @@ class Runtime(Protocol):
 
     @property
     def beacons(self) -> Beacons: ...
+
+    @property
+    def link(self) -> LinkMeter: ...  # the head's link to Redis, from its own publishes
 
     def drafter_for(self, req: GenerationRequest, prompt_len: int, overflow: bool = True) -> DraftSession | None:
         """The draft session a request asks for (`HeadRuntime.drafter_for`)."""

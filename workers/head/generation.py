@@ -373,7 +373,10 @@ class Generation:
             draft_s, head_s, wait_s = spans
             timed = self.req.sampling.greedy  # greedy output does not depend on K; seeded sampling does
             # free: graphs, where a shorter draft would cost the same and commit fewer tokens
-            self.length.update(len(draft.tokens), v.accepted, draft_s * 1000, (head_s + wait_s) * 1000, timed, free)
+            wire_ms = self.rt.link.draft_cost_ms() if timed else 0.0  # a draft row's cost on the head's link
+            self.length.update(
+                len(draft.tokens), v.accepted, draft_s * 1000, (head_s + wait_s) * 1000, timed, free, wire_ms
+            )
 
     def _pin(self, v: Verdict) -> None:
         """A session's rounds after its first go to the tail that holds it."""

@@ -71,7 +71,7 @@ class HeadLoop:
         self.clock = PhaseClock("head loop", log)  # where the loop's time goes, logged every 10 s
         self.seal_clock = PhaseClock("head senders", log)  # sealing a group's rounds, on the sender threads
         self.relay_clock = PhaseClock("head relay", log)  # a reply's wait from its reader to the loop ("lag")
-        self.sender = Sender(r, self.settings, self.seal_clock)
+        self.sender = Sender(r, self.settings, self.seal_clock, runtime.link)
         relay = self.settings.relay
         self.dead_cap = DeadLetterCap(relay.dead_letter_rate, relay.dead_letter_burst)  # counted in relay_clock's lines
         self._epochs = 0  # the beacons' reply-stream moves the generations in flight have followed
@@ -136,6 +136,7 @@ class HeadLoop:
         self._end_all(self.schedule.expired(now))
         busy = self.schedule.resends(now)  # a full tail's wait over: the same rounds again
         self._send(busy, [g.resend() for g in busy])
+        self.rt.link.in_flight(id(self), len(self.schedule.live))
         group = self.schedule.next_group(now)
         if group:
             with self.rt.lock:
@@ -272,8 +273,8 @@ class HeadLoop:
             clock.add("seal", time.perf_counter() - t0)
             return entries
 
-        sids = [out.sid for out in outs]
-        self.sender.put(Outgoing([], on_error=lambda e: self._send_failed(sids, e), build=build))
+        sids, rows = [out.sid for out in outs], sum(out.rows for out in outs)
+        self.sender.put(Outgoing([], on_error=lambda e: self._send_failed(sids, e), build=build, rows=rows))
 
     # --- replies --------------------------------------------------------------------------------------
     def _take(self, replies: list[Reply]) -> None:

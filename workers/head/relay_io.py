@@ -36,6 +36,7 @@ from schemas.packets import decode_tail_message
 from schemas.peek import peek_session
 from schemas.settings import RelaySettings, Settings
 from workers.drain import take_queued
+from workers.head.link import LinkMeter
 from workers.phases import PhaseClock
 
 log = logging.getLogger("shardflow.head")
@@ -51,15 +52,19 @@ class Outgoing:
     dead: list[tuple[str, dict]] = field(default_factory=list)  # (dead-letter stream, record fields)
     on_error: Callable[[BaseException], None] | None = None
     build: Callable[[], list[tuple[str, dict]]] | None = None
+    rows: int = 0  # hidden rows in what it publishes (the link meter's bytes per row)
     queued: float = field(default_factory=time.perf_counter)  # when it was put (the sender's clock: "queued")
 
 
 class Sender:
     """`clock`, if given, hears how long a group waited for a sender ("queued") and how long its publish took
-    ("publish": one round trip, the bytes through the link and Redis)."""
+    ("publish": one round trip, the bytes through the link and Redis); `meter`, if given, each publish's bytes,
+    rows and times (workers/head/link.py: the link's bandwidth and round trip, from the head's own traffic)."""
 
-    def __init__(self, r: redis.Redis, settings: Settings, clock: PhaseClock | None = None) -> None:
-        self.r, self.settings, self.clock = r, settings, clock
+    def __init__(
+        self, r: redis.Redis, settings: Settings, clock: PhaseClock | None = None, meter: LinkMeter | None = None
+    ) -> None:
+        self.r, self.settings, self.clock, self.meter = r, settings, clock, meter
         self._q: queue.Queue[Outgoing] = queue.Queue()
         for i in range(max(settings.relay.head_senders, 1)):
             threading.Thread(target=self._run, daemon=True, name=f"head-sender-{i}").start()
@@ -79,7 +84,7 @@ class Sender:
         for item in batch:
             if item.build is not None:
                 try:
-                    item = Outgoing([*item.entries, *item.build()], item.dead, item.on_error)
+                    item = Outgoing([*item.entries, *item.build()], item.dead, item.on_error, rows=item.rows)
                 except Exception as e:
                     log.exception("head: could not build entries to publish")
                     if item.on_error is not None:
@@ -106,8 +111,12 @@ class Sender:
                 dead=dead,
                 dead_maxlen=self.settings.relay.dead_letter_maxlen,
             )
+            t1 = time.perf_counter()
             if self.clock is not None and len(entries) > 0:
-                self.clock.add("publish", time.perf_counter() - t0)
+                self.clock.add("publish", t1 - t0)
+            if self.meter is not None and entries:
+                nbytes = sum(len(v) for _, fields in entries for v in fields.values())
+                self.meter.note_publish(t0, t1, nbytes, sum(out.rows for out in built))
         except BaseException as e:  # a transport error past its retries: these sends fail
             log.warning("head: could not publish %d entries: %s", len(entries), e)
             for out in built:

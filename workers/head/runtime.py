@@ -45,6 +45,7 @@ from workers.head.batching import Batcher
 from workers.head.beacon import Beacons
 from workers.head.generation import Generation
 from workers.head.groups import GroupPlan
+from workers.head.link import LinkMeter
 from workers.head.loop import HeadLoop
 from workers.head.prompts import encode_prompt
 from workers.plugins import DrafterContext, Registry
@@ -81,6 +82,7 @@ class HeadRuntime:
     name: str | None = None  # how tails know this head (its worker name; default: host-pid-random)
     batcher: Batcher = field(init=False)
     beacons: Beacons = field(init=False)
+    link: LinkMeter = field(init=False)  # the link to Redis, measured from the loops' publishes
 
     def __post_init__(self) -> None:
         if self.engine is None:
@@ -90,6 +92,7 @@ class HeadRuntime:
         plan = GroupPlan(fixed=groups)
         self.batcher = Batcher(self.engine, plan, linger_s(self.shard, self.settings))
         self.beacons = Beacons(self.name, self.settings)
+        self.link = LinkMeter()
         self._loops: dict[int, tuple[redis.Redis, HeadLoop]] = {}
         self._loops_lock = threading.Lock()
 

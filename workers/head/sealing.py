@@ -44,6 +44,11 @@ class Outbound:
         assert self.header is not None
         return make_round(self.header, self.tensors, self.key)[1]
 
+    @property
+    def rows(self) -> int:
+        """Hidden rows it carries (k + 1 for a round with k drafts: never the graphs' padding)."""
+        return int(self.tensors["hidden"].shape[0])
+
     def again(self) -> Outbound:
         """The same round to send again (a full tail's wait is over), with a MAC of its own."""
         return replace(self, mac=Future())

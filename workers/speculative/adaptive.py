@@ -7,8 +7,14 @@ most tokens per second; until a few rounds are measured, `DraftLength` follows t
 assisted-generation schedule (+2 after a fully accepted round, -1 otherwise), and when sampling it
 always does, so that a fixed seed reproduces the same text (timings vary from run to run).
 
-Where a round's cost does not depend on K at all (`free`: CUDA graphs draft the longest K for every row of a
-batch, and pad every round's rows to K + 1), fewer drafts only lose tokens: the length stays at its most.
+Where a round's compute does not depend on K at all (`free`: CUDA graphs draft the longest K for every row of a
+batch, and pad every round's rows to K + 1), fewer drafts only lose tokens: the length stays at its most, unless
+the link charges for them. Every draft goes on the wire as a hidden row (the head sends k + 1 rows, never the graphs'
+padding), and on a link of finite bandwidth shared by N generations in flight each draft row of each of them adds
+`wire_ms` = N row_bytes / bandwidth to every round (workers/head/link.py measures it). Then a greedy generation
+weighs it from its first verdict on: K maximizes E(K) / (fixed + K (per_draft + wire_ms)), with `fixed` the
+measured round time less its drafts' wire time. With N large the wire dominates and K falls (2 or 3 at 200 Mbit/s
+for 256 bf16 7B sessions); as a batch drains N falls and K grows back. With no wire cost nothing changes.
 """
 
 from __future__ import annotations
@@ -46,23 +52,33 @@ class DraftLength:
         self.k = self.k or self.k_max
 
     def update(
-        self, drafted: int, accepted: int, draft_ms: float, other_ms: float, timed: bool = True, free: bool = False
+        self,
+        drafted: int,
+        accepted: int,
+        draft_ms: float,
+        other_ms: float,
+        timed: bool = True,
+        free: bool = False,
+        wire_ms: float = 0.0,
     ) -> int:
         """Record one round (drafted > 0) and return the next round's draft length.
 
         timed=False keeps to the +2/-1 schedule, which depends only on acceptance: a seeded sampled
-        generation then draws the same rounds, so the same seed gives the same text. free=True: the round
-        cost the same whatever its K (see the module docstring): the most."""
+        generation then draws the same rounds, so the same seed gives the same text. free=True: the round's
+        compute cost the same whatever its K; wire_ms: what each draft row costs the round on the link (see the
+        module docstring). Free and no wire cost: the most."""
         self.rounds += 1
         self.accepted += accepted
         self.rejected += accepted < drafted
-        if free:
-            self.k = self.k_max
-            return self.k
         w = self.smoothing if self.rounds > 1 else 1.0
-        self.fixed_ms += w * (other_ms - self.fixed_ms)
-        self.per_draft_ms += w * (draft_ms / drafted - self.per_draft_ms)
-        if self.rounds < self.warmup or not timed:
+        self.fixed_ms += w * (other_ms - drafted * wire_ms - self.fixed_ms)
+        self.per_draft_ms += w * ((0.0 if free else draft_ms / drafted) - self.per_draft_ms)
+        if timed and wire_ms > 0:  # the link charges for each draft: weighed from the first verdict on
+            alpha = (self.accepted + 1) / (self.accepted + self.rejected + 2)
+            self.k = best_k(alpha, max(self.fixed_ms, 0.0), self.per_draft_ms + wire_ms, self.k_max)
+        elif free:
+            self.k = self.k_max
+        elif self.rounds < self.warmup or not timed:
             self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k - 1, 1)
         else:
             alpha = (self.accepted + 1) / (self.accepted + self.rejected + 2)  # Laplace-smoothed per-draft rate
