@@ -22,7 +22,8 @@
 #   ab        code against code: the jobs part (NS 256) for the working tree and for a base commit's export,
 #             alternating on one machine (ORDER="new base new base"; "new:SHARDFLOW_X=1,SHARDFLOW_Y=2": that run's
 #             settings). Before the call: rm -rf .clean/base && mkdir -p .clean/base && git archive BASE | tar -x -C
-#             .clean/base, and carry .clean
+#             .clean/base, and carry .clean; BASE_LINK=PROFILE with BASE_LINK_ARGS="--delay-ms 43" runs a base from
+#             before bench/link.py through that profile
 #   stages    bench.stages on cuda:0 (STAGES_ARGS: its flags, e.g. "--b 16,128 --iters 10 --no-reference")
 #   qparity   bench.gpu_parity for each of QUANTS (4bit,int8; none) x DTYPES (float32; float16, bfloat16)
 #   card7 card14   the 16 GB card profile: float16, every worker --gpu-memory 15, NS 1,16, SINGLES 4 prompts
@@ -87,6 +88,15 @@ case "${part%%:*}" in
     ;;
   ab)
     i=0
+    if [ -n "${BASE_LINK:-}" ]; then
+      # a base from before bench/link.py: its delay proxy gives way to this tree's link, profile BASE_LINK (its
+      # bench.jobs then runs with BASE_LINK_ARGS="--delay-ms 43", any delay > 0 turning the proxy on)
+      cp bench/link.py .clean/base/bench/link.py
+      printf '%s\n' "from contextlib import contextmanager" "from bench.link import parse_link, spawn_link" \
+        "@contextmanager" "def spawn_proxy(upstream_port, delay_s, upstream_host='127.0.0.1'):" \
+        "    with spawn_link(upstream_port, parse_link('$BASE_LINK'), upstream_host) as link:" \
+        "        yield link.port" > .clean/base/bench/delay_proxy.py
+    fi
     for run in ${ORDER:-new base}; do
       i=$((i + 1)); name=${run%%:*}; envs=()
       [ "$run" != "$name" ] && IFS=',' read -ra envs <<< "${run#*:}"
