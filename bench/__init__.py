@@ -16,6 +16,8 @@ Entry points:
 - `memory`: what a shard load holds (parameters, peak RSS) for layers [a, b) of a checkpoint;
 - `mac_cost`: what sealing and checking rounds' MACs costs a head's sender and a tail (docs/security.md, "Sessions
   are authenticated");
+- `codec`: the lossless wire codec (schemas/codec.py) on SmolLM2's real hidden states: bytes saved, encode and decode
+  speed, against plain zstd and lz4;
 - `round_spread`: the rounds a batch's slowest job needs at a given acceptance, and the tokens/s bound it sets.
 
 `synthetic` is the benchmark worker plugin (`--plugin bench.synthetic`: the synthetic drafter, `random:<preset>`

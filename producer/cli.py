@@ -5,6 +5,7 @@ Jobs:      shardflow enqueue | status | results | retry | cancel | info   (produ
 Operators: shardflow dead-letters | redis         (producer/cli_admin.py)
 One-shot:  shardflow generate | local | demo
 Planning:  shardflow plan                         (producer/cli_plan.py)
+Checking:  shardflow doctor                       (producer/cli_doctor.py: the link and Redis, from any role)
 HTTP:      shardflow serve (OpenAI-compatible)     (producer/cli_serve.py, producer/api.py)
 
 Every option has --help; defaults come from schemas/settings.py (environment: SHARDFLOW_*).
@@ -34,7 +35,7 @@ import logging
 
 import click
 
-from producer import cli_admin, cli_jobs, cli_plan, cli_serve, cli_workers
+from producer import cli_admin, cli_doctor, cli_jobs, cli_plan, cli_serve, cli_workers
 from producer.options import GuardedGroup
 
 
@@ -55,6 +56,7 @@ COMMANDS: tuple[click.Command, ...] = (
     cli_jobs.cancel,
     cli_jobs.info,
     cli_admin.redis,
+    cli_doctor.doctor,
     cli_workers.tail,
     cli_workers.head,
     cli_workers.generate,

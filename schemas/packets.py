@@ -1,10 +1,10 @@
 """Relay packets between head and tail, and their Redis stream encoding.
 
 A stream entry holds field `h` (the JSON header, one of the models below), one binary field `t.<name>` per
-tensor the header declares, and `m`, an HMAC-SHA256 of the header and those tensors' bytes under the
-session's key (a group entry's part: of its header and its binding to the group's tensors, schemas/groups.py).
-Decoding validates size caps, the JSON, the version, each tensor's dtype/shape/byte length, and the packet's own
-consistency before anything is computed.
+tensor the header declares, and `m`, an HMAC-SHA256 of the header and those tensors' bytes as sent (compressed
+where the header names a codec: schemas/codec.py) under the session's key (a group entry's part: of its header and
+its binding to the group's tensors, schemas/groups.py). Decoding validates size caps, the JSON, the version, each
+tensor's dtype/shape/byte length, and the packet's own consistency before anything is computed.
 
 **Sessions are authenticated.** The head draws a random 32-byte key per generation; only the rounds that open a
 session on a tail (start_pos 0: the first round, and replays) carry it, and every head -> tail packet and every tail
@@ -31,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.codec import Codec
 from schemas.errors import PacketError
 from schemas.macs import DIGEST, HEADER, MAC, TENSOR_PREFIX, seal
 from schemas.requests import FinishReason, SamplingParams, SessionId, TokenId
@@ -42,6 +43,9 @@ CAPS = RelaySettings()  # the documented caps, for callers that pass none (a wor
 # 2: per-session keys and MACs, the head's identity in every round. 3: long prompts in parts (prefill_more,
 # seed_round), a replay's last part past position 0. 4: a group's parts MAC their header and their place in the
 # group's tensors, whose one digest binds the bytes (schemas/groups.py), rather than each its own tensors' bytes.
+# Within 4, a tensor's meta may name a codec (schemas/codec.py); a raw tensor's names none, so a raw round is byte for
+# byte what it was and every version-4 packet still decodes, and a build without codecs refuses a compressed one
+# ("tensors.hidden.codec: Extra inputs are not permitted").
 PROTOCOL_VERSION = 4
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 ReplyTo = Annotated[str, Field(pattern=r"^head\.[A-Za-z0-9_.:-]{1,160}$")]  # `Keys.head_reply_to`: a head's stream
@@ -187,22 +191,28 @@ _HEAD = TypeAdapter(HeadMessage)
 _TAIL = TypeAdapter(TailMessage)
 
 
-def encode_round(packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes) -> tuple[RoundPacket, dict]:
+def encode_round(
+    packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes, *, codec: Codec = "raw"
+) -> tuple[RoundPacket, dict]:
     """Build a RoundPacket from header fields + tensors and return it with its sealed stream fields (a round
-    that opens a session, start_pos 0, carries the key)."""
-    packet, fields = make_round(packet_fields, tensors, key)
+    that opens a session, start_pos 0, carries the key); every tensor travels under `codec` (schemas/codec.py)."""
+    packet, fields = make_round(packet_fields, tensors, key, codec=codec)
     return packet, seal(key, fields)
 
 
-def make_round(packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes) -> tuple[RoundPacket, dict]:
+def make_round(
+    packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes, *, codec: Codec = "raw"
+) -> tuple[RoundPacket, dict]:
     """`encode_round` but unsealed: the fields that `seal`, or `schemas.groups.seal_group` with other rounds, MACs."""
-    packet, header = round_header(packet_fields, {name: tensor_meta(t) for name, t in tensors.items()}, key)
+    metas = {name: tensor_meta(t, codec) for name, t in tensors.items()}
+    packet, header = round_header(packet_fields, metas, key)
     return packet, round_fields(packet, header, tensors)
 
 
 def round_header(packet_fields: dict, metas: dict[str, TensorMeta], key: bytes) -> tuple[RoundPacket, bytes]:
-    """A round's validated header and its JSON, from header fields and its tensors' metas: what `encode_round`
-    seals, made before the tensors' bytes exist (the head builds it while its device computes them)."""
+    """A round's validated header and its JSON, from header fields and its tensors' metas (each naming its codec):
+    what `encode_round` seals, made before the tensors' bytes exist (the head builds it while its device computes
+    them)."""
     opens = packet_fields.get("start_pos") == 0
     packet = RoundPacket(**packet_fields, tensors=metas, key=key.hex() if opens else None)
     return packet, packet.model_dump_json().encode()
@@ -210,12 +220,12 @@ def round_header(packet_fields: dict, metas: dict[str, TensorMeta], key: bytes) 
 
 def round_fields(packet: RoundPacket, header: bytes, tensors: dict[str, torch.Tensor]) -> dict[bytes, bytes]:
     """The unsealed stream fields of a round whose header `round_header` made, with these tensors, which must be
-    what the header says (PacketError otherwise)."""
+    what the header says (PacketError otherwise), each encoded under the codec its header names."""
     if set(tensors) != set(packet.tensors):
         raise PacketError(f"tensors {sorted(tensors)} are not the header's {sorted(packet.tensors)}")
     raws = {}
     for name, t in tensors.items():
-        meta, raws[TENSOR_PREFIX + name.encode()] = encode_tensor(t)
+        meta, raws[TENSOR_PREFIX + name.encode()] = encode_tensor(t, packet.tensors[name].codec)
         if packet.tensors[name] != meta:
             raise PacketError(f"tensor {name!r} is {meta.dtype}{meta.shape}, its header says otherwise")
     return {HEADER: header, **raws}
@@ -303,9 +313,16 @@ def round_tensors(
     device: str | torch.device = "cpu",
     views: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """The tensors of a round whose header `decode_head_header` accepted (each within caps.max_tensor_elements);
-    those named in `views` as read-only views of the fields' bytes (`decode_tensor`)."""
+    """The tensors of a round whose header `decode_head_header` accepted, and whose MAC its caller checked (each
+    within caps.max_tensor_elements, and all of them, decoded, within caps.max_packet_bytes: a compressed round may
+    not inflate past what a raw one could hold); those raw and named in `views` as read-only views of the fields'
+    bytes (`decode_tensor`)."""
     n = caps.max_tensor_elements
+    decoded = sum(meta.nbytes for meta in msg.tensors.values())
+    if decoded > caps.max_packet_bytes:
+        raise PacketError(
+            f"a round's tensors of {decoded} bytes decoded exceed the packet cap of {caps.max_packet_bytes}"
+        )
     return {
         name: decode_tensor(
             meta, fields[TENSOR_PREFIX + name.encode()], max_elements=n, device=device, view=name in views

@@ -1,8 +1,10 @@
-"""The one tensor codec: dtype from an allow-list + shape + raw bytes. No pickle, ever.
+"""The one tensor codec: dtype from an allow-list + shape + its bytes, raw or losslessly compressed. No pickle, ever.
 
-A tensor travels as a `TensorMeta` (inside a packet's JSON header) plus its raw little-endian bytes
-(a separate binary field). Decoding checks the dtype against the allow-list, the element count against
-a cap, and the shape against the byte length, before any tensor is built.
+A tensor travels as a `TensorMeta` (inside a packet's JSON header) plus its little-endian bytes (a separate binary
+field), as they are (`codec` raw, the default) or compressed (`zstd-planes`: schemas/codec.py, which also says what
+the MAC covers). Decoding checks the dtype against the allow-list and the element count against a cap before it
+reads the bytes, and the bytes against the shape (a compressed stream: never inflated past the shape's bytes)
+before any tensor is built.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import warnings
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from schemas.codec import Codec, decode, encode
 from schemas.errors import PacketError
 from schemas.settings import RelaySettings
 
@@ -43,6 +46,18 @@ class TensorMeta(BaseModel):
 
     dtype: DTypeName
     shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=8)
+    codec: Codec = Field(
+        "raw",
+        description="How its bytes travel (schemas/codec.py). Left out of the JSON when raw: a raw tensor's header "
+        "is what it was before codecs, and a tail of such a build refuses a compressed one (extra='forbid').",
+    )
+
+    @model_serializer(mode="wrap")
+    def _raw_unsaid(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if self.codec == "raw":
+            out.pop("codec", None)
+        return out
 
     @property
     def numel(self) -> int:
@@ -53,20 +68,22 @@ class TensorMeta(BaseModel):
         return self.numel * DTYPES[self.dtype].itemsize
 
 
-def tensor_meta(t: torch.Tensor) -> TensorMeta:
+def tensor_meta(t: torch.Tensor, codec: Codec = "raw") -> TensorMeta:
     """What `encode_tensor` says of `t` (nothing copied: its raw bytes may not exist on the host yet)."""
     name = DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise PacketError(f"dtype {t.dtype} is not in the tensor allow-list {sorted(DTYPES)}")
-    return TensorMeta(dtype=name, shape=list(t.shape))
+    return TensorMeta(dtype=name, shape=list(t.shape), codec=codec)
 
 
-def encode_tensor(t: torch.Tensor) -> tuple[TensorMeta, bytes]:
-    """Return the meta and raw bytes of `t` (copied to host memory, made contiguous)."""
-    meta = tensor_meta(t)
+def encode_tensor(t: torch.Tensor, codec: Codec = "raw") -> tuple[TensorMeta, bytes]:
+    """Return the meta and the bytes of `t` as they travel under `codec` (copied to host memory, made contiguous;
+    raw: its little-endian bytes)."""
+    meta = tensor_meta(t, codec)
     host = t.detach().to("cpu").contiguous()
-    raw = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
-    return meta, raw
+    if codec == "raw":
+        return meta, host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    return meta, encode(codec, host.reshape(-1).view(torch.uint8).numpy() if host.numel() else b"", t.element_size())
 
 
 def decode_tensor(
@@ -77,13 +94,17 @@ def decode_tensor(
     device: torch.device | str = "cpu",
     view: bool = False,
 ) -> torch.Tensor:
-    """Build the tensor `meta` describes from `raw`, after checking size and byte length. view: on the host, a
-    read-only view of `raw` itself, no copy (the caller copies it before anything could write to it)."""
+    """Build the tensor `meta` describes from `raw` (its bytes as they came, under `meta.codec`), after checking
+    size and byte length. view: on the host and raw, a read-only view of `raw` itself, no copy (the caller copies
+    it before anything could write to it); a compressed tensor is decoded into a buffer of its own."""
     if meta.numel > max_elements:
         raise PacketError(f"tensor of {meta.numel} elements exceeds the cap of {max_elements}")
+    dtype = DTYPES[meta.dtype]
+    if meta.codec != "raw":
+        flat = torch.from_numpy(decode(meta.codec, raw, meta.nbytes, dtype.itemsize))
+        return flat.view(dtype).reshape(meta.shape).to(device)
     if len(raw) != meta.nbytes:
         raise PacketError(f"tensor {meta.dtype}{meta.shape} needs {meta.nbytes} bytes, got {len(raw)} (truncated?)")
-    dtype = DTYPES[meta.dtype]
     if meta.numel == 0:
         return torch.empty(meta.shape, dtype=dtype, device=device)
     if view:

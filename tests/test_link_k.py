@@ -48,7 +48,7 @@ def test_a_drafts_wire_cost_grows_with_the_generations_in_flight():
     _wire(meter, [(0.05 * i, 2_000_000) for i in range(40)])
     meter.in_flight(1, 256)
     many = meter.draft_cost_ms()
-    meter._cost = (0.0, float("-inf"))  # re-estimated at once (the cache holds 0.1 s)
+    meter._cost = (0.0, "raw", float("-inf"))  # re-estimated at once (the cache holds 0.1 s)
     meter.in_flight(1, 16)
     assert many == pytest.approx(1000 * 256 * ROW / BW, rel=0.15)  # about 73 ms a draft row
     assert meter.draft_cost_ms() == pytest.approx(many / 16, rel=0.01)

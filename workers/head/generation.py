@@ -182,14 +182,14 @@ class Generation:
 
     def prepare(self) -> None:
         """While the device computes the round's hidden states (its drafts known): its header, validated and
-        serialized ahead of `outbound` (its sender then only encodes the tensors and MACs them). Greedy rounds
-        only (a sampled round's q tensors are made with it)."""
+        serialized ahead of `outbound` (its sender then only encodes the tensors, under the codec the link meter
+        picks now, and MACs them). Greedy rounds only (a sampled round's q tensors are made with it)."""
         rnd = self.round
         assert rnd is not None and rnd.work.draft is not None
         basis, fields, q_tensors = self._header_fields()
-        rows = len(fields["input_ids"]) + len(fields["draft_ids"])
-        hidden = TensorMeta(dtype=DTYPE_NAMES[self.rt.shard.dtype], shape=[rows, self.hidden_size])
-        metas = {"hidden": hidden, **{name: tensor_meta(t) for name, t in q_tensors.items()}}
+        rows, codec = len(fields["input_ids"]) + len(fields["draft_ids"]), self.rt.link.codec()
+        hidden = TensorMeta(dtype=DTYPE_NAMES[self.rt.shard.dtype], shape=[rows, self.hidden_size], codec=codec)
+        metas = {"hidden": hidden, **{name: tensor_meta(t, codec) for name, t in q_tensors.items()}}
         rnd.header = (basis, *round_header(fields, metas, self.key))
 
     def outbound(self) -> Outbound:
@@ -202,8 +202,8 @@ class Generation:
             rnd.out = Outbound(self.sid, self.stream, self.key, {"hidden": rnd.work.hidden}, made=(made[1], made[2]))
         else:
             _, header, q_tensors = self._header_fields()
-            tensors = {"hidden": rnd.work.hidden, **q_tensors}
-            rnd.out = Outbound(self.sid, self.stream, self.key, tensors, header=header)
+            tensors, codec = {"hidden": rnd.work.hidden, **q_tensors}, self.rt.link.codec()
+            rnd.out = Outbound(self.sid, self.stream, self.key, tensors, header=header, codec=codec)
         return rnd.out
 
     def resend(self) -> Outbound:

@@ -12,6 +12,9 @@ started and ended. A publish ends one round trip after its last byte went out, s
   costs on the wire;
 - `jitter_s`: how much publishes vary beyond what their size explains (mean absolute deviation).
 
+`codec` is how a round's tensors go (schemas/codec.py `pick_codec` under `relay.wire_codec`): byte planes with zstd
+where the measured link is slower than the codec pays for (raw until the link is measured, and on a fast one).
+
 `draft_cost_ms` turns that into what each draft row costs a round on a shared wire: every generation in flight
 sends its rows each round, so a round of N generations with k drafts each moves N (k + 1) rows, and one more
 draft each costs N row_bytes / bandwidth (workers/speculative/adaptive.py `DraftLength` weighs it against the
@@ -25,6 +28,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+
+from schemas.codec import Codec, pick_codec
+from schemas.settings import WireCodec
 
 WINDOW_S = 5.0  # publishes older than this are forgotten
 MIN_BUSY_BYTES = 1 << 20  # below this many bytes in the window the bandwidth is not estimated (None: unknown)
@@ -41,12 +47,12 @@ class Publish:
 class LinkMeter:
     """The head's link as its publishes show it (the module docstring); thread-safe (senders note, the loop reads)."""
 
-    def __init__(self, window_s: float = WINDOW_S) -> None:
-        self.window_s = window_s
+    def __init__(self, window_s: float = WINDOW_S, wire_codec: WireCodec = "auto") -> None:
+        self.window_s, self.wire_codec = window_s, wire_codec
         self._pubs: deque[Publish] = deque()
         self._lock = threading.Lock()
         self._in_flight: dict[int, int] = {}  # by loop: generations in flight
-        self._cost: tuple[float, float] = (0.0, float("-inf"))  # (draft_cost_ms, when computed): at most every 0.1 s
+        self._cost: tuple[float, Codec, float] = (0.0, pick_codec(wire_codec, None), float("-inf"))  # and when
 
     def note_publish(self, t0: float, t1: float, nbytes: int, rows: int) -> None:
         with self._lock:
@@ -87,18 +93,26 @@ class LinkMeter:
 
     def draft_cost_ms(self) -> float:
         """What one more draft row of every generation in flight adds to a round, on the wire (ms); 0 where the
-        bandwidth is not known (a link the head has not filled: as if unconstrained). Estimated at most every
-        0.1 s (every verdict asks)."""
-        cost, at = self._cost
+        bandwidth is not known (a link the head has not filled: as if unconstrained)."""
+        return self._now()[0]
+
+    def codec(self) -> Codec:
+        """How the next round's tensors go (the module docstring)."""
+        return self._now()[1]
+
+    def _now(self) -> tuple[float, Codec]:
+        """(draft_cost_ms, codec), estimated at most every 0.1 s (every verdict and round asks)."""
+        cost, codec, at = self._cost
         now = time.monotonic()
         if now - at < 0.1:
-            return cost
+            return cost, codec
         est = self.estimate()
         cost = 0.0
         if est.bandwidth is not None and est.row_bytes is not None:
             cost = 1000.0 * max(self.sessions, 1) * est.row_bytes / est.bandwidth
-        self._cost = (cost, now)
-        return cost
+        codec = pick_codec(self.wire_codec, est.bandwidth)
+        self._cost = (cost, codec, now)
+        return cost, codec
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class HeadRuntime:
         plan = GroupPlan(fixed=groups)
         self.batcher = Batcher(self.engine, plan, linger_s(self.shard, self.settings))
         self.beacons = Beacons(self.name, self.settings)
-        self.link = LinkMeter()
+        self.link = LinkMeter(wire_codec=self.settings.relay.wire_codec)
         self._loops: dict[int, tuple[redis.Redis, HeadLoop]] = {}
         self._loops_lock = threading.Lock()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from schemas.codec import Codec
 from schemas.groups import chunk_rounds, part_mac, seal_group
 from schemas.macs import seal
 from schemas.packets import MAC, RoundPacket, make_round, round_fields
@@ -35,6 +36,7 @@ class Outbound:
     tensors: dict[str, torch.Tensor]
     made: tuple[RoundPacket, bytes] | None = None
     header: dict | None = None
+    codec: Codec = "raw"  # how its tensors go, where its header is not made yet (a header made names its own)
     mac: Future[str] = field(default_factory=Future)
 
     def fields(self) -> dict[bytes, bytes]:
@@ -42,7 +44,7 @@ class Outbound:
         if self.made is not None:
             return round_fields(*self.made, self.tensors)
         assert self.header is not None
-        return make_round(self.header, self.tensors, self.key)[1]
+        return make_round(self.header, self.tensors, self.key, codec=self.codec)[1]
 
     @property
     def rows(self) -> int:

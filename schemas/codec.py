@@ -1,0 +1,196 @@
+"""Lossless codecs for a tensor's bytes on the wire, and the rule for when compressing pays.
+
+A tensor's `TensorMeta.codec` (schemas/tensors.py) names how its bytes travel:
+
+- `raw`: its little-endian bytes as they are (the default, and what every header that names no codec means).
+- `zstd-planes`: its bytes split into byte planes, each compressed with zstd (the `zstandard` library) where that
+  makes it smaller. For a tensor of n elements of s bytes (little-endian), plane i (i = 0 .. s-1) holds byte s-1-i
+  of every element: the most significant first, so for floats the plane of the sign and the exponent's high bits,
+  which compresses well (activations' exponents take few values), then the mantissa's planes, which compress
+  little. The stream is s lengths (uint32, little-endian), then the s stored planes back to back. A stored plane of
+  exactly n bytes is the plane as it is; a shorter one is one zstd frame that states its content size, n; any other
+  length is refused. Nothing else may follow. So a tensor never takes more than 4 bytes a plane beyond its raw
+  bytes (what sizes a long prompt's parts, workers/head/sealing.py `part_tokens`, stays true).
+
+**What the MAC covers.** A round's MAC (schemas/macs.py; in a group entry, its binding to the group's tensors,
+schemas/groups.py) covers its header, which names each tensor's dtype, shape and codec, and each tensor's bytes as
+sent: the compressed stream, not the tensor it decodes to. A tail checks it before any tensor is decoded
+(`round_tensors` runs only on an authentic entry), so a forged or altered entry costs no decompression; and
+`decode` never writes more than the header's n bytes a plane (the frame must state n before anything is
+decompressed; zstd then refuses a frame that holds more or less), so a key holder can make a tail decompress at
+most the bytes its header declares, within the tensor and packet caps (`round_tensors`).
+
+**What it saves, measured** (`python -m bench.codec`, docs/benchmarks.md "Lossless wire codec", 2026-12-07, this
+2-core CPU, one thread): SmolLM2-135M-Instruct's real hidden states entering layer 15 of 30, 8 prompts with 64
+greedy tokens each, cut into K = 8 rounds of 9 rows and re-cut to 9 rows of 3,584 (Qwen2.5-7B's width: 64.5 KB a
+round in bfloat16). No 7B runs on this CPU, and random-normal values are a poor stand-in for real activations, so
+the 7B shape holds SmolLM2's values. Bytes saved: bfloat16 1.44x (the sign-and-exponent plane 2.6x, the mantissa
+plane not at all), float16 1.15x (5 exponent bits), float32 1.18x. `RATIO`, `ENCODE_BYTES_PER_S` and
+`DECODE_BYTES_PER_S` are the bfloat16 9 x 3,584 figures (raw bytes a second, one core): what `worth_compressing`
+assumes unless told. On these rounds plain zstd 1 (no planes) saves 1.27x, every plane at zstd 1 1.43x at 0.7x
+this speed, every plane at zstd 3 1.40x at 0.4x, lz4 nothing, byte planes then lz4 1.14x (it has no entropy coder,
+which is what the exponents need).
+
+Levels: the most significant plane at zstd level 1 with a minimum match of 7 (`TOP`: level 1's own, 6, was slower
+for a slightly worse ratio; level 3 no smaller), the other planes at level -1 (the same bytes as level 1 on these
+planes, which gain only from zstd's entropy coding where they gain at all, in a fraction of the time). zstd lets go
+of the interpreter lock while it compresses or decompresses a plane.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Literal, get_args
+
+import numpy as np
+import zstandard
+
+from schemas.errors import PacketError
+from schemas.settings import WireCodec
+
+Codec = Literal["raw", "zstd-planes"]
+CODECS: tuple[Codec, ...] = get_args(Codec)
+Buffer = bytes | memoryview | np.ndarray  # a tensor's raw bytes: a uint8 array, or anything that holds them
+
+# The planes' zstd parameters (see the module docstring): the most significant plane, then every other.
+TOP = zstandard.ZstdCompressionParameters.from_level(1, min_match=7)
+REST_LEVEL = -1
+
+# Measured (module docstring): bfloat16 rows of 3,584 from SmolLM2's real hidden states, this 2-core CPU, one thread.
+RATIO = 1.44  # raw bytes / bytes sent
+ENCODE_BYTES_PER_S = 530e6  # raw bytes a second, head side (plane split + zstd): 122 us a 64.5 KB round
+DECODE_BYTES_PER_S = 1.26e9  # raw bytes a second, tail side (zstd + plane join): 51 us a 64.5 KB round
+LEGS = 2  # each byte crosses two links: head -> Redis, Redis -> tail
+
+_LEN = 4  # bytes of each plane's stored length
+_UINT = {1: np.uint8, 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_local = threading.local()  # zstd contexts are not thread-safe: one set per thread (a head sends on several)
+
+
+def _contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        ctx = _local.ctx = (
+            zstandard.ZstdCompressor(compression_params=TOP),
+            zstandard.ZstdCompressor(level=REST_LEVEL),
+            zstandard.ZstdDecompressor(),
+        )
+    return ctx
+
+
+def split_planes(raw: Buffer, itemsize: int) -> list[np.ndarray]:
+    """The byte planes of little-endian elements of `itemsize` bytes, most significant first (uint8 arrays)."""
+    u = np.frombuffer(raw, dtype=np.uint8)
+    if itemsize not in _UINT or u.size % itemsize:
+        raise PacketError(f"{u.size} bytes are no whole number of {itemsize}-byte elements")
+    u = u.view(_UINT[itemsize])
+    if itemsize == 1:
+        return [u]
+    return [(u >> (8 * (itemsize - 1 - i))).astype(np.uint8) for i in range(itemsize)]
+
+
+def join_planes(planes: list[np.ndarray], itemsize: int) -> np.ndarray:
+    """The elements' little-endian bytes (a writable uint8 array) from their planes, most significant first."""
+    if itemsize == 1:
+        return planes[0] if planes[0].flags.writeable else planes[0].copy()
+    out = planes[0].astype(_UINT[itemsize])
+    for p in planes[1:]:
+        out <<= 8
+        out |= p
+    return out.view(np.uint8)
+
+
+def encode(codec: Codec, raw: Buffer, itemsize: int) -> bytes:
+    """What goes on the wire for a tensor's raw little-endian bytes under `codec` (module docstring)."""
+    if codec == "raw":
+        return bytes(raw)
+    if codec != "zstd-planes":
+        raise PacketError(f"unknown tensor codec {codec!r}: this build knows {list(CODECS)}")
+    top, rest, _ = _contexts()
+    stored = []
+    for i, plane in enumerate(split_planes(raw, itemsize)):
+        packed = (top if i == 0 else rest).compress(plane)
+        stored.append(packed if len(packed) < len(plane) else plane.tobytes())
+    return b"".join(len(s).to_bytes(_LEN, "little") for s in stored) + b"".join(stored)
+
+
+def decode(codec: Codec, data: bytes | memoryview, nbytes: int, itemsize: int) -> np.ndarray:
+    """A tensor's raw bytes (exactly nbytes, its header's: a uint8 array, writable unless raw, which is a view of
+    `data`) from what came on the wire under `codec`; PacketError, before anything larger is allocated, for a stream
+    that is not what the format says (module docstring)."""
+    if codec == "raw":
+        if len(data) != nbytes:
+            raise PacketError(f"raw tensor bytes: {len(data)}, its header says {nbytes}")
+        return np.frombuffer(data, np.uint8)
+    if codec != "zstd-planes":
+        raise PacketError(f"unknown tensor codec {codec!r}: this build knows {list(CODECS)}")
+    if itemsize not in _UINT or nbytes % itemsize:
+        raise PacketError(f"{nbytes} bytes are no whole number of {itemsize}-byte elements")
+    n, view = nbytes // itemsize, memoryview(data)
+    head = _LEN * itemsize
+    if len(view) < head:
+        raise PacketError(f"zstd-planes stream of {len(view)} bytes is shorter than its {head}-byte table (truncated?)")
+    lengths = [int.from_bytes(view[i * _LEN : (i + 1) * _LEN], "little") for i in range(itemsize)]
+    if any(m > n for m in lengths) or head + sum(lengths) != len(view):
+        raise PacketError(
+            f"zstd-planes stream of {len(view)} bytes does not match its plane lengths {lengths} "
+            f"({itemsize} planes of {n} bytes at most)"
+        )
+    dctx, planes, at = _contexts()[2], [], head
+    for i, m in enumerate(lengths):
+        stored, at = view[at : at + m], at + m
+        planes.append(np.frombuffer(stored, np.uint8) if m == n else _inflate(dctx, stored, n, i))
+    return join_planes(planes, itemsize)
+
+
+def _inflate(dctx: zstandard.ZstdDecompressor, frame: memoryview, n: int, i: int) -> np.ndarray:
+    """Plane i from its zstd frame, which must state exactly n bytes (checked before anything is decompressed)."""
+    try:
+        size = zstandard.get_frame_parameters(frame).content_size
+        if size != n:  # unknown or another size: a bomb or a forgery is never decompressed
+            said = "no size" if size == zstandard.CONTENTSIZE_UNKNOWN else f"{size} bytes"
+            raise PacketError(f"zstd-planes plane {i} states {said}, not the {n} its header's shape holds")
+        out = dctx.decompress(frame, max_output_size=n, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise PacketError(f"zstd-planes plane {i} does not decompress: {e}") from None
+    if len(out) != n:  # zstd checks the stated size; this is only a second look
+        raise PacketError(f"zstd-planes plane {i} holds {len(out)} bytes, not {n}")
+    return np.frombuffer(out, np.uint8)
+
+
+def worth_compressing(
+    link_bytes_per_s: float | None,
+    ratio: float = RATIO,
+    encode_bytes_per_s: float = ENCODE_BYTES_PER_S,
+    decode_bytes_per_s: float = DECODE_BYTES_PER_S,
+    *,
+    legs: int = LEGS,
+) -> bool:
+    """Whether sending `zstd-planes` rather than `raw` makes a tensor arrive sooner over a link of
+    `link_bytes_per_s` (delivered bytes a second, each way; None: not measured, or no cap: False).
+
+    Per raw byte, compressing to 1/ratio saves (1 - 1/ratio) / link seconds on each of the `legs` links it crosses
+    (two: head -> Redis -> tail, Redis in the middle) and costs 1 / encode + 1 / decode seconds of CPU on the two
+    ends. It pays where
+
+        legs * (1 - 1/ratio) / link  >  1/encode + 1/decode.
+
+    Counted whole and serial, as one round alone meets them (nothing overlapped), so the rule errs towards raw.
+    With the measured defaults (ratio 1.44, 530 MB/s and 1.26 GB/s), the break-even link is about 230 MB/s
+    (1.8 Gbit/s): compress below it. At 200 Mbit/s (25 MB/s) a 64.5 KB bfloat16 round of a 7B model saves about
+    1.6 ms of wire time (0.8 ms a leg) for about 0.17 ms of codec time.
+    """
+    if link_bytes_per_s is None or link_bytes_per_s <= 0 or ratio <= 1:
+        return False
+    saved = legs * (1 - 1 / ratio) / link_bytes_per_s
+    return saved > 1 / encode_bytes_per_s + 1 / decode_bytes_per_s
+
+
+def pick_codec(setting: WireCodec, link_bytes_per_s: float | None) -> Codec:
+    """The codec a head sends under the `relay.wire_codec` setting: `none` raw, `zstd` zstd-planes, `auto`
+    zstd-planes only where `worth_compressing` says so for the link as measured (raw while it is not)."""
+    if setting == "zstd":
+        return "zstd-planes"
+    if setting == "auto" and worth_compressing(link_bytes_per_s):
+        return "zstd-planes"
+    return "raw"
