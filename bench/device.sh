@@ -22,7 +22,8 @@
 #   ab        code against code: the jobs part (NS 256) for the working tree and for a base commit's export,
 #             alternating on one machine (ORDER="new base new base"; "new:SHARDFLOW_X=1,SHARDFLOW_Y=2": that run's
 #             settings). Before the call: rm -rf .clean/base && mkdir -p .clean/base && git archive BASE | tar -x -C
-#             .clean/base, and carry .clean; BASE_LINK=PROFILE with BASE_LINK_ARGS="--delay-ms 43" runs a base from
+#             .clean/base, and carry .clean (NEW_DIR=.clean/new: an export of a commit as "new", not the working
+#             tree); BASE_LINK=PROFILE with BASE_LINK_ARGS="--delay-ms 43" runs a base from
 #             before bench/link.py through that profile
 #   stages    bench.stages on cuda:0 (STAGES_ARGS: its flags, e.g. "--b 16,128 --iters 10 --no-reference")
 #   qparity   bench.gpu_parity for each of QUANTS (4bit,int8; none) x DTYPES (float32; float16, bfloat16)
@@ -100,7 +101,7 @@ case "${part%%:*}" in
     for run in ${ORDER:-new base}; do
       i=$((i + 1)); name=${run%%:*}; envs=()
       [ "$run" != "$name" ] && IFS=',' read -ra envs <<< "${run#*:}"
-      dir=$ROOT; [ "$name" = base ] && dir=$ROOT/.clean/base
+      dir=${NEW_DIR:-$ROOT}; [ "$name" = base ] && dir=$ROOT/.clean/base  # NEW_DIR: a commit's export as "new"
       # the base's own modules first: `python -m` puts its directory (the cwd) first, PYTHONPATH the wheels after;
       # a base from before bench/link.py (BASE_LINK_ARGS, e.g. "--delay-ms 43") gets its own link flags
       la=${LINK_ARGS:-}; [ "$name" = base ] && la=${BASE_LINK_ARGS:-$la}
