@@ -12,7 +12,8 @@ forward. The split maximises the jobs the pair can hold in flight (the fewer of 
 slots): layers go where memory is left, as the auto-partitioner of ShardFlow v2.1 (the public
 split-inference system this project is measured against) gives layers in proportion to memory. Row costs
 are estimated here (workers measure theirs at start), so slot counts are estimates; weights are exact for
-the layouts `load_shard` loads.
+the layouts `load_shard` loads. `Costs` counts a device's share (layers, embedding, LM head, drafter) as
+`worker_needs` does; the plan for a head, middle stages and a tail uses it too (workers/engine/plan_stages.py).
 """
 
 from __future__ import annotations
@@ -263,6 +264,87 @@ def fit(ws: list[WorkerPlan], cfg: Settings, full_len: int, slot: list[Cost], kv
     return ws
 
 
+@dataclass(frozen=True)
+class Piece:
+    """What one device of a worker holds: weights, what a slot of n positions costs there (with its rows of a
+    forward) and its keys/values alone, the workspace it keeps free; `parts`: the weights by model."""
+
+    layers: tuple[int, int]
+    weights: int
+    slot: Cost
+    kv: Cost
+    workspace: int
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+class Costs:
+    """A model's (and its drafter's) costs on a worker's device, as workers count them at start
+    (`worker_needs`): `piece` for layers [a, b) with the embedding / norm + LM head / the drafter, `fit` for the
+    slots that pieces' budgets hold. `plan_split` and the N-stage plan (workers/engine/plan_stages.py) both use it."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype,
+        quant: str,
+        draft: PretrainedConfig | None,
+        draft_quant: str,
+        settings: Settings,
+    ) -> None:
+        cfg = self.settings = settings
+        self.shape, self.size = model_shape(config, dtype, quant), torch.empty((), dtype=dtype).element_size()
+        self.full_len = min(cfg.engine.max_len, getattr(config, "max_position_embeddings", None) or cfg.engine.max_len)
+        self.k, self.slack = cfg.engine.graph_k, cfg.engine.window_slack
+        self.workspace = workspace_bytes(config, self.size, cfg) + self.shape.experts_scratch
+        self.dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
+        self.draft_workspace = (
+            workspace_bytes(draft, self.size, cfg) + self.dshape.experts_scratch if self.dshape is not None else 0
+        )
+
+    def slots(self, sh: ModelShape, layers: tuple[int, int], tokens: int, logits: bool, scratch: int = 0) -> Cost:
+        size, slack = self.size, self.slack
+        return lambda p: slot_bytes(sh, layers, p, tokens, logits, size, scratch, slack)
+
+    def kv(self, sh: ModelShape, layers: tuple[int, int], scratch: int) -> Cost:
+        slack = self.slack
+        return lambda p: kv_bytes(sh, layers, p, scratch, slack)
+
+    def drafter(self) -> Piece:
+        """The draft model: a slot, and a whole draft's copy of its rows' keys and values
+        (`sizing.engine_slot_cost`); an empty piece without one."""
+        if self.dshape is None:
+            return Piece((0, 0), 0, lambda _: 0, lambda _: 0, 0)
+        d, k, layers = self.dshape, self.k, (0, self.dshape.layers)
+        weights = shard_weights(d, layers, embed=True, head=True)
+        copy = self.kv(d, layers, 2 + k)
+        slot = self.slots(d, layers, 2, True, 2 + k)
+        return Piece(layers, weights, lambda p: slot(p) + copy(p), copy, self.draft_workspace)
+
+    def piece(self, layers: tuple[int, int], *, embed: bool, head: bool, draft: bool = False) -> Piece:
+        """Layers [a, b) of the target, with its embedding (`embed`), its norm + LM head (`head`, whose slots'
+        rows carry logits), and the drafter beside them (`draft`: a head's, on its device)."""
+        sh, k = self.shape, self.k
+        weights = shard_weights(sh, layers, embed=embed, head=head)
+        own = Piece(layers, weights, self.slots(sh, layers, k + 1, head), self.kv(sh, layers, k + 1), self.workspace)
+        if not draft:
+            return own
+        d = self.drafter()
+        return Piece(
+            layers,
+            own.weights + d.weights,
+            lambda p: own.slot(p) + d.slot(p),
+            lambda p: own.kv(p) + d.kv(p),
+            max(own.workspace, d.workspace),
+            {"layers": own.weights, "draft": d.weights},
+        )
+
+    def fit(self, placed: list[tuple[str, int, Piece]]) -> list[WorkerPlan]:
+        """Pieces on budgets (role, bytes, piece), sized together as one worker's devices (`fit`)."""
+        ws = [WorkerPlan(r, b, p.layers, p.weights, workspace=p.workspace, parts=dict(p.parts)) for r, b, p in placed]
+        pieces = [p for _, _, p in placed]
+        return fit(ws, self.settings, self.full_len, [p.slot for p in pieces], [p.kv for p in pieces])
+
+
 def plan_split(
     config: PretrainedConfig,
     gpus: list[int],
@@ -280,54 +362,25 @@ def plan_split(
     if len(gpus) not in (2, 3):
         raise ModelLoadError("a plan needs 2 GPUs (head, tail) or 3 (head, tail, the head's drafter)")
     cfg = settings or Settings()
-    shape, size = model_shape(config, dtype, quant), torch.empty((), dtype=dtype).element_size()
-    full_len = min(cfg.engine.max_len, getattr(config, "max_position_embeddings", None) or cfg.engine.max_len)
-    k, n = cfg.engine.graph_k, shape.layers
+    costs = Costs(config, dtype, quant, draft, draft_quant, cfg)
+    n = costs.shape.layers
     if n < 2:
         raise ModelLoadError(f"a model of {n} layer cannot be split between a head and a tail")
-    slack = cfg.engine.window_slack
-
-    def slots(sh: ModelShape, layers: tuple[int, int], tokens: int, logits: bool, scratch: int = 0) -> Cost:
-        return lambda p: slot_bytes(sh, layers, p, tokens, logits, size, scratch, slack)
-
-    def kv(sh: ModelShape | None, layers: tuple[int, int], scratch: int) -> Cost:
-        return lambda p: kv_bytes(sh, layers, p, scratch, slack) if sh is not None else 0
-
-    def plus(a: Cost, b: Cost) -> Cost:
-        return lambda p: a(p) + b(p)
-
-    dshape = model_shape(draft, dtype, draft_quant) if draft is not None else None
-    ws = workspace_bytes(config, size, cfg) + shape.experts_scratch
-    dws = workspace_bytes(draft, size, cfg) + dshape.experts_scratch if dshape is not None else 0
-    dweights = shard_weights(dshape, (0, dshape.layers), embed=True, head=True) if dshape else 0
-    dlayers = (0, dshape.layers if dshape else 0)
-    dslot, dkv = kv(None, dlayers, 0), kv(dshape, dlayers, 2 + k)
-    if dshape is not None:  # a slot, and a whole draft's copy of its rows' keys and values (`sizing.engine_slot_cost`)
-        dslot = plus(slots(dshape, dlayers, 2, True, 2 + k), kv(dshape, dlayers, 2 + k))
 
     def workers(s: int) -> list[WorkerPlan]:
-        hw, hslot, hkv = (
-            shard_weights(shape, (0, s), embed=True, head=False),
-            slots(shape, (0, s), k + 1, False),
-            kv(shape, (0, s), k + 1),
-        )
-        tw, tslot = shard_weights(shape, (s, n), embed=False, head=True), slots(shape, (s, n), k + 1, True)
-        if len(gpus) == 2 or dshape is None:  # the drafter beside the head's layers
-            head = WorkerPlan("head", gpus[0], (0, s), hw + dweights, workspace=max(ws, dws))
-            head.parts = {"layers": hw, "draft": dweights}
-            out = fit([head], cfg, full_len, [plus(hslot, dslot)], [plus(hkv, dkv)])
+        tail = costs.piece((s, n), embed=False, head=True)
+        if len(gpus) == 2 or costs.dshape is None:  # the drafter beside the head's layers
+            out = costs.fit([("head", gpus[0], costs.piece((0, s), embed=True, head=False, draft=True))])
         else:  # the drafter on a GPU of its own: as many slots as both hold (`head.runtime._joint_slots`)
-            head = WorkerPlan("head", gpus[0], (0, s), hw, workspace=ws)
-            d = WorkerPlan("draft", gpus[2], dlayers, dweights, workspace=dws)
-            out = fit([head, d], cfg, full_len, [hslot, dslot], [hkv, dkv])
-        tail = WorkerPlan("tail", gpus[1], (s, n), tw, workspace=ws)
-        return [*out, *fit([tail], cfg, full_len, [tslot], [kv(shape, (s, n), k + 1)])]
+            own = costs.piece((0, s), embed=True, head=False)
+            out = costs.fit([("head", gpus[0], own), ("draft", gpus[2], costs.drafter())])
+        return [*out, *costs.fit([("tail", gpus[1], tail)])]
 
     if split is not None and not 0 < split < n:
         raise ModelLoadError(f"a split at layer {split} leaves a worker without layers (the model has {n})")
     cuts = plan_cuts(config, split)  # each, but where it parts a Gemma 4 shared layer from its source (refused)
     best = split or max(cuts, key=lambda s: (min(w.slots for w in workers(s)), -abs(n - 2 * s)))
-    return Plan(name, str(dtype).removeprefix("torch."), quant, full_len, workers(best))
+    return Plan(name, str(dtype).removeprefix("torch."), quant, costs.full_len, workers(best))
 
 
 def enforce_budget(device: torch.device, settings: Settings) -> None:
