@@ -2,12 +2,16 @@
 an emulated link between each worker and Redis (bench/link.py: bandwidth, delay, jitter, stalls; by default the
 86 ms WAN to the head only), and batches of N jobs enqueued through the producer `Client`; for each N the aggregate
 and per-job tokens/s, job latency, time to first token, the bytes each way per committed token through each link,
-worker memory and (with --check) greedy outputs against Hugging Face `generate`.
+worker memory and (with --check) greedy outputs against Hugging Face `generate`: how many part from it, and at which
+token each first differs (the table's mismatches column; `first_diff_at` in jobs.json), which is what a lossy wire
+(`--head-args "--wire fp8"`) is to be judged by.
 
     # CPU: tiny random model, n-gram drafter, outputs checked against HF generate
     python -m bench.jobs --tiny --n 1,4,8 --new-tokens 32 --prompt-tokens 32 --check --out /tmp/jobs_tiny
     # SmolLM2-135M-Instruct as the demo runs it (n-gram drafter)
     python -m bench.jobs --smollm --n 1,8 --new-tokens 32 --out /tmp/jobs_smollm
+    # the same with 8-bit rows on the wire (lossy): lossless and fp8 heads, outputs checked against HF generate
+    python -m bench.jobs --smollm --n 8 --new-tokens 64 --check --variant lossless= --variant "fp8=--wire fp8"
     # any checkpoint; several worker configurations one after another; two notebooks' link, head and tail alike
     python -m bench.jobs --target DIR --split 14 [--draft DIR] --link notebooks --tail-link notebooks \\
         --variant default= --variant "c16=--concurrency 16" --variant "c16s32=--concurrency 16 | --slots 32"
@@ -55,6 +59,7 @@ from bench.jobs_report import (
     FirstTokens,
     git_state,
     memory_parts,
+    parts_at,
     per_token,
     process_memory_gb,
     summarize,
@@ -290,7 +295,7 @@ def measure(
     say(
         f"variant {name}: N={n}: {row['aggregate_tokens_per_s']} tok/s aggregate, per-job p50 "
         f"{row['per_job_tokens_per_s']['p50']} tok/s, latency p50/p95 {lat['p50']}/{lat['p95']} s, TTFT p50/p95 "
-        f"{ttft['p50']}/{ttft['p95']} s, mismatches {row['mismatches']} (ties {row.get('ties', 0)}), "
+        f"{ttft['p50']}/{ttft['p95']} s, mismatches {row['mismatches']}{parts_at(row)} (ties {row.get('ties', 0)}), "
         f"not finished {len(row['failed'])}; GPU mean / share >= 50%: {gpu_use}"
         + (f" ({use.result['gpu']['note']})" if use.result["gpu"]["note"] else "")
         + f"; max threads head / tail {threads}"

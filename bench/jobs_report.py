@@ -210,6 +210,7 @@ def summarize(run: BatchRun, refs: list[list[int]] | None) -> dict:
                 bad.append({"index": v.index, "first_diff_at": at, "got_len": len(got), "want_len": len(want)})
         row["checked"] = len(done)
         row["mismatches"], row["ties"], row["tie_ulps_max"] = len(bad), len(tied), max(tied, default=None)
+        row["first_diff_at"] = sorted(d["first_diff_at"] for d in bad)  # where each mismatch parts, every one
         row["mismatch_detail"] = bad[:20]
     else:
         row["checked"], row["mismatches"], row["ties"] = 0, None, 0
@@ -286,6 +287,18 @@ def _stages(x: dict) -> str:  # draft / head / relay (send, tail prepare, back) 
     return " / ".join(out)
 
 
+def parts_at(x: dict) -> str:
+    """Where a row's mismatches part from their references: the first differing token of the earliest, the median
+    and the latest (" from token A, median M, last L"), or of each where there are at most three; "" without any.
+    (A row of N=1 jobs one at a time keeps the first 20 mismatches' tokens only.)"""
+    at = x.get("first_diff_at") or sorted(d["first_diff_at"] for d in x.get("mismatch_detail", []))
+    if not at:
+        return ""
+    if len(at) <= 3:
+        return " at token " + ", ".join(str(a) for a in at)
+    return f" from token {at[0]}, median {at[len(at) // 2]}, last {at[-1]}"
+
+
 def markdown(rows: list[dict], seeds: str | None = None) -> str:
     """The report's table: one line per (variant, N); `seeds` (what the jobs' seeds were) above it."""
     lines = [f"{seeds}", ""] if seeds else []
@@ -298,7 +311,7 @@ def markdown(rows: list[dict], seeds: str | None = None) -> str:
     ]
     for x in rows:
         lat, ttft, mem = x["latency_s"], x["ttft_s"], x.get("memory_gb", {})
-        mism = "—" if x["mismatches"] is None else f"{x['mismatches']}/{x['checked']}"
+        mism = "—" if x["mismatches"] is None else f"{x['mismatches']}/{x['checked']}" + parts_at(x)
         mism += f" ({x['ties']} at a tie, ≤ {x['tie_ulps_max']:.0f} ulps)" if x.get("ties") else ""
         n, jobs = x.get("n_label", x["n"]), x.get("one_at_a_time", x["n"])  # N=1: maybe jobs one at a time
         gpu, threads = brief(x.get("usage"))

@@ -1,6 +1,6 @@
 """`shardflow`: the command line of ShardFlow.
 
-Workers:   shardflow tail | head                  (producer/cli_workers.py)
+Workers:   shardflow tail | stage | head          (producer/cli_workers.py)
 Jobs:      shardflow enqueue | status | results | retry | cancel | info   (producer/cli_jobs.py)
 Operators: shardflow dead-letters | redis         (producer/cli_admin.py)
 One-shot:  shardflow generate | local | demo
@@ -58,6 +58,7 @@ COMMANDS: tuple[click.Command, ...] = (
     cli_admin.redis,
     cli_doctor.doctor,
     cli_workers.tail,
+    cli_workers.stage,
     cli_workers.head,
     cli_workers.generate,
     cli_workers.local,

@@ -159,7 +159,7 @@ def _recommendations(shape: Shape, plan: Plan, k_default: int) -> list[tuple[str
     groups = f"{plan.groups} for {shape.jobs} jobs (shardflow head --groups {plan.groups}; by default it picks them)"
     wire = f"{shape.dtype}, lossless"
     if plan.rate_fp8 is not None and plan.rate_fp8 > 1.1 * plan.rate_jobs:
-        wire += f" (8-bit rows would predict {plan.rate_fp8:,.0f} tok/s: opt-in, lossy)"
+        wire += f" (8-bit rows would predict {plan.rate_fp8:,.0f} tok/s: opt-in, lossy: shardflow head --wire fp8)"
     link = mbit(plan.bandwidth_Bps) if plan.bandwidth_Bps else "no cap measured"
     if plan.compress:
         compression = (

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 import click
 
@@ -70,89 +71,114 @@ worker_target_opt = click.option(
 )
 
 
+def _shard_worker_options(role: str, layers_help: str, layers_env: str) -> Callable[[Callable], Callable]:
+    """The options of a worker that serves a range of layers from Redis streams: a tail's, a middle stage's."""
+
+    def wrap(f: Callable) -> Callable:
+        for opt in reversed(
+            [
+                worker_target_opt,
+                layers_option(layers_help, envvar=layers_env),
+                click.option("--name", default=None, help=f"{role.capitalize()} id (default: host-pid-random)."),
+                click.option(
+                    "--max-sessions",
+                    type=click.IntRange(1),
+                    default=None,
+                    help=f"KV caches kept [default: {RELAY.max_sessions}].",
+                ),
+                click.option(
+                    "--session-ttl",
+                    type=click.FloatRange(0, min_open=True),
+                    default=None,
+                    help=f"Idle seconds before a session is dropped [default: {RELAY.session_ttl_s:g}].",
+                ),
+                click.option(
+                    "--max-packet-bytes",
+                    type=click.IntRange(1),
+                    default=None,
+                    help=f"Largest packet accepted [default: {RELAY.max_packet_bytes}].",
+                ),
+                redis_opt,
+                prefix_opt,
+                device_opt,
+                dtype_opt,
+                quant_opt,
+                threads_opt,
+                engine_options,
+                plugins_opt,
+            ]
+        ):
+            f = opt(f)
+        return f
+
+    return wrap
+
+
 @click.command()
-@worker_target_opt
-@layers_option("Layers A:B this tail runs (B = the model's last).", envvar="SHARDFLOW_TAIL_LAYERS")
-@click.option("--name", default=None, help="Tail id (default: host-pid-random).")
-@click.option(
-    "--max-sessions", type=click.IntRange(1), default=None, help=f"KV caches kept [default: {RELAY.max_sessions}]."
-)
-@click.option(
-    "--session-ttl",
-    type=click.FloatRange(0, min_open=True),
-    default=None,
-    help=f"Idle seconds before a session is dropped [default: {RELAY.session_ttl_s:g}].",
-)
-@click.option(
-    "--max-packet-bytes",
-    type=click.IntRange(1),
-    default=None,
-    help=f"Largest packet accepted [default: {RELAY.max_packet_bytes}].",
-)
-@redis_opt
-@prefix_opt
-@device_opt
-@dtype_opt
-@quant_opt
-@threads_opt
-@engine_options
-@plugins_opt
-def tail(
-    target: str,
-    layers: tuple[int, int],
-    name: str | None,
-    max_sessions: int | None,
-    session_ttl: float | None,
-    max_packet_bytes: int | None,
-    redis_url: str,
-    prefix: str,
-    device: str | None,
-    dtype: str | None,
-    quant: str | None,
-    threads: int | None,
-    static: bool | None,
-    graphs: bool | None,
-    slots: int | None,
-    max_len: int | None,
-    gpu_memory: float | None,
-    plugins: tuple[str, ...],
-) -> None:
+@_shard_worker_options("tail", "Layers A:B this tail runs (B = the model's last).", "SHARDFLOW_TAIL_LAYERS")
+def tail(**options: object) -> None:
     """Start a tail worker: upper layers + final norm + LM head; verifies drafts."""
+    _serve_layers("tail", options)
+
+
+@click.command()
+@_shard_worker_options(
+    "stage", "Layers A:B this middle stage runs (0 < A < B < the model's last).", "SHARDFLOW_STAGE_LAYERS"
+)
+def stage(**options: object) -> None:
+    """Start a middle stage: layers A:B between a head and a tail (more than two machines); passes each round on."""
+    _serve_layers("stage", options)
+
+
+def _serve_layers(role: str, o: dict) -> None:
+    """Load a tail's or a middle stage's shard and serve it until SIGTERM (the options: `_shard_worker_options`)."""
     from relay_broker.connection import connect
     from workers.engine.preflight import preflight_tail
     from workers.engine.runner import Engine
+    from workers.stage.server import StageWorker
     from workers.tail.server import TailWorker
 
-    settings = worker_settings(
-        redis={"url": redis_url, "prefix": prefix},
-        relay={"max_sessions": max_sessions, "session_ttl_s": session_ttl, "max_packet_bytes": max_packet_bytes},
-        engine=dict(max_len=max_len, slots=slots, gpu_memory=gpu_memory, static=static, graphs=graphs)
-        | dict(device=device, dtype=dtype, quant=quant, threads=threads),
-    )
-    registry = run_guarded(lambda: load_worker_plugins(plugins))
+    layers, redis_url, prefix = o["layers"], o["redis_url"], o["prefix"]
+    relay = {
+        "max_sessions": o["max_sessions"],
+        "session_ttl_s": o["session_ttl"],
+        "max_packet_bytes": o["max_packet_bytes"],
+    }
+    engine = {
+        k: o[k] for k in ("max_len", "slots", "gpu_memory", "static", "graphs", "device", "dtype", "quant", "threads")
+    }
+    settings = worker_settings(redis={"url": redis_url, "prefix": prefix}, relay=relay, engine=engine)
+    registry = run_guarded(lambda: load_worker_plugins(o["plugins"]))
     torch_setup(settings)
-    run_guarded(lambda: preflight_tail(registry, target, layers, settings))
-    shard = registry.load_for(target, layers, settings.engine, embed=False, head=True)
-    if layers[1] != shard.config.num_hidden_layers:
-        raise click.BadParameter(f"a tail must end at the last layer ({shard.config.num_hidden_layers})")
+    last = role == "tail"
+    run_guarded(lambda: preflight_tail(registry, o["target"], layers, settings))
+    shard = registry.load_for(o["target"], layers, settings.engine, embed=False, head=last)
+    n = shard.config.num_hidden_layers
+    if last and layers[1] != n:
+        raise click.BadParameter(f"a tail must end at the last layer ({n})")
+    if not last and not 0 < layers[0] < layers[1] < n:
+        raise click.BadParameter(f"a middle stage runs layers A:B with 0 < A < B < {n}")
+    cls = TailWorker if last else StageWorker
     worker = run_guarded(
-        lambda: TailWorker(
+        lambda: cls(
             shard,
             connect(redis_url, settings=settings),
             names=Keys(prefix),
-            tail_id=name,
+            tail_id=o["name"],
             settings=settings,
-            engine=Engine(shard, settings, label="tail"),
+            engine=Engine(shard, settings, label=role),
         )
     )
+    if isinstance(worker, StageWorker):
+        worker.announce()
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
     memory = Engine.memory_note([worker.engine])
-    click.echo(f"tail {worker.tail_id} ready (layers {layers[0]}:{layers[1]}; memory: {memory})", err=True)
+    click.echo(f"{role} {worker.tail_id} ready (layers {layers[0]}:{layers[1]}; memory: {memory})", err=True)
     try:
         worker.serve()
     except KeyboardInterrupt:
         pass
-    click.echo(f"tail {worker.tail_id} stopped", err=True)
+    click.echo(f"{role} {worker.tail_id} stopped", err=True)
     _exit_now()
 
 
@@ -195,6 +221,14 @@ def _exit_now() -> None:
     help="Groups the generations in flight run in, their rounds interleaved (default: on CUDA picked from "
     "measured compute and link times, up to 4; one on a CPU).",
 )
+@click.option(
+    "--wire",
+    type=click.Choice(["lossless", "fp8", "int8"]),
+    default=None,
+    help="Precision of the hidden rows sent to tails (SHARDFLOW_RELAY__WIRE; default lossless). fp8 (a scale per "
+    "row) and int8 (a scale per 64 values) about halve a bfloat16 round's bytes and are LOSSY: greedy output may "
+    "part from the unsplit model's. For slow links (`shardflow doctor` says when it would pay).",
+)
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
 @connection_options
 @device_opt
@@ -212,6 +246,7 @@ def head(
     burst: bool,
     concurrency: int | None,
     groups: int | None,
+    wire: str | None,
     name: str | None,
     config: CliConfig,
     device: str | None,
@@ -239,7 +274,7 @@ def head(
     if layers[0] != 0:
         raise click.BadParameter("a head starts at layer 0")
     config = config.with_flags(
-        relay={"head_groups": groups},
+        relay={"head_groups": groups, "wire": wire},
         engine=dict(slots=slots, max_len=max_len, gpu_memory=gpu_memory, static=static, graphs=graphs)
         | dict(compile_draft=compile_draft or None)
         | dict(device=device, draft_device=draft_device, dtype=dtype, quant=quant, draft_quant=draft_quant)

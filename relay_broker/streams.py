@@ -48,10 +48,12 @@ def publish_many(
 
 class Reply(NamedTuple):
     """A reply for a head's reply stream (`reply:head.NAME.BOOT[.EPOCH]`), where it reads every one of its sessions'
-    replies (the stream is the head's to make and keep: workers/head/beacon.py)."""
+    replies (the stream is the head's to make and keep: workers/head/beacon.py); or, `onward`, a round a middle
+    stage passes on to its next hop's request stream (workers/stage/server.py), never merged with others."""
 
     stream: str
     fields: dict
+    onward: bool = False
 
 
 def merge_replies(done: list[tuple[bytes | str, bytes, Reply | None]]) -> list[tuple[bytes | str, bytes, Reply | None]]:

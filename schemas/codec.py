@@ -1,4 +1,4 @@
-"""Lossless codecs for a tensor's bytes on the wire, and the rule for when compressing pays.
+"""Codecs for a tensor's bytes on the wire: lossless ones, the rule for when compressing pays, and opt-in 8-bit ones.
 
 A tensor's `TensorMeta.codec` (schemas/tensors.py) names how its bytes travel:
 
@@ -35,21 +35,54 @@ Levels: the most significant plane at zstd level 1 with a minimum match of 7 (`T
 for a slightly worse ratio; level 3 no smaller), the other planes at level -1 (the same bytes as level 1 on these
 planes, which gain only from zstd's entropy coding where they gain at all, in a fraction of the time). zstd lets go
 of the interpreter lock while it compresses or decompresses a plane.
+
+**8-bit rows, lossy and opt-in** (`relay.wire`: `fp8` or `int8`; never the default). Only a round's hidden rows go
+this way (its q tensors stay lossless: `RoundPacket` refuses a lossy codec on any other tensor), as `hidden_codec`
+names it from the setting and the lossless codec picked for the link. A floating tensor of shape [..., w] is r rows
+of w values (r: the product of the other dimensions; a 0-d tensor one row of one), each row cut into blocks of
+`BLOCK[codec]` values (the last one shorter; `fp8-rows`: the whole row is one block), b blocks a row:
+
+- `fp8-rows`: one scale a row, its absolute maximum / 448, and each value / its scale as float8 e4m3 (e4m3fn: 3
+  mantissa bits, largest 448; a value is off by at most 2^-4 of itself, or 2^-10 of its scale below 2^-6 of it);
+- `int8-blocks`: one scale every 64 values of a row, the block's absolute maximum / 127, and each value / its scale
+  rounded to an int8 in [-127, 127] (off by at most half its block's scale: absmax / 254).
+
+The stream is the r x b scales (float32, little-endian, row by row: finite and not negative, else refused), then
+the r x w codes (one byte each, row by row). Under `-zstd` (`fp8-rows-zstd`, `int8-blocks-zstd`: where the lossless
+codec picked for the link is `zstd-planes`) the codes are one zstd frame that states their size (`TOP`'s
+parameters; the scales stay as they are), or as they are where that frame would not be smaller. So a stream is
+exactly 4 r b + r w bytes, or, under `-zstd`, 4 r b bytes and a frame shorter than r w that states r w: anything
+else is refused before anything is decompressed, and a tail decodes rows whose dequantized values are all finite
+in the header's dtype, or refuses them. A tail decodes to the header's dtype
+(the model's): each code times its scale in float32, then rounded to it. A tail with `relay.accept_lossy_wire`
+false answers such a round with an error (workers/tail/server.py); a tail of a build before these codecs refuses
+its header ("tensors.hidden.codec: Input should be 'raw' or 'zstd-planes'": a dead letter, and no answer).
+
+What they cost, measured: see `LOSSY_MEASURED` below and docs/benchmarks.md "8-bit wire".
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Literal, get_args
 
 import numpy as np
+import torch
 import zstandard
 
 from schemas.errors import PacketError
-from schemas.settings import WireCodec
+from schemas.settings import Wire, WireCodec
 
-Codec = Literal["raw", "zstd-planes"]
+Codec = Literal["raw", "zstd-planes"]  # lossless
 CODECS: tuple[Codec, ...] = get_args(Codec)
+Lossy = Literal["fp8-rows", "fp8-rows-zstd", "int8-blocks", "int8-blocks-zstd"]  # 8-bit codes and their scales
+LOSSY: tuple[Lossy, ...] = get_args(Lossy)
+TensorCodec = Literal[Codec, Lossy]  # what a tensor's meta may name
+LOSSY_BASE: dict[Wire, Lossy] = {"fp8": "fp8-rows", "int8": "int8-blocks"}  # `relay.wire` -> its codec
+BLOCK: dict[str, int | None] = {"fp8-rows": None, "int8-blocks": 64}  # values a scale covers (None: a whole row)
+QMAX = {"fp8-rows": 448.0, "int8-blocks": 127.0}  # the largest code: a block's absolute maximum maps to it
+_SCALE = 4  # bytes of a scale (float32)
 Buffer = bytes | memoryview | np.ndarray  # a tensor's raw bytes: a uint8 array, or anything that holds them
 
 # The planes' zstd parameters (see the module docstring): the most significant plane, then every other.
@@ -139,22 +172,25 @@ def decode(codec: Codec, data: bytes | memoryview, nbytes: int, itemsize: int) -
     dctx, planes, at = _contexts()[2], [], head
     for i, m in enumerate(lengths):
         stored, at = view[at : at + m], at + m
-        planes.append(np.frombuffer(stored, np.uint8) if m == n else _inflate(dctx, stored, n, i))
+        planes.append(
+            np.frombuffer(stored, np.uint8) if m == n else _inflate(dctx, stored, n, f"zstd-planes plane {i}")
+        )
     return join_planes(planes, itemsize)
 
 
-def _inflate(dctx: zstandard.ZstdDecompressor, frame: memoryview, n: int, i: int) -> np.ndarray:
-    """Plane i from its zstd frame, which must state exactly n bytes (checked before anything is decompressed)."""
+def _inflate(dctx: zstandard.ZstdDecompressor, frame: memoryview, n: int, what: str) -> np.ndarray:
+    """`what` (a stream's plane, or its codes: named so in errors) from its zstd frame, which must state exactly n
+    bytes (checked before anything is decompressed)."""
     try:
         size = zstandard.get_frame_parameters(frame).content_size
         if size != n:  # unknown or another size: a bomb or a forgery is never decompressed
             said = "no size" if size == zstandard.CONTENTSIZE_UNKNOWN else f"{size} bytes"
-            raise PacketError(f"zstd-planes plane {i} states {said}, not the {n} its header's shape holds")
+            raise PacketError(f"{what} states {said}, not the {n} its header's shape holds")
         out = dctx.decompress(frame, max_output_size=n, allow_extra_data=False)
     except zstandard.ZstdError as e:
-        raise PacketError(f"zstd-planes plane {i} does not decompress: {e}") from None
+        raise PacketError(f"{what} does not decompress: {e}") from None
     if len(out) != n:  # zstd checks the stated size; this is only a second look
-        raise PacketError(f"zstd-planes plane {i} holds {len(out)} bytes, not {n}")
+        raise PacketError(f"{what} holds {len(out)} bytes, not {n}")
     return np.frombuffer(out, np.uint8)
 
 
@@ -187,10 +223,114 @@ def worth_compressing(
 
 
 def pick_codec(setting: WireCodec, link_bytes_per_s: float | None) -> Codec:
-    """The codec a head sends under the `relay.wire_codec` setting: `none` raw, `zstd` zstd-planes, `auto`
-    zstd-planes only where `worth_compressing` says so for the link as measured (raw while it is not)."""
+    """The lossless codec a head sends under the `relay.wire_codec` setting: `none` raw, `zstd` zstd-planes, `auto`
+    zstd-planes only where `worth_compressing` says so for the link as measured (raw while it is not). Every
+    tensor of a round goes this way, its hidden rows too unless `relay.wire` says otherwise (`hidden_codec`)."""
     if setting == "zstd":
         return "zstd-planes"
     if setting == "auto" and worth_compressing(link_bytes_per_s):
         return "zstd-planes"
     return "raw"
+
+
+def hidden_codec(wire: Wire, lossless: Codec) -> TensorCodec:
+    """The codec of a round's hidden rows under the `relay.wire` setting, given the lossless codec picked for the
+    link (`pick_codec`): that one where `wire` is lossless (the default); else the setting's 8-bit codec, its
+    codes zstd'd where the lossless codec is zstd-planes (the module docstring)."""
+    if wire == "lossless":
+        return lossless
+    base = LOSSY_BASE[wire]
+    return f"{base}-zstd" if lossless == "zstd-planes" else base  # type: ignore[return-value]
+
+
+def is_lossy(codec: str) -> bool:
+    """Whether tensors sent under `codec` arrive other than they were sent (8-bit rows)."""
+    return codec in LOSSY
+
+
+def _base(codec: Lossy) -> str:
+    return codec.removesuffix("-zstd")
+
+
+def _layout(codec: Lossy, shape: list[int] | tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(rows, values a row, blocks a row, values a block) of a tensor of `shape` under a lossy codec."""
+    width = int(shape[-1]) if len(shape) else 1
+    rows = math.prod(shape[:-1]) if len(shape) else 1
+    block = BLOCK[_base(codec)] or width
+    return rows, width, -(-width // block) if width else 0, block
+
+
+def lossy_nbytes(codec: Lossy, shape: list[int] | tuple[int, ...]) -> int:
+    """The bytes of a tensor of `shape` under a lossy codec, its codes uncompressed: scales and codes."""
+    rows, width, blocks, _ = _layout(codec, shape)
+    return rows * (blocks * _SCALE + width)
+
+
+def quantize(codec: Lossy, t: torch.Tensor) -> bytes:
+    """What goes on the wire for a floating tensor under a lossy codec (the module docstring); PacketError for a
+    tensor that is not floating or holds a value that is not finite (no scale could hold it)."""
+    if codec not in LOSSY:
+        raise PacketError(f"{codec!r} is no 8-bit codec: this build knows {list(LOSSY)}")
+    if not t.is_floating_point():
+        raise PacketError(f"{codec} sends floating tensors only, not {t.dtype}")
+    rows, width, blocks, block = _layout(codec, tuple(t.shape))
+    if rows * width == 0:
+        return b""
+    x = t.detach().reshape(rows, width).to(torch.float32)  # quantized where it is (a GPU's rows too), then copied
+    if blocks * block != width:
+        x = torch.nn.functional.pad(x, (0, blocks * block - width))
+    x = x.view(rows, blocks, block)
+    qmax = QMAX[_base(codec)]
+    scales = x.abs().amax(-1) / qmax  # [rows, blocks]; 0 for a block of zeros, NaN or inf for one that is not finite
+    if not bool(torch.isfinite(scales).all()):
+        raise PacketError(f"{codec}: the tensor holds values that are not finite")
+    y = (x / torch.where(scales > 0, scales, 1.0).unsqueeze(-1)).clamp_(-qmax, qmax)
+    if _base(codec) == "fp8-rows":
+        codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        codes = y.round_().to(torch.int8).view(torch.uint8)
+    stored = codes.reshape(rows, blocks * block)[:, :width].cpu().numpy().tobytes()
+    if codec.endswith("-zstd") and len(packed := _contexts()[0].compress(stored)) < len(stored):
+        stored = packed
+    return scales.cpu().numpy().astype("<f4", copy=False).tobytes() + stored
+
+
+# What each code means (its value before its scale), by the codec's base: e4m3fn's 256 (two of them NaN), int8's
+_VALUES = {
+    "fp8-rows": torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy(),
+    "int8-blocks": np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32),
+}
+
+
+def dequantize(codec: Lossy, data: bytes | memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor (`dtype`, `shape`: its header's) that a lossy codec's stream holds; PacketError, before anything
+    larger than the header implies is allocated, for a stream that is not what the format says, a scale that is
+    not finite or is negative, or values that do not dequantize to finite ones in `dtype` (the module docstring)."""
+    if codec not in LOSSY:
+        raise PacketError(f"{codec!r} is no 8-bit codec: this build knows {list(LOSSY)}")
+    if not dtype.is_floating_point:
+        raise PacketError(f"{codec} carries floating tensors only, not {dtype}")
+    rows, width, blocks, block = _layout(codec, shape)
+    n, head, view = rows * width, rows * blocks * _SCALE, memoryview(data)
+    if n == 0:
+        if len(view):
+            raise PacketError(f"{codec} stream of {len(view)} bytes for a tensor of no elements")
+        return torch.empty(shape, dtype=dtype)
+    if codec.endswith("-zstd"):
+        if not head < len(view) <= head + n:
+            raise PacketError(f"{codec} stream of {len(view)} bytes: its header's shape needs {head} and at most {n}")
+        stored, what = view[head:], f"{codec} codes"
+        codes = np.frombuffer(stored, np.uint8) if len(stored) == n else _inflate(_contexts()[2], stored, n, what)
+    else:
+        if len(view) != head + n:
+            raise PacketError(f"{codec} stream of {len(view)} bytes, its header's shape needs {head + n} (truncated?)")
+        codes = np.frombuffer(view[head:], np.uint8)
+    scales = np.frombuffer(view[:head], "<f4").reshape(rows, blocks)
+    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise PacketError(f"{codec}: a scale is not finite or is negative")
+    x = np.take(_VALUES[_base(codec)], codes).reshape(rows, width)  # float32
+    x *= scales if blocks == 1 else np.repeat(scales, block, axis=1)[:, :width]
+    out = torch.from_numpy(x).to(dtype).reshape(shape)
+    if not np.abs(x).max() <= torch.finfo(dtype).max and not bool(torch.isfinite(out).all()):
+        raise PacketError(f"{codec}: the rows do not dequantize to finite {dtype} values")  # a NaN code, a huge scale
+    return out

@@ -4,6 +4,11 @@ Relay (head <-> tail):
   {prefix}:tail:requests            new sessions; every tail replica reads it through one group
   {prefix}:tails                    that consumer group
   {prefix}:tail:{tail_id}:requests  later rounds of sessions pinned to that tail (its KV cache)
+  {prefix}:stage:{a}-{b}:requests   new sessions for the middle stages that run layers a:b (one group: `:stages`)
+  {prefix}:stage:{a}-{b}:stages     that consumer group
+  {prefix}:stage:{stage_id}:requests later rounds of sessions pinned to that stage
+  {prefix}:stages                   running middle stages: members "ID A:B" scored by when they expire (heads
+                                    route through the live ones)
   {prefix}:reply:head.{name}.{boot} every reply to one head process's sessions (a group's in one entry); the
                                     head's alone to make, read and expire (`.{epoch}` added once it moves)
   {prefix}:dead-letters             packets tails refused, reply entries heads refused, with the reason
@@ -46,6 +51,31 @@ class Keys:
 
     def tail_requests(self, tail_id: str) -> str:
         return f"{self.prefix}:tail:{tail_id}:requests"
+
+    def stage_shared(self, layers: tuple[int, int]) -> str:
+        """New sessions' rounds for the middle stages that run `layers`."""
+        return f"{self.prefix}:stage:{layers[0]}-{layers[1]}:requests"
+
+    def stage_group(self, layers: tuple[int, int]) -> str:
+        return f"{self.prefix}:stage:{layers[0]}-{layers[1]}:stages"
+
+    def stage_requests(self, stage_id: str) -> str:
+        return f"{self.prefix}:stage:{stage_id}:requests"
+
+    @property
+    def stages(self) -> str:
+        """Running middle stages: members "ID A:B", scored by the time (Unix seconds) their announcement expires."""
+        return f"{self.prefix}:stages"
+
+    def hop_stream(self, hop: str) -> str:
+        """The stream of a route's hop (schemas/packets.py `Hop`): `tail`, `tail@ID`, `stage:A-B`, `stage:A-B@ID`."""
+        where, _, pinned = hop.partition("@")
+        if where == "tail":
+            return self.tail_requests(pinned) if pinned else self.shared_requests
+        if pinned:
+            return self.stage_requests(pinned)
+        a, _, b = where.removeprefix("stage:").partition("-")
+        return self.stage_shared((int(a), int(b)))
 
     def reply(self, reply_to: str) -> str:
         """A head's reply stream, by the suffix its rounds name (`head_reply_to`)."""

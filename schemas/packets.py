@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from schemas.codec import Codec
+from schemas.codec import Codec, TensorCodec, is_lossy
 from schemas.errors import PacketError
 from schemas.macs import DIGEST, HEADER, MAC, TENSOR_PREFIX, seal
 from schemas.requests import FinishReason, SamplingParams, SessionId, TokenId
@@ -45,7 +45,9 @@ CAPS = RelaySettings()  # the documented caps, for callers that pass none (a wor
 # group's tensors, whose one digest binds the bytes (schemas/groups.py), rather than each its own tensors' bytes.
 # Within 4, a tensor's meta may name a codec (schemas/codec.py); a raw tensor's names none, so a raw round is byte for
 # byte what it was and every version-4 packet still decodes, and a build without codecs refuses a compressed one
-# ("tensors.hidden.codec: Extra inputs are not permitted").
+# ("tensors.hidden.codec: Extra inputs are not permitted"). The 8-bit codecs (opt-in, lossy: `relay.wire`) came within 4
+# too: a build before them refuses such a round's header ("Input should be 'raw' or 'zstd-planes'"), only a round's
+# hidden rows may name one, and a raw or lossless round is unchanged.
 PROTOCOL_VERSION = 4
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 ReplyTo = Annotated[str, Field(pattern=r"^head\.[A-Za-z0-9_.:-]{1,160}$")]  # `Keys.head_reply_to`: a head's stream
@@ -54,6 +56,10 @@ ReplyTo = Annotated[str, Field(pattern=r"^head\.[A-Za-z0-9_.:-]{1,160}$")]  # `K
 # sparse (indices + probabilities of its support), dense (full vocabulary rows).
 QKind = Literal["none", "point", "sparse", "dense"]
 TailId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{0,64}$")]
+# A hop of a round's route (`Keys.hop_stream` names its stream under the reader's own prefix, so a route can name no
+# other stream): `tail` or `stage:A-B` (the shared stream of the tails, or of the middle stages that run layers
+# A:B), `@ID` added once the session is pinned to that worker
+Hop = Annotated[str, Field(pattern=r"^(tail|stage:[0-9]{1,5}-[0-9]{1,5})(@[A-Za-z0-9_.-]{1,64})?$")]
 
 
 class HeadRef(BaseModel):
@@ -105,6 +111,24 @@ class RoundPacket(BaseModel):
         description="Committed tokens still to come after input_ids, in later rounds: a long prompt (or replay) in "
         "parts under the packet cap. Such a round only caches its rows: it has no drafts and commits nothing.",
     )
+    layer: int | None = Field(
+        None,
+        ge=0,
+        description="The first layer its hidden rows enter: a worker whose layers start elsewhere refuses it (None: "
+        "unchecked, a two-worker head of before).",
+    )
+    route: list[Hop] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Where the round goes after the worker that reads it, in order (middle stages, the tail last); "
+        "empty: that worker is the tail.",
+    )
+    hops: list[TailId] = Field(
+        default_factory=list,
+        max_length=16,
+        description="The middle stages it passed through, in order (each adds its id): the tail's verdict names them, "
+        "so the head pins the session's later rounds to them.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RoundPacket:
@@ -117,6 +141,8 @@ class RoundPacket(BaseModel):
             raise ValueError(f"q_kind {self.q_kind!r} does not fit {k} drafts at this temperature")
         if len(self.tensors) != 1 + need[self.q_kind]:
             raise ValueError(f"q_kind {self.q_kind!r} needs {need[self.q_kind]} q tensors")
+        if lossy := sorted(name for name, meta in self.tensors.items() if name != "hidden" and is_lossy(meta.codec)):
+            raise ValueError(f"only the hidden rows may travel 8-bit (lossy), not {lossy}")
         for name in {"sparse": ("q_idx", "q_val"), "dense": ("q",)}.get(self.q_kind, ()):
             meta = self.tensors.get(name)
             if meta is None or len(meta.shape) != 2 or meta.shape[0] != k:
@@ -154,6 +180,7 @@ class Verdict(BaseModel):
     next_token: TokenId | None = Field(description="Correction or bonus token; None if a stop cut it.")
     finish_reason: FinishReason | None = None
     tail_id: TailId = ""
+    hops: list[TailId] = Field(default_factory=list, max_length=16, description="The round's middle stages.")
     timings: dict[str, float] = Field(default_factory=dict)
 
 
@@ -192,19 +219,33 @@ _TAIL = TypeAdapter(TailMessage)
 
 
 def encode_round(
-    packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes, *, codec: Codec = "raw"
+    packet_fields: dict,
+    tensors: dict[str, torch.Tensor],
+    key: bytes,
+    *,
+    codec: Codec = "raw",
+    hidden_codec: TensorCodec | None = None,
 ) -> tuple[RoundPacket, dict]:
     """Build a RoundPacket from header fields + tensors and return it with its sealed stream fields (a round
-    that opens a session, start_pos 0, carries the key); every tensor travels under `codec` (schemas/codec.py)."""
-    packet, fields = make_round(packet_fields, tensors, key, codec=codec)
+    that opens a session, start_pos 0, carries the key); every tensor travels under `codec` (schemas/codec.py),
+    its hidden rows under `hidden_codec` where given (an 8-bit one: lossy, `relay.wire`)."""
+    packet, fields = make_round(packet_fields, tensors, key, codec=codec, hidden_codec=hidden_codec)
     return packet, seal(key, fields)
 
 
 def make_round(
-    packet_fields: dict, tensors: dict[str, torch.Tensor], key: bytes, *, codec: Codec = "raw"
+    packet_fields: dict,
+    tensors: dict[str, torch.Tensor],
+    key: bytes,
+    *,
+    codec: Codec = "raw",
+    hidden_codec: TensorCodec | None = None,
 ) -> tuple[RoundPacket, dict]:
     """`encode_round` but unsealed: the fields that `seal`, or `schemas.groups.seal_group` with other rounds, MACs."""
-    metas = {name: tensor_meta(t, codec) for name, t in tensors.items()}
+    metas = {
+        name: tensor_meta(t, hidden_codec if name == "hidden" and hidden_codec is not None else codec)
+        for name, t in tensors.items()
+    }
     packet, header = round_header(packet_fields, metas, key)
     return packet, round_fields(packet, header, tensors)
 

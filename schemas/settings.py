@@ -26,6 +26,7 @@ ENV_PREFIX = "SHARDFLOW_"  # of every environment name: SHARDFLOW_<GROUP>__<FIEL
 
 Quant = Literal["none", "int8", "4bit"]
 WireCodec = Literal["auto", "none", "zstd"]  # how a head's rounds send their tensors (schemas/codec.py)
+Wire = Literal["lossless", "fp8", "int8"]  # the precision of a head's hidden rows on the wire (schemas/codec.py)
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -293,6 +294,18 @@ class RelaySettings(_Group):
         "1.44x fewer bytes, 530 MB/s to encode, 1.26 GB/s to decode; float16 1.15x, float32 1.18x); `auto` zstd only "
         "on a link the head measures slower than that pays for (`worth_compressing`: below about 230 MB/s a leg), "
         "raw otherwise and until it has measured. A tail decodes whatever a round's header names.",
+    )
+    wire: Wire = Field(
+        "lossless",
+        description="Precision of a head's hidden rows on the wire (`shardflow head --wire`): `lossless` as computed; "
+        "`fp8` (float8 e4m3, a scale per row) or `int8` (a scale per 64 values) about halve a bfloat16 round's bytes "
+        "(a quarter of float32's) and are LOSSY: greedy output may part from the unsplit model's (schemas/codec.py, "
+        "README). Opt-in, never the default; q tensors stay lossless; the codes zstd'd where wire_codec compresses.",
+    )
+    accept_lossy_wire: bool = Field(
+        True,
+        description="A tail serves rounds whose hidden rows came 8-bit (relay.wire fp8/int8); false: it answers them "
+        "with an error (the head replays the session onto another tail, then fails it).",
     )
     head_wait_poll_ms: float = Field(
         1.0,

@@ -14,6 +14,7 @@ from workers.engine.shard import Shard
 from workers.head.batching import Batcher
 from workers.head.beacon import Beacons
 from workers.head.link import LinkMeter
+from workers.head.routes import Routes
 from workers.speculative.drafters import DraftSession
 
 
@@ -46,6 +47,9 @@ class Runtime(Protocol):
 
     @property
     def link(self) -> LinkMeter: ...  # the head's link to Redis, from its own publishes
+
+    @property
+    def routes(self) -> Routes: ...  # the middle stages rounds go through (workers/head/routes.py)
 
     def drafter_for(self, req: GenerationRequest, prompt_len: int, overflow: bool = True) -> DraftSession | None:
         """The draft session a request asks for (`HeadRuntime.drafter_for`)."""

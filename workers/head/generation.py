@@ -117,7 +117,7 @@ class Generation:
         self.resumed, self.replays = len(self.generated), 0
         self.replay_next = bool(self.generated)
         self.need = len(prompt) + req.max_new_tokens + req.draft.k + 1  # positions its caches may hold
-        self.stream = names.shared_requests
+        self.hops = runtime.routes.route(r, names)  # where its rounds go: middle stages, the tail last
         self.key = session_key()  # MACs every round and reply of this generation (schemas/packets.py)
         self.head = runtime.beacons.ensure(r, names)  # announced before the first round: tails see it alive
         self.tail_closed = False  # a final verdict came: the tail dropped the session (no close packet to send)
@@ -138,8 +138,13 @@ class Generation:
 
     @property
     def pinned(self) -> bool:
-        """Whether its rounds go to the tail that holds its session (after its first verdict), not the shared stream."""
-        return self.stream != self.names.shared_requests
+        """Whether its rounds go to the workers that hold its session (after its first verdict), not shared streams."""
+        return "@" in self.hops[-1]
+
+    @property
+    def stream(self) -> str:
+        """The stream its rounds go to first (a middle stage's, or the tail's)."""
+        return self.names.hop_stream(self.hops[0])
 
     # --- the steps the head's loop (workers/head/loop.py) drives: no method blocks -------------------------
     # --- the steps the head's loop (workers/head/loop.py) drives: no method blocks -------------------------
@@ -188,7 +193,8 @@ class Generation:
         assert rnd is not None and rnd.work.draft is not None
         basis, fields, q_tensors = self._header_fields()
         rows, codec = len(fields["input_ids"]) + len(fields["draft_ids"]), self.rt.link.codec()
-        hidden = TensorMeta(dtype=DTYPE_NAMES[self.rt.shard.dtype], shape=[rows, self.hidden_size], codec=codec)
+        dtype, hidden_codec = DTYPE_NAMES[self.rt.shard.dtype], self.rt.link.hidden_codec()  # maybe 8-bit (lossy)
+        hidden = TensorMeta(dtype=dtype, shape=[rows, self.hidden_size], codec=hidden_codec)
         metas = {"hidden": hidden, **{name: tensor_meta(t, codec) for name, t in q_tensors.items()}}
         rnd.header = (basis, *round_header(fields, metas, self.key))
 
@@ -202,8 +208,11 @@ class Generation:
             rnd.out = Outbound(self.sid, self.stream, self.key, {"hidden": rnd.work.hidden}, made=(made[1], made[2]))
         else:
             _, header, q_tensors = self._header_fields()
-            tensors, codec = {"hidden": rnd.work.hidden, **q_tensors}, self.rt.link.codec()
-            rnd.out = Outbound(self.sid, self.stream, self.key, tensors, header=header, codec=codec)
+            link = self.rt.link  # the hidden rows' codec: maybe 8-bit (lossy, relay.wire)
+            tensors, codec, hidden = {"hidden": rnd.work.hidden, **q_tensors}, link.codec(), link.hidden_codec()
+            rnd.out = Outbound(
+                self.sid, self.stream, self.key, tensors, header=header, codec=codec, hidden_codec=hidden
+            )
         return rnd.out
 
     def resend(self) -> Outbound:
@@ -234,6 +243,8 @@ class Generation:
             prefill_more=rnd.more,
             seed_round=self.resumed + self.rounds if self.parts else None,  # the round id, where no parts came
             reply_to=self.reply_to,
+            layer=self.rt.shard.layer_range[1],
+            route=self.hops[1:],
         )
         return (work.tag, self.reply_to), header, q_tensors
 
@@ -352,7 +363,7 @@ class Generation:
         if self.phase is not Phase.WAITING:  # seated: its cache holds positions to drop
             self.cache.crop(0)
         self.pending, self.replay_next = list(self.committed), bool(self.generated)  # prompt only: a new round 0
-        self.stream = self.names.shared_requests
+        self.hops = self.rt.routes.route(self.r, self.names)  # a live route's shared streams
         self.round, self.since = None, time.monotonic()
         self.phase = Phase.READY if self.phase is not Phase.WAITING else Phase.WAITING
 
@@ -379,9 +390,13 @@ class Generation:
             )
 
     def _pin(self, v: Verdict) -> None:
-        """A session's rounds after its first go to the tail that holds it."""
+        """A session's rounds after its first go to the workers that hold it: the stages its verdict names (its
+        route's, in order) and the tail."""
         if not self.pinned:
-            self.stream = self.names.tail_requests(v.tail_id)
+            stages = self.hops[:-1]
+            if len(v.hops) == len(stages):
+                stages = [f"{hop}@{sid}" for hop, sid in zip(stages, v.hops, strict=True)]
+            self.hops = [*stages, f"tail@{v.tail_id}"]
 
     def _commit(self, v: Verdict, start: int) -> FinishReason | None:
         finish = v.finish_reason
@@ -410,6 +425,9 @@ class Generation:
             if self.drafter is not None:
                 self.drafter.close()
 
-    def goodbye(self) -> tuple[str, dict[bytes, bytes]] | None:
-        """For the loop's sender: the packet telling the tail to drop the session (None if a final verdict ended it)."""
-        return None if self.tail_closed else (self.stream, encode_message(ClosePacket(session_id=self.sid), self.key))
+    def goodbye(self) -> list[tuple[str, dict[bytes, bytes]]]:
+        """For the loop's sender: the packets telling its workers to drop the session: every middle stage (none hears
+        a verdict), and the tail unless a final verdict ended it there."""
+        bye = encode_message(ClosePacket(session_id=self.sid), self.key)
+        hops = self.hops if not self.tail_closed else self.hops[:-1]
+        return [(self.names.hop_stream(hop), bye) for hop in hops]

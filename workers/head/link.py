@@ -14,6 +14,7 @@ started and ended. A publish ends one round trip after its last byte went out, s
 
 `codec` is how a round's tensors go (schemas/codec.py `pick_codec` under `relay.wire_codec`): byte planes with zstd
 where the measured link is slower than the codec pays for (raw until the link is measured, and on a fast one).
+`hidden_codec` is how its hidden rows go: the same, or 8-bit under `relay.wire` fp8 / int8 (opt-in, lossy).
 
 `draft_cost_ms` turns that into what each draft row costs a round on a shared wire: every generation in flight
 sends its rows each round, so a round of N generations with k drafts each moves N (k + 1) rows, and one more
@@ -29,8 +30,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from schemas.codec import Codec, pick_codec
-from schemas.settings import WireCodec
+from schemas.codec import Codec, TensorCodec, hidden_codec, pick_codec
+from schemas.settings import Wire, WireCodec
 
 WINDOW_S = 5.0  # publishes older than this are forgotten
 MIN_BUSY_BYTES = 1 << 20  # below this many bytes in the window the bandwidth is not estimated (None: unknown)
@@ -47,8 +48,8 @@ class Publish:
 class LinkMeter:
     """The head's link as its publishes show it (the module docstring); thread-safe (senders note, the loop reads)."""
 
-    def __init__(self, window_s: float = WINDOW_S, wire_codec: WireCodec = "auto") -> None:
-        self.window_s, self.wire_codec = window_s, wire_codec
+    def __init__(self, window_s: float = WINDOW_S, wire_codec: WireCodec = "auto", wire: Wire = "lossless") -> None:
+        self.window_s, self.wire_codec, self.wire = window_s, wire_codec, wire
         self._pubs: deque[Publish] = deque()
         self._lock = threading.Lock()
         self._in_flight: dict[int, int] = {}  # by loop: generations in flight
@@ -99,6 +100,10 @@ class LinkMeter:
     def codec(self) -> Codec:
         """How the next round's tensors go (the module docstring)."""
         return self._now()[1]
+
+    def hidden_codec(self) -> TensorCodec:
+        """How the next round's hidden rows go (the module docstring)."""
+        return hidden_codec(self.wire, self._now()[1])
 
     def _now(self) -> tuple[float, Codec]:
         """(draft_cost_ms, codec), estimated at most every 0.1 s (every verdict and round asks)."""

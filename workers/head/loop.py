@@ -332,9 +332,8 @@ class HeadLoop:
         if seated:
             self.rt.slot_freed()  # on every loop of this head: its caches are shared
             self.receiver.unwatch(gen.reply_stream)
-            bye = gen.goodbye()
-            if bye is not None:
-                self.sender.put(Outgoing([bye]))
+            if bye := gen.goodbye():
+                self.sender.put(Outgoing(bye))
         if gen.future.done():
             return
         if error is not None or result is None:

@@ -48,6 +48,7 @@ from workers.head.groups import GroupPlan
 from workers.head.link import LinkMeter
 from workers.head.loop import HeadLoop
 from workers.head.prompts import encode_prompt
+from workers.head.routes import Routes
 from workers.plugins import DrafterContext, Registry
 from workers.speculative.drafters import DraftSession, ModelDrafter, NgramDrafter
 
@@ -83,6 +84,7 @@ class HeadRuntime:
     batcher: Batcher = field(init=False)
     beacons: Beacons = field(init=False)
     link: LinkMeter = field(init=False)  # the link to Redis, measured from the loops' publishes
+    routes: Routes = field(init=False)  # the middle stages a new session's rounds go through
 
     def __post_init__(self) -> None:
         if self.engine is None:
@@ -92,7 +94,8 @@ class HeadRuntime:
         plan = GroupPlan(fixed=groups)
         self.batcher = Batcher(self.engine, plan, linger_s(self.shard, self.settings))
         self.beacons = Beacons(self.name, self.settings)
-        self.link = LinkMeter(wire_codec=self.settings.relay.wire_codec)
+        self.routes = Routes(self.shard.layer_range[1])
+        self.link = LinkMeter(wire_codec=self.settings.relay.wire_codec, wire=self.settings.relay.wire)
         self._loops: dict[int, tuple[redis.Redis, HeadLoop]] = {}
         self._loops_lock = threading.Lock()
 

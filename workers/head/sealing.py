@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from schemas.codec import Codec
+from schemas.codec import Codec, TensorCodec
 from schemas.groups import chunk_rounds, part_mac, seal_group
 from schemas.macs import seal
 from schemas.packets import MAC, RoundPacket, make_round, round_fields
@@ -37,6 +37,7 @@ class Outbound:
     made: tuple[RoundPacket, bytes] | None = None
     header: dict | None = None
     codec: Codec = "raw"  # how its tensors go, where its header is not made yet (a header made names its own)
+    hidden_codec: TensorCodec | None = None  # and its hidden rows, where not as `codec` (8-bit: `relay.wire`)
     mac: Future[str] = field(default_factory=Future)
 
     def fields(self) -> dict[bytes, bytes]:
@@ -44,7 +45,7 @@ class Outbound:
         if self.made is not None:
             return round_fields(*self.made, self.tensors)
         assert self.header is not None
-        return make_round(self.header, self.tensors, self.key, codec=self.codec)[1]
+        return make_round(self.header, self.tensors, self.key, codec=self.codec, hidden_codec=self.hidden_codec)[1]
 
     @property
     def rows(self) -> int:

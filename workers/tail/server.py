@@ -7,7 +7,8 @@ reply stream of the session's head (the one its rounds name). Every round is che
 (its MAC, schemas/packets.py) before anything touches a cache: a forged one is dead-lettered, never answered, and
 changes nothing. A bad packet of the session's own head gets a logged error and a (MAC'd) error reply; the worker
 keeps serving everyone else. Sessions of heads that died, restarted or never announced themselves are freed
-(workers/tail/liveness.py).
+(workers/tail/liveness.py). Rounds whose hidden rows came 8-bit (a head's `relay.wire` fp8 / int8: lossy) are decoded
+to the header's dtype like any others, or, under `relay.accept_lossy_wire` false, answered with an error.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from relay_broker.budgets import DeadLetterCap
 from relay_broker.retry import ride_out
 from relay_broker.streams import GroupReader, Reply, merge_replies
+from schemas.codec import is_lossy
 from schemas.errors import (
     NonFiniteError,
     PacketError,
@@ -89,8 +91,8 @@ class TailWorker:
     ) -> None:
         """`settings` (default: Settings()): sessions kept (max_sessions, session_ttl_s), the largest packet,
         stream caps and expiries; `engine` runs the shard (default: from the shard's device and settings)."""
-        if shard.lm_head is None:
-            raise ValueError("a tail shard needs the final norm and LM head")
+        if (shard.lm_head is not None) != self.last:
+            raise ValueError(f"a {self.role} shard {'needs' if self.last else 'has no'} the final norm and LM head")
         self.settings = cfg = settings or Settings()
         self.shard, self.r, self.max_packet_bytes = shard, r, cfg.relay.max_packet_bytes
         self.id_limit = id_limit(shard.config)  # the vocabulary (and Gemma 4's per-layer table: its ids index it)
@@ -121,20 +123,27 @@ class TailWorker:
         self.auth = Authenticator(self.sessions, cfg.relay)
         self._queue_ms = 0.0  # how long the entries of the batch being handled waited in Redis (mean)
         self._taken_at_ms = self._prepare_ms = 0.0  # when they were read (wall clock), their decoding and checks
-        shared = self.names.shared_requests
-        self.reader = GroupReader(  # new sessions a dead tail read but never answered are claimed after a while
+        group, shared, own = self.lanes()
+        self.reader = GroupReader(  # new sessions a dead worker read but never answered are claimed after a while
             r,
-            self.names.tail_group,
+            group,
             self.tail_id,
-            [shared, self.names.tail_requests(self.tail_id)],
+            [shared, own],
             claim_streams=[shared],
             dead_stream=self.names.dead_letters,
             settings=cfg,
         )
 
+    role = "tail"
+    last = True  # runs the LM head and verifies (a middle stage passes its hidden states on: workers/stage/)
+
+    def lanes(self) -> tuple[str, str, str]:
+        """(consumer group, shared stream of new sessions, this worker's own stream of pinned ones)."""
+        return self.names.tail_group, self.names.shared_requests, self.names.tail_requests(self.tail_id)
+
     def serve(self) -> None:
         """Handle packets until `stop_event` is set."""
-        log.info("tail %s serving layers %s on %s", self.tail_id, self.shard.layer_range, self.names.shared_requests)
+        log.info("%s %s serving layers %s on %s", self.role, self.tail_id, self.shard.layer_range, self.lanes()[1])
         while not self.stop_event.is_set():
             try:  # Redis gone, restarted, full, read-only, ...: ride it out (relay_broker.retry)
                 ride_out(
@@ -200,7 +209,11 @@ class TailWorker:
         clock.count("dead letters dropped", dropped)
         # replies (those for one head's stream packed into one entry), acks and dead letters: one round trip
         with clock("reply"):
-            self.reader.ack_many(merge_replies(done), dead_letters=dead)
+            self.reader.ack_many(self.pack(done), dead_letters=dead)
+
+    def pack(self, done: list) -> list:
+        """The acks with their replies as they go out (one head's replies in one entry: `merge_replies`)."""
+        return merge_replies(done)
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """Packets refused since the last call (each with its reason), for the dead-letter stream."""
@@ -306,6 +319,12 @@ class TailWorker:
             return None
         if max(msg.input_ids + msg.draft_ids) >= self.id_limit:  # the vocabulary's, or Gemma 4's per-layer table's
             raise PacketError(f"token ids must be below the vocabulary size {self.id_limit}")
+        if msg.layer is not None and msg.layer != self.shard.layer_range[0]:
+            raise PacketError(f"hidden rows for layer {msg.layer}; this {self.role} runs {self.shard.layer_range}")
+        if bool(msg.route) == self.last:
+            raise PacketError(f"a route of {len(msg.route)} more hops at a {self.role}")
+        if not self.settings.relay.accept_lossy_wire and is_lossy(codec := msg.tensors["hidden"].codec):
+            raise PacketError(f"this tail refuses 8-bit hidden rows ({codec}: relay.accept_lossy_wire is false)")
         try:
             sess = self._session_for(msg, key, fields.get(MAC, b""))
         except TailBusy as e:  # the head waits and sends the round again: nothing to dead-letter
@@ -382,6 +401,7 @@ class TailWorker:
             next_token=nxt if len(tokens) == accepted + 1 else None,
             finish_reason=finish,
             tail_id=self.tail_id,
+            hops=p.hops,
             timings=timings,
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict, prep.key)
