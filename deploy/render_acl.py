@@ -11,10 +11,13 @@
   continues the user line above it.
 - Named workers: `--heads NAME,...` (or SHARDFLOW_ACL_HEADS) renders the `user head-${HEAD}` block once per name,
   `${HEAD}` as the name and `${HEAD_VAR}` as its variable form (upper-cased, '-' as '_': the password is
-  REDIS_HEAD_<NAME>_PASSWORD); `--tails` (SHARDFLOW_ACL_TAILS) likewise for `user tail-${TAIL}`. Names are 1-64 of
-  A-Z a-z 0-9 _ - (no '.': a head's reply streams are `reply:head.NAME.*`, and a dot would let one name's pattern
-  match another's). Without names those blocks are dropped. A shared role user (`head`, `tail`) whose password is
-  unset is dropped when named users of its role are rendered, and an error otherwise.
+  REDIS_HEAD_<NAME>_PASSWORD); `--tails` (SHARDFLOW_ACL_TAILS) likewise for `user tail-${TAIL}`, `--stages`
+  (SHARDFLOW_ACL_STAGES) for `user stage-${STAGE}`. Names are 1-64 of A-Z a-z 0-9 _ - (no '.': a head's reply streams
+  are `reply:head.NAME.*`, and a dot would let one name's pattern match another's); a stage's starts with a letter or
+  '_' (its stream `stage:NAME:requests` is then never a layer range's `stage:A-B:requests`, whose pattern is
+  `stage:[0-9]*`). Without names those blocks are dropped. A shared role user (`head`, `tail`) whose password is
+  unset is dropped when named users of its role are rendered, and an error otherwise; the shared `stage` user (middle
+  stages, which two-worker deployments do not run) is rendered only where REDIS_STAGE_PASSWORD is set.
 
 Values come from the environment, then from --env-file (KEY=VALUE lines, as compose reads .env).
 Standard library only, so it runs anywhere (compose runs it in a python:3.11-slim container).
@@ -38,7 +41,9 @@ PASSWORD = re.compile(r">\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 PREFIX = "${SHARDFLOW_REDIS__PREFIX}"
 SAFE_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # no glob characters, no spaces
 WORKER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a named worker user's name: no dots, no glob characters
-NAMED = {"HEAD": "head", "TAIL": "tail"}  # placeholder -> the shared role its named users stand in for
+STAGE_NAME = re.compile(r"^[A-Za-z_]")  # a stage's: never a layer range `A-B` (the ranges' streams are stage:[0-9]*)
+NAMED = {"HEAD": "head", "TAIL": "tail", "STAGE": "stage"}  # placeholder -> the shared role its named users replace
+OPTIONAL = {"stage"}  # shared role users rendered only where their password is set (no error without it)
 
 
 class RenderError(ValueError):
@@ -92,11 +97,13 @@ def _hashed(values: Mapping[str, str], min_length: int) -> Callable[[re.Match[st
 
 
 def worker_names(values: Mapping[str, str], placeholder: str) -> list[str]:
-    """The named workers of one role (`SHARDFLOW_ACL_HEADS` / `_TAILS`, comma-separated), checked."""
+    """The named workers of one role (`SHARDFLOW_ACL_HEADS` / `_TAILS` / `_STAGES`, comma-separated), checked."""
     names = [n.strip() for n in values.get(f"SHARDFLOW_ACL_{placeholder}S", "").split(",") if n.strip()]
     for name in names:
         if not WORKER_NAME.match(name):
             raise RenderError(f"worker name {name!r} must be 1-64 of A-Z a-z 0-9 _ -")
+        if placeholder == "STAGE" and not STAGE_NAME.match(name):
+            raise RenderError(f"stage name {name!r} must start with a letter or '_' (stage:A-B:requests is a range's)")
     if len(set(names)) != len(names):
         raise RenderError(f"a {NAMED[placeholder]} name is listed twice: {','.join(names)}")
     return names
@@ -121,7 +128,7 @@ def render(template: str, values: Mapping[str, str], *, min_length: int = MIN_PA
     prefix = values.get("SHARDFLOW_REDIS__PREFIX") or DEFAULT_PREFIX
     if not SAFE_PREFIX.match(prefix):
         raise RenderError(f"SHARDFLOW_REDIS__PREFIX {prefix!r} must be 1-64 of A-Z a-z 0-9 _ . : -")
-    optional = {role for placeholder, role in NAMED.items() if worker_names(values, placeholder)}
+    optional = OPTIONAL | {role for placeholder, role in NAMED.items() if worker_names(values, placeholder)}
     out = []
     for line in (x for raw in user_lines(template) for x in _expanded(raw, values)):
         user = line.split()[1]
@@ -156,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-length", type=int, default=MIN_PASSWORD_LENGTH, help="shortest password accepted")
     ap.add_argument("--heads", default=None, help="named heads, comma-separated (SHARDFLOW_ACL_HEADS): a user each")
     ap.add_argument("--tails", default=None, help="named tails, comma-separated (SHARDFLOW_ACL_TAILS): a user each")
+    ap.add_argument("--stages", default=None, help="named stages, comma-separated (SHARDFLOW_ACL_STAGES): a user each")
     args = ap.parse_args(argv)
     values = read_env_file(args.env_file) if args.env_file else {}
     values |= {k: v for k, v in os.environ.items() if v}
-    for placeholder, given in (("HEAD", args.heads), ("TAIL", args.tails)):
+    for placeholder, given in (("HEAD", args.heads), ("TAIL", args.tails), ("STAGE", args.stages)):
         if given is not None:
             values[f"SHARDFLOW_ACL_{placeholder}S"] = given
     try:

@@ -158,6 +158,8 @@ def _serve_layers(role: str, o: dict) -> None:
         raise click.BadParameter(f"a tail must end at the last layer ({n})")
     if not last and not 0 < layers[0] < layers[1] < n:
         raise click.BadParameter(f"a middle stage runs layers A:B with 0 < A < B < {n}")
+    if not last and o["name"] and str(o["name"])[0].isdigit():  # `stage:NAME:requests` must never be a range's
+        raise click.BadParameter("a stage's name must not start with a digit (stage:A-B names a range's stream)")
     cls = TailWorker if last else StageWorker
     worker = run_guarded(
         lambda: cls(

@@ -111,12 +111,15 @@ def url_user(url: str) -> str | None:
 
 
 def role_of(user: str | None) -> Role:
-    """The role a user name of deploy/users.acl.template plays (head-NAME: head; tail-NAME: tail)."""
+    """The role a user name of deploy/users.acl.template plays (head-NAME: head; tail-NAME, stage, stage-NAME:
+    tail)."""
     if user is None or user == "default":
         return "admin"  # no ACL user: every command, like admin (its own warning comes from `acl user`)
     for role in ("head", "tail"):
         if user == role or user.startswith(f"{role}-"):
             return role  # type: ignore[return-value]
+    if user == "stage" or user.startswith("stage-"):
+        return "tail"  # a middle stage's user probes as a tail's does (XADD NOMKSTREAM to a reply stream)
     if user in ("producer", "admin"):
         return user  # type: ignore[return-value]
     return "other"

@@ -44,10 +44,15 @@ of w values (r: the product of the other dimensions; a 0-d tensor one row of one
 
 - `fp8-rows`: one scale a row, its absolute maximum / 448, and each value / its scale as float8 e4m3 (e4m3fn: 3
   mantissa bits, largest 448; a value is off by at most 2^-4 of itself, or 2^-10 of its scale below 2^-6 of it);
-- `int8-blocks`: one scale every 64 values of a row, the block's absolute maximum / 127, and each value / its scale
-  rounded to an int8 in [-127, 127] (off by at most half its block's scale: absmax / 254).
+- `int8-blocks`: one scale every 128 values of a row, the block's absolute maximum / 127, and each value / its scale
+  rounded to an int8 in [-127, 127] (off by at most half its block's scale: absmax / 254); but a block whose values
+  would err less (sum of squares) as fp8 goes as fp8 under its own scale (absmax / 448), stored negative. Such are
+  the blocks that hold an outlier many times their other values (massive activations: the first token's row, a
+  few channels), whose other values int8 would round to 0: SmolLM2 parted from its greedy text in 15 of 16
+  generations with plain int8 blocks of 64, 6 of 16 with this (docs/benchmarks.md "8-bit wire").
 
-The stream is the r x b scales (float32, little-endian, row by row: finite and not negative, else refused), then
+The stream is the r x b scales (float32, little-endian, row by row: finite, else refused; fp8-rows' not negative),
+then
 the r x w codes (one byte each, row by row). Under `-zstd` (`fp8-rows-zstd`, `int8-blocks-zstd`: where the lossless
 codec picked for the link is `zstd-planes`) the codes are one zstd frame that states their size (`TOP`'s
 parameters; the scales stay as they are), or as they are where that frame would not be smaller. So a stream is
@@ -80,7 +85,7 @@ Lossy = Literal["fp8-rows", "fp8-rows-zstd", "int8-blocks", "int8-blocks-zstd"] 
 LOSSY: tuple[Lossy, ...] = get_args(Lossy)
 TensorCodec = Literal[Codec, Lossy]  # what a tensor's meta may name
 LOSSY_BASE: dict[Wire, Lossy] = {"fp8": "fp8-rows", "int8": "int8-blocks"}  # `relay.wire` -> its codec
-BLOCK: dict[str, int | None] = {"fp8-rows": None, "int8-blocks": 64}  # values a scale covers (None: a whole row)
+BLOCK: dict[str, int | None] = {"fp8-rows": None, "int8-blocks": 128}  # values a scale covers (None: a whole row)
 QMAX = {"fp8-rows": 448.0, "int8-blocks": 127.0}  # the largest code: a block's absolute maximum maps to it
 _SCALE = 4  # bytes of a scale (float32)
 Buffer = bytes | memoryview | np.ndarray  # a tensor's raw bytes: a uint8 array, or anything that holds them
@@ -94,6 +99,7 @@ RATIO = 1.44  # raw bytes / bytes sent
 ENCODE_BYTES_PER_S = 530e6  # raw bytes a second, head side (plane split + zstd): 122 us a 64.5 KB round
 DECODE_BYTES_PER_S = 1.26e9  # raw bytes a second, tail side (zstd + plane join): 51 us a 64.5 KB round
 LEGS = 2  # each byte crosses two links: head -> Redis, Redis -> tail
+MARGIN = 3.0  # compression must save this many times its codec time (`worth_compressing`)
 
 _LEN = 4  # bytes of each plane's stored length
 _UINT = {1: np.uint8, 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
@@ -211,15 +217,18 @@ def worth_compressing(
 
         legs * (1 - 1/ratio) / link  >  1/encode + 1/decode.
 
-    Counted whole and serial, as one round alone meets them (nothing overlapped), so the rule errs towards raw.
-    With the measured defaults (ratio 1.44, 530 MB/s and 1.26 GB/s), the break-even link is about 230 MB/s
-    (1.8 Gbit/s): compress below it. At 200 Mbit/s (25 MB/s) a 64.5 KB bfloat16 round of a 7B model saves about
-    1.6 ms of wire time (0.8 ms a leg) for about 0.17 ms of codec time.
+    It must pay `MARGIN` times over: the codec's CPU time lands on threads that also drive the GPU (the head's
+    senders beside its loop, the tail's loop itself decodes), and a link's measured bandwidth wavers. With the
+    measured defaults (ratio 1.44, 530 MB/s and 1.26 GB/s) the break-even link is about 230 MB/s (1.8 Gbit/s), so
+    compression goes on below about 77 MB/s (600 Mbit/s). On one H100 through an uncapped 86 ms link, compressing at
+    the bare break-even cost 256 jobs 7% (2,573 against 2,749 tok/s raw, 2026-12-08): the link there is a Python
+    proxy whose measured bandwidth hovered near it. At 200 Mbit/s (25 MB/s) a 64.5 KB bfloat16 round of a 7B model
+    saves about 1.6 ms of wire time (0.8 ms a leg) for about 0.17 ms of codec time: 9 times over.
     """
     if link_bytes_per_s is None or link_bytes_per_s <= 0 or ratio <= 1:
         return False
     saved = legs * (1 - 1 / ratio) / link_bytes_per_s
-    return saved > 1 / encode_bytes_per_s + 1 / decode_bytes_per_s
+    return saved > MARGIN * (1 / encode_bytes_per_s + 1 / decode_bytes_per_s)
 
 
 def pick_codec(setting: WireCodec, link_bytes_per_s: float | None) -> Codec:
@@ -276,36 +285,55 @@ def quantize(codec: Lossy, t: torch.Tensor) -> bytes:
     rows, width, blocks, block = _layout(codec, tuple(t.shape))
     if rows * width == 0:
         return b""
-    x = t.detach().reshape(rows, width).to(torch.float32)  # quantized where it is (a GPU's rows too), then copied
+    x = t.detach().to("cpu", torch.float32).reshape(rows, width)
     if blocks * block != width:
         x = torch.nn.functional.pad(x, (0, blocks * block - width))
     x = x.view(rows, blocks, block)
-    qmax = QMAX[_base(codec)]
-    scales = x.abs().amax(-1) / qmax  # [rows, blocks]; 0 for a block of zeros, NaN or inf for one that is not finite
-    if not bool(torch.isfinite(scales).all()):
+    amax = x.abs().amax(-1)  # [rows, blocks]; 0 for a block of zeros, NaN or inf for one that is not finite
+    if not bool(torch.isfinite(amax).all()):
         raise PacketError(f"{codec}: the tensor holds values that are not finite")
-    y = (x / torch.where(scales > 0, scales, 1.0).unsqueeze(-1)).clamp_(-qmax, qmax)
+    fp8_scales = amax / QMAX["fp8-rows"]
+    fp8 = _fp8_codes(x, fp8_scales)
     if _base(codec) == "fp8-rows":
-        codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
-    else:
-        codes = y.round_().to(torch.int8).view(torch.uint8)
-    stored = codes.reshape(rows, blocks * block)[:, :width].cpu().numpy().tobytes()
+        codes, scales = fp8, fp8_scales
+    else:  # each block int8, or fp8 where that errs less (its scale negative)
+        int8_scales = amax / QMAX["int8-blocks"]
+        steps = (x / _nonzero(int8_scales)).round_().clamp_(-127, 127)
+        int8_err = (steps * int8_scales.unsqueeze(-1) - x).square_().sum(-1)
+        values = torch.from_numpy(np.take(_VALUES["fp8-rows"], fp8.numpy()))
+        fp8_err = (values * fp8_scales.unsqueeze(-1) - x).square_().sum(-1)
+        as_fp8 = fp8_err < int8_err
+        codes = torch.where(as_fp8.unsqueeze(-1), fp8, steps.to(torch.int8).view(torch.uint8))
+        scales = torch.where(as_fp8, -fp8_scales, int8_scales)
+    stored = codes.reshape(rows, blocks * block)[:, :width].numpy().tobytes()
     if codec.endswith("-zstd") and len(packed := _contexts()[0].compress(stored)) < len(stored):
         stored = packed
-    return scales.cpu().numpy().astype("<f4", copy=False).tobytes() + stored
+    return scales.numpy().astype("<f4", copy=False).tobytes() + stored
 
 
-# What each code means (its value before its scale), by the codec's base: e4m3fn's 256 (two of them NaN), int8's
+def _nonzero(scales: torch.Tensor) -> torch.Tensor:
+    """Scales to divide a block by ([rows, blocks, 1]): a block of zeros (scale 0) by 1."""
+    return torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
+
+
+def _fp8_codes(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The e4m3fn codes (uint8) of blocks `x` [rows, blocks, block] under their `scales` [rows, blocks]."""
+    return (x / _nonzero(scales)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+# What each code means before its scale: int8's 256, then e4m3fn's 256 (two of them NaN)
 _VALUES = {
-    "fp8-rows": torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy(),
     "int8-blocks": np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32),
+    "fp8-rows": torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy(),
 }
+_BOTH = np.concatenate([_VALUES["int8-blocks"], _VALUES["fp8-rows"]])  # an int8-blocks block's, by its scale's sign
 
 
 def dequantize(codec: Lossy, data: bytes | memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """The tensor (`dtype`, `shape`: its header's) that a lossy codec's stream holds; PacketError, before anything
     larger than the header implies is allocated, for a stream that is not what the format says, a scale that is
-    not finite or is negative, or values that do not dequantize to finite ones in `dtype` (the module docstring)."""
+    not finite (or, fp8-rows, negative), or values that do not dequantize to finite ones in `dtype` (the module
+    docstring)."""
     if codec not in LOSSY:
         raise PacketError(f"{codec!r} is no 8-bit codec: this build knows {list(LOSSY)}")
     if not dtype.is_floating_point:
@@ -326,10 +354,20 @@ def dequantize(codec: Lossy, data: bytes | memoryview, dtype: torch.dtype, shape
             raise PacketError(f"{codec} stream of {len(view)} bytes, its header's shape needs {head + n} (truncated?)")
         codes = np.frombuffer(view[head:], np.uint8)
     scales = np.frombuffer(view[:head], "<f4").reshape(rows, blocks)
-    if not (np.isfinite(scales).all() and (scales >= 0).all()):
-        raise PacketError(f"{codec}: a scale is not finite or is negative")
-    x = np.take(_VALUES[_base(codec)], codes).reshape(rows, width)  # float32
-    x *= scales if blocks == 1 else np.repeat(scales, block, axis=1)[:, :width]
+    fp8_rows = _base(codec) == "fp8-rows"
+    if not np.isfinite(scales).all() or (fp8_rows and np.signbit(scales).any()):
+        raise PacketError(f"{codec}: a scale is not finite" + (" or is negative" if fp8_rows else ""))
+    if fp8_rows:
+        x = np.take(_VALUES["fp8-rows"], codes).reshape(rows, width)  # float32
+        x *= scales
+    else:
+        signs = np.signbit(scales)  # the blocks sent as fp8
+        if signs.any():
+            index = codes.reshape(rows, width) + (np.repeat(signs, block, axis=1)[:, :width] * np.uint16(256))
+            x = np.take(_BOTH, index)
+        else:
+            x = np.take(_VALUES["int8-blocks"], codes).reshape(rows, width)
+        x *= np.repeat(np.abs(scales), block, axis=1)[:, :width] if blocks > 1 else np.abs(scales)
     out = torch.from_numpy(x).to(dtype).reshape(shape)
     if not np.abs(x).max() <= torch.finfo(dtype).max and not bool(torch.isfinite(out).all()):
         raise PacketError(f"{codec}: the rows do not dequantize to finite {dtype} values")  # a NaN code, a huge scale

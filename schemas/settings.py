@@ -292,7 +292,7 @@ class RelaySettings(_Group):
         description="How a head's rounds send their tensors, losslessly (schemas/codec.py): `none` raw; `zstd` byte "
         "planes, each zstd'd (SmolLM2's real bfloat16 hidden states in 7B-wide rounds, one core of a 2-core CPU: "
         "1.44x fewer bytes, 530 MB/s to encode, 1.26 GB/s to decode; float16 1.15x, float32 1.18x); `auto` zstd only "
-        "on a link the head measures slower than that pays for (`worth_compressing`: below about 230 MB/s a leg), "
+        "on a link the head measures slow enough that it pays 3 times over (`worth_compressing`: below about 77 MB/s), "
         "raw otherwise and until it has measured. A tail decodes whatever a round's header names.",
     )
     wire: Wire = Field(

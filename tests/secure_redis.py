@@ -25,7 +25,17 @@ render_acl = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(render_acl)
 
 NAMED_HEADS, NAMED_TAILS = ("iso-a", "iso-b"), ("iso-t1", "iso-t2")  # workers with users of their own (issue 56)
-ROLES = ("admin", "producer", "head", "tail", *(f"head-{n}" for n in NAMED_HEADS), *(f"tail-{n}" for n in NAMED_TAILS))
+NAMED_STAGES = ("iso-s1", "iso-s2")  # middle stages with users of their own (issue 59)
+ROLES = (
+    "admin",
+    "producer",
+    "head",
+    "tail",
+    "stage",
+    *(f"head-{n}" for n in NAMED_HEADS),
+    *(f"tail-{n}" for n in NAMED_TAILS),
+    *(f"stage-{n}" for n in NAMED_STAGES),
+)
 PREFIX, QUEUE, SPLIT, N_LAYERS = "shardflow", "secq", 2, 4
 CALLBACK_MARKER = "SHARDFLOW_TEST_CALLBACK_MARKER"
 
@@ -33,7 +43,8 @@ CALLBACK_MARKER = "SHARDFLOW_TEST_CALLBACK_MARKER"
 def acl_values(passwords: dict[str, str]) -> dict[str, str]:
     """What render_acl reads for these users' passwords (a named worker's: REDIS_HEAD_ISO_A_PASSWORD) and names."""
     values = {f"REDIS_{role.upper().replace('-', '_')}_PASSWORD": pw for role, pw in passwords.items()}
-    return values | {"SHARDFLOW_ACL_HEADS": ",".join(NAMED_HEADS), "SHARDFLOW_ACL_TAILS": ",".join(NAMED_TAILS)}
+    names = {"HEADS": NAMED_HEADS, "TAILS": NAMED_TAILS, "STAGES": NAMED_STAGES}
+    return values | {f"SHARDFLOW_ACL_{role}": ",".join(n) for role, n in names.items()}
 
 
 # --- certificates, made with the openssl CLI (nothing committed) -----------------------------------
@@ -208,6 +219,8 @@ ROLE_DENIALS = {
 
 
 T, Q, SCHED_LOCK = f"{PREFIX}:tail:requests", f"rq:queue:{QUEUE}", f"rq:scheduler-lock:{QUEUE}"
+STAGE_SHARED, STAGE_GROUP = f"{PREFIX}:stage:1-3:requests", f"{PREFIX}:stage:1-3:stages"
+STAGE_OWN = f"{PREFIX}:stage:s1:requests"  # a stage's own stream (a named stage's: stage:NAME:requests)
 ROLE_NEEDS = {
     "producer": [  # the RQ client: enqueue, cancel, requeue; reads of status, results, workers; its own keys
         ("HSET", "rq:job:j", "status", "queued"),
@@ -261,6 +274,9 @@ ROLE_NEEDS = {
         ("XREAD", "STREAMS", f"{PREFIX}:reply:s", "0"),
         ("DEL", f"{PREFIX}:reply:s"),
         ("XADD", f"{PREFIX}:tail:t1:requests", "MAXLEN", "~", "100", "*", "h", "x"),
+        ("ZRANGEBYSCORE", f"{PREFIX}:stages", "1700000000.5", "+inf"),  # the middle stages' route (routes.py)
+        ("XADD", f"{PREFIX}:stage:1-3:requests", "MAXLEN", "~", "100", "*", "h", "x"),  # a round, through a stage
+        ("XADD", STAGE_OWN, "MAXLEN", "~", "100", "*", "h", "x"),  # a pinned round, a close
         ("SET", f"{PREFIX}:result:j", "{}", "NX", "EX", "60"),
         ("GET", f"{PREFIX}:result:j"),
         ("SET", f"{PREFIX}:ckpt:j", "{}", "EX", "60"),
@@ -312,6 +328,26 @@ ROLE_NEEDS = {
         ("GET", f"{PREFIX}:head:h1"),  # is a session's head still running?
         ("MGET", f"{PREFIX}:head:h1", f"{PREFIX}:head:h2"),
     ],
+    "stage": [  # a middle stage (workers/stage/server.py): the tail's reads on its range's and its own stream, ...
+        ("XGROUP", "CREATE", STAGE_SHARED, STAGE_GROUP, "0", "MKSTREAM"),
+        ("XGROUP", "CREATE", STAGE_OWN, STAGE_GROUP, "0", "MKSTREAM"),
+        ("XREADGROUP", "GROUP", STAGE_GROUP, "s1", "COUNT", "4", "STREAMS", STAGE_SHARED, STAGE_OWN, "0", "0"),
+        ("XAUTOCLAIM", STAGE_SHARED, STAGE_GROUP, "s1", "30000", "0-0", "COUNT", "4"),
+        ("XACK", STAGE_SHARED, STAGE_GROUP, "1-0"),
+        ("XDEL", STAGE_OWN, "1-0"),
+        ("EXPIRE", STAGE_OWN, "3600"),  # its own stream outlives it
+        # ... a round passed on to the next hop (another range's stream, a pinned stage's, the tail's), ...
+        ("XADD", f"{PREFIX}:stage:3-5:requests", "NOMKSTREAM", "MAXLEN", "~", "10000", "*", "a", "b"),
+        ("XADD", f"{PREFIX}:stage:s2:requests", "NOMKSTREAM", "MAXLEN", "~", "10000", "*", "a", "b"),
+        ("XADD", T, "NOMKSTREAM", "MAXLEN", "~", "10000", "*", "a", "b"),
+        ("XADD", f"{PREFIX}:tail:t1:requests", "NOMKSTREAM", "MAXLEN", "~", "10000", "*", "a", "b"),
+        # ... error replies, dead letters, heads' liveness and its range announced
+        ("XADD", f"{PREFIX}:reply:head.h1.b", "NOMKSTREAM", "MAXLEN", "~", "10000", "*", "a", "b"),
+        ("XADD", f"{PREFIX}:dead-letters", "MAXLEN", "~", "100", "*", "a", "b"),
+        ("MGET", f"{PREFIX}:head:h1", f"{PREFIX}:head:h2"),
+        ("ZADD", f"{PREFIX}:stages", "1700000000.5", "s1 1:3"),
+        ("ZREMRANGEBYSCORE", f"{PREFIX}:stages", "-inf", "1700000000.5"),
+    ],
 }
 
 
@@ -334,6 +370,8 @@ for _name in NAMED_HEADS:  # a named head needs what a head does, on its own key
     )
 for _name in NAMED_TAILS:  # a named tail: the shared request stream and its own
     ROLE_NEEDS[f"tail-{_name}"] = _named(ROLE_NEEDS["tail"], {f"{PREFIX}:tail:t1:": f"{PREFIX}:tail:{_name}:"})
+for _name in NAMED_STAGES:  # a named stage: the ranges' shared streams and its own
+    ROLE_NEEDS[f"stage-{_name}"] = _named(ROLE_NEEDS["stage"], {f"{PREFIX}:stage:s1:": f"{PREFIX}:stage:{_name}:"})
 
 
 def _dryrun(s: Secured, role: str, *cmd: str) -> str:

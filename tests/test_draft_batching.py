@@ -289,8 +289,9 @@ def _bare_loop(poll_ms: float):
 
 
 def test_the_loops_poll_takes_each_reply_as_it_comes_until_the_device_is_done():
-    """`HeadLoop._poll` asks the group's `Launch` whether the device is done and, while it is not, takes the replies
-    that come (waiting at most `relay.head_wait_poll_ms` for one); with 0 it never waits (`collect` blocks)."""
+    """`HeadLoop._poll` asks whether the device is done (the group's drafts, or its `Launch`) and, while not, takes
+    the replies that come (waiting at most `relay.head_wait_poll_ms` for one); with 0 it never waits (the batcher
+    blocks)."""
     import threading
     import time
 
@@ -306,11 +307,11 @@ def test_the_loops_poll_takes_each_reply_as_it_comes_until_the_device_is_done():
 
     threading.Timer(0.02, loop._deliver, args=([("sid", b"1-1", {})],)).start()
     t0 = time.monotonic()
-    loop._poll(Launch(busy=1))  # type: ignore[arg-type]
+    loop._poll(Launch(busy=1).ready)
     assert taken == [[("sid", b"1-1", {})]] and time.monotonic() - t0 < 0.19
     loop.settings = loop.settings.replace(relay={"head_wait_poll_ms": 0.0})
     launch = Launch(busy=5)
-    loop._poll(launch)  # type: ignore[arg-type]
+    loop._poll(launch.ready)
     assert launch.asked == 0 and len(taken) == 1
 
 

@@ -6,14 +6,16 @@ that refuses them on purpose or cannot decode them, and a head sending them to r
 from __future__ import annotations
 
 import json
+import math
 import struct
 
+import numpy as np
 import pytest
 import torch
 import zstandard
 from pydantic import ValidationError
 
-from schemas.codec import LOSSY, Lossy, dequantize, hidden_codec, lossy_nbytes, pick_codec, quantize
+from schemas.codec import BLOCK, LOSSY, Lossy, dequantize, hidden_codec, lossy_nbytes, pick_codec, quantize
 from schemas.errors import PacketError
 from schemas.keys import Keys
 from schemas.macs import authentic, seal, session_key
@@ -63,35 +65,38 @@ def header(sid: str = "s" * 32, n: int = 3, k: int = 0, **over) -> dict:
 
 
 def rows_like(dtype: torch.dtype, shape: list[int], seed: int = 0) -> torch.Tensor:
-    """Activation-like values: mostly small, a few outlier channels, exact zeros and a row of zeros among them."""
+    """Activation-like values: mostly small, an outlier channel, a massive activation, exact zeros and a row of zeros
+    among them."""
     g = torch.Generator().manual_seed(seed)
     t = torch.randn(shape, generator=g) * 3
-    if t.ndim >= 1 and t.shape[-1] > 8:
+    if t.ndim and t.numel() and t.shape[-1] > 8:
         t[..., 3] *= 40  # an outlier channel, as real hidden states have
         t[..., 5] = 0.0
+        t.view(-1, t.shape[-1])[0, 7] = 20000.0  # a massive activation, as a first token's row has
     if t.ndim >= 2 and t.shape[0] > 1:
         t[1] = 0.0
     return t.to(dtype)
 
 
-def blockwise(codec: str, x: torch.Tensor) -> torch.Tensor:
-    """Each value's scale: its row's (fp8) or its 64-value block's (int8) absolute maximum / 448 or 127."""
-    rows = x.float().reshape(-1, x.shape[-1]) if x.ndim else x.float().reshape(1, 1)
-    if codec.startswith("fp8"):
-        return (rows.abs().amax(-1, keepdim=True) / 448).expand_as(rows).reshape(x.shape)
-    w, out = rows.shape[-1], torch.empty_like(rows)
-    for a in range(0, w, 64):
-        out[:, a : a + 64] = rows[:, a : a + 64].abs().amax(-1, keepdim=True) / 127
-    return out.reshape(x.shape)
+def stream_scales(codec: Lossy, sent: bytes, shape: list[int]) -> torch.Tensor:
+    """Each value's scale as its stream holds it ([rows, width], float32; negative: an int8-blocks block sent fp8)."""
+    width = shape[-1] if shape else 1
+    rows = math.prod(shape[:-1]) if shape else 1
+    block = BLOCK[codec.removesuffix("-zstd")] or width
+    blocks = -(-width // block)
+    scales = torch.from_numpy(np.frombuffer(sent[: 4 * rows * blocks], "<f4").copy()).view(rows, blocks)
+    return scales.repeat_interleave(block, dim=1)[:, :width]
 
 
 @pytest.mark.parametrize("codec", LOSSY)
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_round_trip_within_bounds(codec: Lossy, dtype: torch.dtype, shape: list[int]) -> None:
-    """Decoded to the meta's dtype and shape; fp8: each value off by at most 2^-4 of itself (3 mantissa bits) or
-    2^-10 of its row's scale (subnormal codes), so at most 2^-4 of the row's absolute maximum; int8: by at most half
-    its block's scale (absmax / 254); plus the dtype's own rounding of the result. Zeros stay exact zeros."""
+    """Decoded to the meta's dtype and shape. A value sent fp8 (fp8-rows; an int8-blocks block whose scale is
+    negative) is off by at most 2^-4 of itself (3 mantissa bits) or 2^-10 of its scale (subnormal codes), so by at
+    most 2^-4 of its row's (block's) absolute maximum, its scale that maximum / 448; one sent int8 by at most half
+    its block's scale, the block's absolute maximum / 127 (absmax / 254); each plus the dtype's own rounding of the
+    result. Zeros stay exact zeros."""
     x = rows_like(dtype, shape)
     meta, sent = encode_tensor(x, codec)
     assert meta.codec == codec and meta.dtype == DTYPE_NAMES[dtype] and meta.shape == shape
@@ -102,21 +107,37 @@ def test_round_trip_within_bounds(codec: Lossy, dtype: torch.dtype, shape: list[
     if not x.numel():
         assert sent == b""
         return
-    xf, yf = x.float(), y.float()
-    err, scale, own = (yf - xf).abs(), blockwise(codec, x), torch.finfo(dtype).eps * xf.abs()
-    if codec.startswith("fp8"):
-        assert bool((err <= 2**-4 * xf.abs() + 2**-10 * scale + own + 1e-30).all())
-        assert bool((err <= 2**-4 * 448 * scale + own + 1e-30).all())
-    else:
-        assert bool((err <= scale / 2 * (1 + 1e-5) + own + 1e-30).all())
+    signed = stream_scales(codec, sent, shape)
+    scale, as_fp8 = signed.abs(), torch.signbit(signed) | codec.startswith("fp8")
+    xf, yf = x.float().reshape(scale.shape), y.float().reshape(scale.shape)
+    block = BLOCK[codec.removesuffix("-zstd")] or xf.shape[-1]
+    absmax = torch.cat([c.abs().amax(-1, keepdim=True).expand_as(c) for c in xf.split(block, dim=-1)], dim=-1)
+    assert torch.allclose(scale, absmax / torch.where(as_fp8, 448.0, 127.0), rtol=1e-6, atol=0)
+    err, own = (yf - xf).abs(), torch.finfo(dtype).eps * xf.abs() + 1e-30
+    fp8_bound = torch.minimum(2**-4 * xf.abs() + 2**-10 * scale, 2**-4 * absmax) + own
+    assert bool((err <= torch.where(as_fp8, fp8_bound, scale / 2 * (1 + 1e-5) + own)).all())
     assert bool((y[x == 0] == 0).all())
+    if codec.startswith("int8") and shape == [9, 576]:  # the massive activation's block goes fp8, outlier-free int8
+        assert bool(as_fp8[0, 7]) and not bool(as_fp8[:, 128:].any())
+
+
+def test_int8_blocks_keep_a_massive_activations_row() -> None:
+    """A row like a first token's (one value 20,000, the rest about 1): plain int8 would round the rest to 0; its
+    block goes fp8, so they keep 2^-4 of themselves (or 2^-10 of the scale: 0.05) and the next block int8."""
+    x = torch.randn(1, 256)
+    x[0, 7] = 20000.0
+    y = dequantize(INT8, quantize(INT8, x), torch.float32, [1, 256])
+    err = (y - x).abs()
+    assert bool((err[0, :128] <= 2**-4 * x[0, :128].abs() + 2**-10 * 20000 / 448).all())
+    assert bool((err[0, 128:] <= x[0, 128:].abs().max() / 254 * (1 + 1e-5)).all())
+    assert float(y[0, 7]) == 20000.0
 
 
 @pytest.mark.parametrize("codec", LOSSY)
 def test_zero_rows_scale_zero(codec: Lossy) -> None:
     x = torch.zeros(3, 100, dtype=torch.bfloat16)
     sent = quantize(codec, x)
-    rows, blocks = 3, 1 if codec.startswith("fp8") else 2
+    rows, blocks = 3, 1
     assert sent[: 4 * rows * blocks] == bytes(4 * rows * blocks)  # every scale 0.0
     assert torch.equal(dequantize(codec, sent, torch.bfloat16, [3, 100]), x)
 
@@ -135,8 +156,8 @@ def test_codes_compress_under_zstd() -> None:
 @pytest.mark.parametrize("codec", [FP8, INT8])
 def test_hostile_streams(codec: Lossy) -> None:
     """Every stream that is not what the header's shape implies is refused as PacketError before anything larger
-    is allocated: a byte short or over, a scale that is not finite or is negative, a NaN code, a scale too large for
-    the dtype, a frame that states another size, a stream of a tensor of no elements."""
+    is allocated: a byte short or over, a scale that is not finite (fp8-rows: or negative), a NaN code, a scale too
+    large for the dtype, a frame that states another size, a stream of a tensor of no elements."""
     shape, dt = [2, 64], torch.float16
     x = rows_like(dt, shape)
     sent = quantize(codec, x)
@@ -144,14 +165,14 @@ def test_hostile_streams(codec: Lossy) -> None:
     for bad in (sent[:-1], sent + b"\0", b"", sent[:head]):
         with pytest.raises(PacketError, match=r"needs|bytes"):
             dequantize(codec, bad, dt, shape)
-    for scale in (float("inf"), float("nan"), -1.0):
+    for scale in (float("inf"), float("nan"), -1.0) if codec == FP8 else (float("inf"), float("nan")):
         with pytest.raises(PacketError, match="scale"):
             dequantize(codec, struct.pack("<f", scale) + sent[4:], dt, shape)
     with pytest.raises(PacketError, match="finite"):  # 1e30 x 448 (or 127) is no float16
         dequantize(codec, struct.pack("<f", 1e30) + sent[4:], dt, shape)
-    if codec == FP8:
-        with pytest.raises(PacketError, match="finite"):  # 0x7F is e4m3fn's NaN
-            dequantize(codec, sent[:head] + b"\x7f" + sent[head + 1 :], dt, shape)
+    as_fp8 = sent if codec == FP8 else struct.pack("<f", -abs(struct.unpack("<f", sent[:4])[0])) + sent[4:]
+    with pytest.raises(PacketError, match="finite"):  # 0x7F is e4m3fn's NaN (int8-blocks: a block sent fp8)
+        dequantize(codec, as_fp8[:head] + b"\x7f" + as_fp8[head + 1 :], dt, shape)
     # under -zstd: the codes as a frame, or as they are where it would not be smaller
     zstd: Lossy = "fp8-rows-zstd" if codec == FP8 else "int8-blocks-zstd"
     sparse, shape = torch.zeros(2, 640, dtype=dt), [2, 640]

@@ -16,6 +16,7 @@ from schemas.codec import (
     CODECS,
     DECODE_BYTES_PER_S,
     ENCODE_BYTES_PER_S,
+    MARGIN,
     RATIO,
     Codec,
     decode,
@@ -281,7 +282,7 @@ def test_worth_compressing() -> None:
     assert not worth_compressing(10e9)  # faster than the codec
     assert not worth_compressing(1e3, ratio=1.0)
     # the break-even of the docstring's arithmetic, both sides of it
-    even = 2 * (1 - 1 / RATIO) / (1 / ENCODE_BYTES_PER_S + 1 / DECODE_BYTES_PER_S)
+    even = 2 * (1 - 1 / RATIO) / (1 / ENCODE_BYTES_PER_S + 1 / DECODE_BYTES_PER_S) / MARGIN
     assert worth_compressing(even * 0.99) and not worth_compressing(even * 1.01)
     assert worth_compressing(even * 1.4, legs=3) and not worth_compressing(even * 0.6, legs=1)
     assert pick_codec("none", 1e3) == "raw" and pick_codec("zstd", 1e12) == ZSTD

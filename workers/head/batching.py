@@ -4,6 +4,7 @@ The head's step loop (workers/head/loop.py) assembles a group of its ready gener
 workers/head/schedule.py) and computes it under the runtime's lock in three calls, doing its own work between them:
 
     launch = batcher.launch(works)   # every draft and the lower shard queued on the device
+    launch.drafts_ready()            # whether the drafts are back (the loop takes replies until then)
     batcher.read_drafts(launch)      # the drafts read back (the lower shard still runs); its hidden states' copy queued
     launch.ready()                   # whether the device has passed that copy (the loop takes replies until then)
     batcher.collect(launch)          # the hidden states on the host, checked; a failed batch retried item by item
@@ -105,6 +106,10 @@ class Launch:
     def ready(self) -> bool:
         """Whether `collect` would not wait for the device (True once anything failed: the retry is synchronous)."""
         return self.error is not None or self.copy is None or self.copy.ready()
+
+    def drafts_ready(self) -> bool:
+        """Whether `Batcher.read_drafts` would not wait for the device."""
+        return self.error is not None or self.drafted is None or self.drafted.ready()
 
 
 def _rewind(w: HeadWork) -> None:

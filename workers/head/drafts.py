@@ -108,6 +108,10 @@ class Drafted:
             at += 2 * m
         return ids, sizes
 
+    def ready(self) -> bool:
+        """Whether `read` would not wait for the device."""
+        return all(launch.ready() for launch in self.launches)
+
     def read(self) -> list[Draft]:
         """Every item's draft (empty where none was wanted), reading those still on the device. Every launch is
         read, also one whose sessions all proposed alone: reading brings its sessions' record of their caches up to

@@ -143,9 +143,10 @@ class HeadLoop:
                 t0, self._aside = time.perf_counter(), 0.0
                 launch = self.rt.batcher.launch([g.next_work() for g in group])  # drafts and lower shard queued
                 self._take_meanwhile(0.0)  # the replies for the other generations, while the device runs
+                self._poll(launch.drafts_ready)  # replies as they come, until the drafts are back
                 self.rt.batcher.read_drafts(launch)  # drafts read; the hidden states' copy queued
                 self._headers(group)  # the rounds' headers, made while the lower shard runs
-                self._poll(launch)  # replies as they come, until the device is done
+                self._poll(launch.ready)  # replies as they come, until the device is done
                 self.rt.batcher.collect(launch)  # hidden states on the host; a failed batch retried item by item
             self._computed(group, launch, time.perf_counter() - t0 - self._aside)
         self.steps += 1
@@ -214,11 +215,11 @@ class HeadLoop:
         self._aside += (dt := time.perf_counter() - t0)
         self.clock.add("replies", dt)
 
-    def _poll(self, launch: Launch) -> None:
-        """Until the device has passed the group: each reply taken as it comes (within `relay.head_wait_poll_ms`),
-        not after the wait. 0: the wait blocks in `collect`."""
+    def _poll(self, ready: Callable[[], bool]) -> None:
+        """Until the device has passed the group's drafts, or the group: each reply taken as it comes (within
+        `relay.head_wait_poll_ms`), not after the wait. 0: the wait blocks in the batcher."""
         poll_s = self.settings.relay.head_wait_poll_ms / 1000
-        while poll_s > 0 and not launch.ready():
+        while poll_s > 0 and not ready():
             self._take_meanwhile(poll_s)
 
     def _headers(self, group: list[Generation]) -> None:

@@ -50,13 +50,22 @@ class Routes:
         self._failing = False
 
     def route(self, r: redis.Redis, names: Keys) -> list[str]:
-        """The hops a new session's rounds go through (the tail last)."""
+        """The hops a new session's rounds go through (the tail last). The first call reads the stages (one round
+        trip); later ones never wait: a stale view is refreshed on a thread of its own while the last one serves
+        (a job's intake over a WAN link must not pay a round trip every REFRESH_S)."""
         with self._lock:
-            if time.monotonic() - self._read_at >= REFRESH_S:
+            if self._read_at == float("-inf"):  # the first: read now, under the lock (concurrent firsts wait)
                 self._read_at = time.monotonic()
                 self._ranges = self._read(r, names)
-            ranges = set(self._ranges)
-        return chain(self.start, ranges)
+            elif time.monotonic() - self._read_at >= REFRESH_S:
+                self._read_at = time.monotonic()
+                threading.Thread(target=self._refresh, args=(r, names), daemon=True, name="head-routes").start()
+            return chain(self.start, set(self._ranges))
+
+    def _refresh(self, r: redis.Redis, names: Keys) -> None:
+        ranges = self._read(r, names)
+        with self._lock:
+            self._ranges = ranges
 
     def _read(self, r: redis.Redis, names: Keys) -> set[tuple[int, int]]:
         try:

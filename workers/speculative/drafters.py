@@ -287,6 +287,10 @@ class GreedyLaunch:
         """Whether some draft is still on the device, unread."""
         return bool(self._reads) and self._drafts is None
 
+    def ready(self) -> bool:
+        """Whether `drafts()` would not wait for the device (every read's copy done)."""
+        return all(done is None or done.query() for _, _, done in self._reads)
+
     def add(self, idx: list[int], got: torch.Tensor) -> None:
         """Drafts of sessions `idx` in `got` (a graph's output: copied, as the next replay reuses it)."""
         mine = got.clone()
