@@ -342,3 +342,14 @@ def test_a_session_proposing_alone_still_records_its_inner_draft(tiny: Tiny, sta
         assert want.draft is not None and len(want.draft.tokens) == 4
         inner = w.drafter.inner  # type: ignore[union-attr]
         assert inner.tokens == want.drafter.tokens == [*c, *want.draft.tokens[:3]]  # type: ignore[union-attr]
+
+
+def test_a_wait_for_replies_while_the_device_runs_counts_as_the_groups_compute():
+    """`_take_meanwhile`'s wait for a reply is the device's time: only handing replies out counts as the loop's own
+    work (`_aside`, which the group plan's compute leaves out), so a group never looks cheaper than it ran."""
+    loop, taken = _bare_loop(50.0)
+    loop._take_meanwhile(0.05)  # nothing comes: 50 ms of waiting, none of it the loop's
+    assert loop._aside == 0.0 and not taken
+    loop._deliver([("a", b"1-1", {})])
+    loop._take_meanwhile(0.05)
+    assert taken and 0.0 < loop._aside < 0.04
