@@ -228,7 +228,7 @@ def _exit_now() -> None:
     type=click.Choice(["lossless", "fp8", "int8"]),
     default=None,
     help="Precision of the hidden rows sent to tails (SHARDFLOW_RELAY__WIRE; default lossless). fp8 (a scale per "
-    "row) and int8 (a scale per 64 values) about halve a bfloat16 round's bytes and are LOSSY: greedy output may "
+    "row) and int8 (a scale per 128 values) about halve a bfloat16 round's bytes and are LOSSY: greedy output may "
     "part from the unsplit model's. For slow links (`shardflow doctor` says when it would pay).",
 )
 @click.option("--name", default=None, help="Worker name (default: RQ's).")

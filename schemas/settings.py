@@ -298,7 +298,7 @@ class RelaySettings(_Group):
     wire: Wire = Field(
         "lossless",
         description="Precision of a head's hidden rows on the wire (`shardflow head --wire`): `lossless` as computed; "
-        "`fp8` (float8 e4m3, a scale per row) or `int8` (a scale per 64 values) about halve a bfloat16 round's bytes "
+        "`fp8` (float8 e4m3, a scale per row) or `int8` (a scale per 128 values) about halve a bfloat16 round's bytes "
         "(a quarter of float32's) and are LOSSY: greedy output may part from the unsplit model's (schemas/codec.py, "
         "README). Opt-in, never the default; q tensors stay lossless; the codes zstd'd where wire_codec compresses.",
     )

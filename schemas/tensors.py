@@ -90,7 +90,7 @@ def encode_tensor(t: torch.Tensor, codec: TensorCodec = "raw") -> tuple[TensorMe
     """Return the meta and the bytes of `t` as they travel under `codec` (copied to host memory, made contiguous;
     raw: its little-endian bytes; an 8-bit codec: its scales and codes, lossy)."""
     meta = tensor_meta(t, codec)
-    if codec != "raw" and codec != "zstd-planes":  # 8-bit (is_lossy): quantized where it is, then copied
+    if codec != "raw" and codec != "zstd-planes":  # 8-bit (is_lossy): scales and codes, lossy
         return meta, quantize(codec, t)
     host = t.detach().to("cpu").contiguous()
     if codec == "raw":
