@@ -13,7 +13,9 @@ import click
 from producer.options import (
     CliConfig,
     connection_options,
+    device_flags,
     device_opt,
+    devices_opt,
     draft_quant_opt,
     dtype_opt,
     engine_options,
@@ -101,6 +103,7 @@ def _shard_worker_options(role: str, layers_help: str, layers_env: str) -> Calla
                 redis_opt,
                 prefix_opt,
                 device_opt,
+                devices_opt,
                 dtype_opt,
                 quant_opt,
                 threads_opt,
@@ -133,6 +136,7 @@ def stage(**options: object) -> None:
 def _serve_layers(role: str, o: dict) -> None:
     """Load a tail's or a middle stage's shard and serve it until SIGTERM (the options: `_shard_worker_options`)."""
     from relay_broker.connection import connect
+    from workers.engine.chain import make_engine
     from workers.engine.preflight import preflight_tail
     from workers.engine.runner import Engine
     from workers.stage.server import StageWorker
@@ -144,15 +148,14 @@ def _serve_layers(role: str, o: dict) -> None:
         "session_ttl_s": o["session_ttl"],
         "max_packet_bytes": o["max_packet_bytes"],
     }
-    engine = {
-        k: o[k] for k in ("max_len", "slots", "gpu_memory", "static", "graphs", "device", "dtype", "quant", "threads")
-    }
+    engine = {k: o[k] for k in ("max_len", "slots", "gpu_memory", "static", "graphs", "dtype", "quant", "threads")}
+    engine |= device_flags(o["device"], o["devices"])
     settings = worker_settings(redis={"url": redis_url, "prefix": prefix}, relay=relay, engine=engine)
     registry = run_guarded(lambda: load_worker_plugins(o["plugins"]))
     torch_setup(settings)
     last = role == "tail"
-    run_guarded(lambda: preflight_tail(registry, o["target"], layers, settings))
-    shard = registry.load_for(o["target"], layers, settings.engine, embed=False, head=last)
+    run_guarded(lambda: preflight_tail(registry, o["target"], layers, settings, head=last))
+    shard = registry.load_layers(o["target"], layers, settings.engine, embed=False, head=last)
     n = shard.config.num_hidden_layers
     if last and layers[1] != n:
         raise click.BadParameter(f"a tail must end at the last layer ({n})")
@@ -168,7 +171,7 @@ def _serve_layers(role: str, o: dict) -> None:
             names=Keys(prefix),
             tail_id=o["name"],
             settings=settings,
-            engine=Engine(shard, settings, label=role),
+            engine=make_engine(shard, settings, label=role),
         )
     )
     if isinstance(worker, StageWorker):
@@ -234,6 +237,7 @@ def _exit_now() -> None:
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
 @connection_options
 @device_opt
+@devices_opt
 @click.option("--draft-device", default=None, help="Torch device of the draft model, e.g. cuda:1 (default: --device).")
 @dtype_opt
 @quant_opt
@@ -252,6 +256,7 @@ def head(
     name: str | None,
     config: CliConfig,
     device: str | None,
+    devices: list[str] | None,
     draft_device: str | None,
     dtype: str | None,
     quant: str | None,
@@ -279,7 +284,8 @@ def head(
         relay={"head_groups": groups, "wire": wire},
         engine=dict(slots=slots, max_len=max_len, gpu_memory=gpu_memory, static=static, graphs=graphs)
         | dict(compile_draft=compile_draft or None)
-        | dict(device=device, draft_device=draft_device, dtype=dtype, quant=quant, draft_quant=draft_quant)
+        | device_flags(device, devices)
+        | dict(draft_device=draft_device, dtype=dtype, quant=quant, draft_quant=draft_quant)
         | dict(threads=threads),
     )
     settings, queue = config.settings, config.queue

@@ -247,6 +247,34 @@ def batch_options(fn: Callable) -> Callable:
 device_opt = click.option(
     "--device", default=None, help="Torch device, e.g. cpu, cuda:0 [default: cpu; env SHARDFLOW_ENGINE__DEVICE]."
 )
+
+
+def _devices(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    devices = [d.strip() for d in value.split(",") if d.strip()]
+    if len(devices) < 2:
+        raise click.BadParameter("name at least two devices, comma-separated (one device: --device)")
+    return devices
+
+
+devices_opt = click.option(
+    "--devices",
+    default=None,
+    callback=_devices,
+    help="Devices of this machine to spread the worker's layers over, in order, comma-separated (e.g. cuda:0,cuda:1: "
+    "one worker, no Redis between them; each device about the same bytes of weights) [env SHARDFLOW_ENGINE__DEVICES, "
+    "JSON].",
+)
+
+
+def device_flags(device: str | None, devices: list[str] | None) -> dict[str, object]:
+    """--device and --devices as engine settings: with --devices, device is their first (another: a usage error)."""
+    if devices and device not in (None, devices[0]):
+        raise click.BadParameter(f"--device {device} is not the first of --devices {','.join(devices)}")
+    return {"device": devices[0] if devices else device, "devices": devices}
+
+
 dtype_opt = click.option(
     "--dtype",
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "SHARDFLOW_"  # of every environment name: SHARDFLOW_<GROUP>__<FIELD>
@@ -90,6 +90,12 @@ class EngineSettings(_Group):
     """How a worker runs its shard (and a head its draft model): device, weights, caches, graphs, memory."""
 
     device: str = Field("cpu", description="Torch device of the shard, e.g. cpu, cuda:0.")
+    devices: list[str] = Field(
+        [],
+        description='Devices of one machine one worker spreads its layers over, in order (e.g. ["cuda:0", '
+        '"cuda:1"]: workers/engine/chain.py; no Redis between them), each holding about the same bytes of weights; '
+        "empty: `device` alone. `device` is then the first of them (a head's drafter goes there by default).",
+    )
     dtype: DTypeChoice = Field("auto", description="Weight dtype; auto = the checkpoint's.")
     quant: Quant = Field(
         "none", description="Weight-only quantization of the shard's layers (workers/engine/quant.py)."
@@ -220,6 +226,21 @@ class EngineSettings(_Group):
         description="Most logits rows of sampled rounds a tail warps at once (temperature, top-k, top-p: about 30 "
         "bytes per row and vocabulary entry while it runs) when it verifies a batch; more rows run in more steps.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_device(cls, data: Any) -> Any:
+        """With `devices`, `device` is their first (named otherwise: an error, not a guess)."""
+        if isinstance(data, dict) and data.get("devices"):
+            devices = data["devices"]
+            if isinstance(devices, str):
+                devices = [d.strip() for d in devices.split(",") if d.strip()]
+            if len(devices) < 2:
+                raise ValueError("devices names at least two (one device: use device)")
+            if data.get("device") not in (None, devices[0]):
+                raise ValueError(f"device {data['device']!r} is not the first of devices {devices}")
+            data = {**data, "devices": devices, "device": devices[0]}
+        return data
 
 
 class RelaySettings(_Group):

@@ -27,6 +27,7 @@ from transformers import AutoConfig, PretrainedConfig
 from schemas.errors import InvalidRequest, ModelLoadError
 from schemas.requests import BUILTIN_DRAFTERS
 from schemas.settings import EngineSettings
+from workers.engine.chain import ChainShard, load_chain
 from workers.engine.shard import Shard, Source, load_shard
 from workers.engine.wrappers import text_config
 from workers.speculative.drafters import DraftSession
@@ -131,6 +132,29 @@ class Registry:
         dtype = None if engine.dtype == "auto" else getattr(torch, engine.dtype)
         opts = dict(device=engine.device, dtype=dtype, fused=engine.fused_layers, quant=engine.quant)
         return self.load_shard(target, layers, embed=embed, head=head, **opts)  # type: ignore[arg-type]
+
+    def load_layers(
+        self,
+        target: str | Path,
+        layers: tuple[int, int],
+        engine: EngineSettings,
+        *,
+        embed: bool,
+        head: bool,
+        first_extra: int = 0,
+    ) -> Shard | ChainShard:
+        """A worker's layers: `load_for` on its device, or with engine.devices a `ChainShard` over them
+        (workers/engine/chain.py; `first_extra`: bytes beside the first device's range, a head's drafter there)."""
+        if not engine.devices:
+            return self.load_for(target, layers, engine, embed=embed, head=head)
+        dtype = None if engine.dtype == "auto" else getattr(torch, engine.dtype)
+
+        def load(part: tuple[int, int], *, embed: bool, head: bool, device: str) -> Shard:
+            return self.load_for(target, part, engine.model_copy(update={"device": device}), embed=embed, head=head)
+
+        config = self.config(target)
+        opts = dict(embed=embed, head=head, first_extra=first_extra, dtype=dtype, quant=engine.quant)
+        return load_chain(load, config, layers, engine.devices, **opts)  # type: ignore[arg-type]
 
     def load_draft(self, target: str | Path, engine: EngineSettings) -> Shard:
         """A head's whole draft model as its engine settings say: on draft_device (default: device), draft_quant."""

@@ -12,6 +12,7 @@ import torch
 from transformers import PretrainedConfig
 
 from schemas.settings import Settings
+from workers.engine.chain import device_ranges, whole_bytes
 from workers.engine.plan import Part, check_worker, enforce_budget
 from workers.engine.quant import prequantized_scheme
 
@@ -50,10 +51,40 @@ def preflight(role: str, registry: Configs, loads: list[Load], device: str, sett
     enforce_budget(dev, settings)
 
 
-def preflight_tail(registry: Configs, target: str, layers: tuple[int, int], settings: Settings) -> None:
-    """`preflight` for a tail: its layers, the final norm and the LM head, on settings.engine.device."""
+def preflight_tail(
+    registry: Configs, target: str, layers: tuple[int, int], settings: Settings, *, head: bool = True
+) -> None:
+    """`preflight` for a tail (its layers, the final norm and the LM head) or, without `head`, a middle stage, on
+    settings.engine.device, or on each of engine.devices the part the worker will load there."""
+    load = Load(target, layers, False, head, settings.engine.quant)
+    for device, loads in per_device(registry, load, [], settings):
+        preflight("tail" if head else "stage", registry, loads, device, settings)
+
+
+def per_device(registry: Configs, load: Load, beside: list[Load], settings: Settings) -> list[tuple[str, list[Load]]]:
+    """What each device of a worker will hold: `load` and `beside` (a head's drafter) on engine.device; with
+    engine.devices, `load` cut as the worker cuts it (`chain.device_ranges`), `beside` on the first device; the parts
+    on one device together."""
     engine = settings.engine
-    preflight("tail", registry, [Load(target, layers, False, True, engine.quant)], engine.device, settings)
+    if not engine.devices:
+        return [(engine.device, [load, *beside])]
+    assert load.layers is not None
+    dtype = torch.float32 if engine.dtype == "auto" else getattr(torch, engine.dtype)
+    extra = sum(whole_bytes(registry.config(b.target), dtype, b.quant) for b in beside)
+    cfg = registry.config(load.target)
+    ranges = device_ranges(
+        cfg, load.layers, len(engine.devices), embed=load.embed, head=load.head, first_extra=extra, dtype=dtype,
+        quant=load.quant,
+    )  # fmt: skip
+    out: dict[str, list[Load]] = {}
+    for i, (part, device) in enumerate(zip(ranges, engine.devices, strict=True)):
+        first, last = i == 0, i == len(ranges) - 1
+        held = out.setdefault(str(torch.device(device)), [])
+        held += [
+            Load(load.target, part, load.embed and first, load.head and last, load.quant),
+            *(beside if first else []),
+        ]
+    return list(out.items())
 
 
 def same_device(a: str, b: str) -> bool:
@@ -72,10 +103,12 @@ def preflight_head(
     """`preflight` for a head: its layers and its draft model on one budget, or each on its own device's
     (settings.engine.draft_device)."""
     engine = settings.engine
-    own = [Load(target, layers, True, False, engine.quant)]
+    own = Load(target, layers, True, False, engine.quant)
     drafter = [Load(draft, None, True, True, engine.draft_quant)] if draft else []
     if engine.draft_device and not same_device(engine.draft_device, engine.device):
-        preflight("head", registry, own, engine.device, settings)
+        for device, loads in per_device(registry, own, [], settings):
+            preflight("head", registry, loads, device, settings)
         preflight("head's drafter", registry, drafter, engine.draft_device, settings)
     else:
-        preflight("head", registry, own + drafter, engine.device, settings)
+        for device, loads in per_device(registry, own, drafter, settings):
+            preflight("head", registry, loads, device, settings)

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.chain import WorkerEngine
 from workers.engine.isolate import run_isolated
 from workers.engine.numerics import non_finite_error
-from workers.engine.runner import Engine
 from workers.head.drafts import Drafted, HeadWork, draft_all, model_session
 from workers.head.groups import GroupPlan
 
 
-def _k_free(w: HeadWork, engine: Engine) -> bool:
+def _k_free(w: HeadWork, engine: WorkerEngine) -> bool:
     """Whether w's round cost the same whatever its k: its rows ran through the lower shard's graphs (padded to
     K + 1) and its draft, if a model drafted it, through the whole-draft graph (the longest K for every row)."""
     if not engine.graphs:
@@ -135,7 +135,7 @@ class Batcher:
     head's linger, workers/head/schedule.py). `batches` and `rounds` count the batches computed and the rounds in
     them: how well rounds batch."""
 
-    def __init__(self, engine: Engine, plan: GroupPlan | None = None, linger_s: float = 0.0) -> None:
+    def __init__(self, engine: WorkerEngine, plan: GroupPlan | None = None, linger_s: float = 0.0) -> None:
         self.engine, self.linger_s = engine, linger_s
         self.plan = plan or GroupPlan()
         self.batches = self.rounds = 0  # counters: how well rounds batch

@@ -9,8 +9,7 @@ from typing import Protocol
 
 from schemas.requests import GenerationRequest
 from schemas.settings import Settings
-from workers.engine.runner import Engine
-from workers.engine.shard import Shard
+from workers.engine.chain import WorkerEngine, WorkerShard
 from workers.head.batching import Batcher
 from workers.head.beacon import Beacons
 from workers.head.link import LinkMeter
@@ -28,13 +27,13 @@ class Runtime(Protocol):
     def tokenizer(self) -> object: ...
 
     @property
-    def shard(self) -> Shard: ...
+    def shard(self) -> WorkerShard: ...
 
     @property
     def eos_token_ids(self) -> list[int]: ...
 
     @property
-    def engine(self) -> Engine | None: ...
+    def engine(self) -> WorkerEngine | None: ...
 
     @property
     def lock(self) -> threading.RLock: ...  # one batch computes at a time

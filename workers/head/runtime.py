@@ -17,16 +17,19 @@ import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TypedDict, Unpack
 
 import redis
+import torch
 from transformers import AutoTokenizer
 
 from schemas.errors import InvalidRequest
 from schemas.keys import Keys
 from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
+from workers.engine.chain import ChainShard, WorkerEngine, WorkerShard, make_engine, whole_bytes
 from workers.engine.per_layer import id_limit
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
@@ -73,10 +76,10 @@ class HeadRuntime:
     plugins it was started with (drafter kinds and model schemes beyond the built-in ones)."""
 
     tokenizer: object
-    shard: Shard
+    shard: WorkerShard
     draft_model: ModelDrafter | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    engine: Engine | None = None  # how the shard runs (dynamic/static cache, CUDA graphs)
+    engine: WorkerEngine | None = None  # how the shard runs (dynamic/static cache, CUDA graphs)
     lock: threading.RLock = field(default_factory=threading.RLock)  # one batch computes at a time
     settings: Settings = field(default_factory=Settings)
     plugins: Registry = field(default_factory=Registry)
@@ -88,7 +91,7 @@ class HeadRuntime:
 
     def __post_init__(self) -> None:
         if self.engine is None:
-            self.engine = Engine(self.shard, settings=self.settings)
+            self.engine = make_engine(self.shard, self.settings)
         # a CPU head and its tail usually share their cores: a split would leave nothing idle to fill
         groups = self.settings.relay.head_groups or (None if self.shard.device.type == "cuda" else 1)
         plan = GroupPlan(fixed=groups)
@@ -132,8 +135,12 @@ class HeadRuntime:
         so another local GPU costs no extra host sync); `plugins` may add drafter kinds and model schemes
         (workers/plugins.py)."""
         settings, plugins = settings or Settings(), plugins or Registry()
-        shard = plugins.load_for(target, layers, settings.engine, embed=True, head=False)
         dshard = plugins.load_draft(draft, settings.engine) if draft else None
+        beside = dshard is not None and str(dshard.device) == str(torch.device(settings.engine.device))
+        dtype = torch.float32 if settings.engine.dtype == "auto" else getattr(torch, settings.engine.dtype)
+        # its bytes beside the first device's layers, counted as the preflight counts them (the same cuts)
+        extra = whole_bytes(dshard.config, dtype, settings.engine.draft_quant) if beside and dshard is not None else 0
+        shard = plugins.load_layers(target, layers, settings.engine, embed=True, head=False, first_extra=extra)
         if dshard is not None and dshard.config.vocab_size < shard.config.vocab_size:
             raise InvalidRequest("the draft model's vocabulary is smaller than the target's")
         k = settings.engine.graph_k
@@ -152,7 +159,7 @@ class HeadRuntime:
                 label="draft",
             )
             drafter = ModelDrafter(dshard, dengine)
-        engine = Engine(shard, settings, slots=slots, label="head")
+        engine = make_engine(shard, settings, slots=slots, label="head")
         source = plugins.source(target)
         if source is not None:  # a plugin's model: its tokenizer and EOS ids
             tok, eos = source.tokenizer, list(source.eos_token_ids)
@@ -215,31 +222,35 @@ class HeadRuntime:
             raise
 
 
-def _joint_slots(shard: Shard, dshard: Shard | None, cfg: Settings) -> SlotPlan | None:
+def _joint_slots(shard: WorkerShard, dshard: Shard | None, cfg: Settings) -> SlotPlan | None:
     """Slots for the lower shard's and the draft model's caches together (full-length and short ones, each
-    costing both models' slots), sized from the device's memory when the settings name none and the caches
-    are static on a CUDA device; as many as engine.cpu_slots where the shard's caches are dynamic (a static
+    costing both models' slots), sized from the devices' memory when the settings name none and the caches
+    are static on CUDA devices: each device's entry costs what every part on it holds a slot (the lower layers
+    of a `ChainShard` over several devices, the drafter on its own device or beside a part), the largest
+    workspace of them kept free; as many as engine.cpu_slots where the shard's caches are dynamic (a static
     drafter planned alone took all the memory); None: each engine decides."""
     if cfg.engine.slots is not None or shard.device.type != "cuda":
         return None
-    if not cache_modes(shard, cfg.engine)[0]:  # dynamic caches (--dynamic-cache): its drafter holds as many
+    parts = shard.parts if isinstance(shard, ChainShard) else [shard]
+    if not cache_modes(parts[0], cfg.engine)[0]:  # dynamic caches (--dynamic-cache): its drafter holds as many
         return SlotPlan(cfg.engine.cpu_slots)
-    k, n_max = cfg.engine.graph_k, cache_len(shard, cfg)
+    k, n_max = cfg.engine.graph_k, min(cache_len(p, cfg) for p in parts)
+    costs: dict[torch.device, list[Callable[[int], int]]] = {}
+    spaces: dict[torch.device, int] = {}
+    for p in parts:  # a slot of the lower layers (the graphs' rows included), each part on its device
+        costs.setdefault(p.device, []).append(partial(slot_cost, p, step_tokens=k + 1, scratch=k + 1,
+                                                      ring_slack=ring_slack(cfg, k + 1, 0)))  # fmt: skip
+        spaces[p.device] = max(spaces.get(p.device, 0), shard_workspace(p, cfg))
+    if dshard is not None:  # and its copies; one prefill at a time on a shared device: the larger workspace
+        costs.setdefault(dshard.device, []).append(partial(engine_slot_cost, dshard, step_tokens=2, max_draft=k,
+                                                           ring_slack=ring_slack(cfg, 2, k)))  # fmt: skip
+        spaces[dshard.device] = max(spaces.get(dshard.device, 0), shard_workspace(dshard, cfg))
+    entries = [(dev, partial(_summed, fs), spaces[dev]) for dev, fs in costs.items()]
+    return memory_plan(entries, n_max, cfg)
 
-    def head_cost(n: int) -> int:
-        return slot_cost(shard, n, k + 1, k + 1, ring_slack(cfg, k + 1, 0))
 
-    def draft_cost(n: int) -> int:
-        return engine_slot_cost(dshard, n, 2, k, ring_slack(cfg, 2, k)) if dshard is not None else 0  # and copies
-
-    ws = shard_workspace(shard, cfg)
-    if dshard is None or dshard.device == shard.device:  # one prefill at a time: the larger workspace
-        ws = max(ws, shard_workspace(dshard, cfg) if dshard is not None else 0)
-        return memory_plan([(shard.device, lambda n: head_cost(n) + draft_cost(n), ws)], n_max, cfg)
-    # the draft model on a GPU of its own: as many slots as both devices hold
-    return memory_plan(
-        [(shard.device, head_cost, ws), (dshard.device, draft_cost, shard_workspace(dshard, cfg))], n_max, cfg
-    )
+def _summed(costs: list[Callable[[int], int]], n: int) -> int:
+    return sum(cost(n) for cost in costs)
 
 
 class GenerationOptions(TypedDict, total=False):
