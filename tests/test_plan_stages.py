@@ -198,3 +198,20 @@ def test_stages_cut_only_where_a_split_may(monkeypatch):
     three = next(o for o in got.options if o.hops == 3)
     assert [w.layers for w in three.workers] == [(0, 10), (10, 20), (20, 64)] and three.fits
     assert not next(o for o in got.options if o.hops == 4).fits
+
+
+def test_the_readmes_four_t4_block_is_what_plan_prints(tmp_path, monkeypatch):
+    """README's "Four T4s in two notebooks": its plan command, on the hub models' config shapes, prints its lines."""
+    page = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = page.split("### Four T4s in two notebooks")[1].split("\n### ")[0]
+    command, text = (block.split("```")[0] for block in section.split("```bash\n")[1].split("```text\n"))
+    args = [a for a in command.replace("\\\n", " ").split() if not a.startswith("#")]
+    args = args[args.index("shardflow") :]
+    SHAPES["14b"].save_pretrained(tmp_path / "Qwen" / "Qwen2.5-14B-Instruct")
+    SHAPES["0.5b"].save_pretrained(tmp_path / "Qwen" / "Qwen2.5-0.5B-Instruct")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, args[1:])
+    assert res.exit_code == 0, res.output
+    shown = text.splitlines()
+    assert sum("--devices cuda:0,cuda:1" in line for line in shown) == 2
+    assert all(line in res.output.splitlines() for line in shown), [x for x in shown if x not in res.output]
