@@ -65,6 +65,13 @@ def is_group(fields: object) -> bool:
     return isinstance(fields, dict) and GROUP in fields
 
 
+def rounds_in(fields: dict) -> int:
+    """How many rounds an entry says it carries (a group: one MAC each), unchecked: a count to batch by, never trusted
+    further (`unpack_group` checks the group)."""
+    mac = fields.get(MAC, b"") if is_group(fields) else b""
+    return min(max(len(mac) // MAC_BYTES, 1), MAX_PARTS) if isinstance(mac, bytes | memoryview) else 1
+
+
 def entry_parts(fields: dict, *, max_bytes: int) -> list[dict]:
     """A stream entry's messages: a group's parts (`unpack_group`), or the entry alone; PacketError for a malformed
     group, or for an entry alone that carries a part's binding (DIGEST, which only unpacking sets: a MAC over it

@@ -69,22 +69,24 @@ def test_a_draft_through_the_kernels_equals_the_fused_draft(drafters, family, n,
     torch.manual_seed(3)
     pools = [KVPool.for_shard(s, slots=6, max_len=64, scratch=12) for s in (a, b)]
     lens = {0: 5, 2: 19} if n < 6 else {0: 5, 1: 9, 2: 19, 3: 3, 4: 12, 5: 7}
-    for s, length in lens.items():
+    for s, length in lens.items():  # prompts through the fused forward, their keys and values copied to the kernels'
         prompt = torch.randint(0, a.config.vocab_size, (1, length))
         pos = torch.arange(length)[None]
-        for shard, pool in zip((a, b), pools, strict=True):
-            shard.run_batch(prompt, pos, BatchView(pool, torch.tensor([s]), pos))
+        b.run_batch(prompt, pos, BatchView(pools[1], torch.tensor([s]), pos))
+    for kv in ("keys", "values"):  # (through the interpreted kernels they took half these tests' time)
+        for i, t in getattr(pools[1], kv).items():
+            getattr(pools[0], kv)[i].copy_(t)
     real = list(lens)[: min(n, 6)]
     rows = torch.tensor(real + [pools[0].pad_slot] * (n - len(real)))
     pos = torch.tensor([[lens[s], lens[s] + 1] for s in real] + [pools[0].index[-2:].tolist()] * (n - len(real)))
     x = torch.randint(0, a.config.vocab_size, (n, 2))
     pick = torch.tensor([[i % 2] for i in range(n)])  # rows feeding one token or two
-    got = greedy_steps(a.run_batch, pools[0], rows, x, pos, pick, 6, None, in_place=True)
-    want = greedy_steps(b.run_batch, pools[1], rows, x, pos, pick, 6, None, in_place=True)
-    assert torch.equal(got[: len(real)], want[: len(real)]) and len(ran) >= 5  # every one-token step: the kernels
+    got = greedy_steps(a.run_batch, pools[0], rows, x, pos, pick, 4, None, in_place=True)
+    want = greedy_steps(b.run_batch, pools[1], rows, x, pos, pick, 4, None, in_place=True)
+    assert torch.equal(got[: len(real)], want[: len(real)]) and len(ran) >= 3  # every one-token step: the kernels
     for i in pools[0].keys:
         for j, slot in enumerate(real):  # prompt, feed, drafts written
-            m = lens[slot] + 1 + int(pick[j]) + 5
+            m = lens[slot] + 1 + int(pick[j]) + 3
             for got_kv, want_kv in ((pools[0].keys[i], pools[1].keys[i]), (pools[0].values[i], pools[1].values[i])):
                 torch.testing.assert_close(got_kv[slot, :, :m], want_kv[slot, :, :m], rtol=1e-4, atol=1e-4)
 
@@ -194,10 +196,12 @@ def test_a_machine_whose_triton_cannot_build_them_keeps_the_fused_forward(drafte
 
 def _shapes() -> list:
     """(dtype, rows, t, fill): a plain `pytest` runs the fewest rows and the rounds' shape in float32, and the rounds'
-    shape in bfloat16; CI every shape in both."""
+    shape in bfloat16; CI every shape in float32. The other shapes in bfloat16 are left to the GPU: on this CPU the
+    kernel multiplies float32 operands whatever the dtype (the docstring below), so they tested only the loads'
+    casts, which the rounds' shape tests too (and they took 19 s of the suite)."""
     shapes = [(6, 1, None), (40, 1, None), (45, 3, None), (45, 9, 1)]
     quick = [(torch.float32, *shapes[0]), (torch.float32, *shapes[-1]), (torch.bfloat16, *shapes[-1])]
-    slow = [(torch.float32, *s) for s in shapes[1:-1]] + [(torch.bfloat16, *s) for s in shapes[:-1]]
+    slow = [(torch.float32, *s) for s in shapes[1:-1]]
     return quick + [pytest.param(*case, marks=pytest.mark.slow) for case in slow]
 
 

@@ -129,3 +129,26 @@ def test_warm_pool_opens_connections_ahead(redis_server):
     assert warm_pool(client, 6) == 6
     assert len([c for c in client.client_list() if c.get("name") == name]) >= 6
     client.close()
+
+
+def test_a_lingering_tail_polls_for_more_and_counts_a_groups_rounds(redis_client, monkeypatch):
+    """`GroupReader.gather` (a CPU tail's linger) asks Redis for more without BLOCK (a blocked read times out only when
+    Redis's event loop wakes: up to 100 ms at its default hz, which held 4 generations in flight 7x longer than one at a
+    time), takes what comes within the linger, and counts a head's group entry as the rounds it carries."""
+    from schemas.groups import pack_group
+
+    names = Keys(f"gather-{uuid.uuid4().hex[:6]}")
+    reader = GroupReader(redis_client, names.tail_group, "c1", [names.shared_requests])
+    blocked = []
+    read = reader.read
+    monkeypatch.setattr(reader, "read", lambda *a, **k: blocked.append(k) or read(*a, **k))
+    redis_client.xadd(names.shared_requests, {b"h": b"1"})
+    redis_client.xadd(names.shared_requests, {b"h": b"2"})
+    first = reader.read(count=1, block_ms=100)
+    got = reader.gather(first, slots=8, open_sessions=4, linger_ms=5)
+    assert [f for _, _, f in got] == [{b"h": b"1"}, {b"h": b"2"}] and len(blocked) == 1  # the rest polled
+    group = pack_group([{b"h": b"a", b"m": bytes(32)}, {b"h": b"b", b"m": bytes(32)}, {b"h": b"c", b"m": bytes(32)}])
+    redis_client.xadd(names.shared_requests, group)
+    redis_client.xadd(names.shared_requests, {b"h": b"later"})
+    first = reader.read(count=1, block_ms=100)
+    assert len(reader.gather(first, slots=8, open_sessions=3, linger_ms=5)) == 1  # its 3 rounds: every session's
