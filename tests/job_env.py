@@ -60,7 +60,14 @@ def tail_args(target: Path, layers: tuple[int, int], url: str, prefix: str, extr
 
 
 def head_worker(
-    target: Path, url: str, queue: str, prefix: str, log: Path, name: str, extra: tuple[str, ...] = ()
+    target: Path,
+    url: str,
+    queue: str,
+    prefix: str,
+    log: Path,
+    name: str,
+    extra: tuple[str, ...] = (),
+    verbose: bool = False,
 ) -> subprocess.Popen | Forked:
     env = {
         **os.environ,
@@ -74,6 +81,7 @@ def head_worker(
         sys.executable,
         "-m",
         "producer",
+        *(["-v"] if verbose else []),  # INFO lines in its log
         "head",
         "--target",
         str(target),
@@ -117,6 +125,7 @@ class Env:
         tmp: Path,
         tail_extra: list[str] | None = None,
         head_extra: tuple[str, ...] = (),
+        verbose: bool = False,
     ):
         self.ms, self.url, self.r, self.tmp = models["qwen2"], redis_server.url, redis_client, tmp
         self.queue, self.prefix = f"q-{name}", f"p-{name}"
@@ -124,7 +133,7 @@ class Env:
         self.procs: dict[str, subprocess.Popen | Forked] = {}
         self.start_tail(tail_extra)
         self.procs["head"] = head_worker(
-            self.ms.target, self.url, self.queue, self.prefix, tmp / "head.log", f"{name}-h1", head_extra
+            self.ms.target, self.url, self.queue, self.prefix, tmp / "head.log", f"{name}-h1", head_extra, verbose
         )
         wait_for_worker(self.r, self.queue)
         self.client = Client(redis_client, prefix=self.prefix, queue=self.queue)

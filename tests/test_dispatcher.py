@@ -3,6 +3,8 @@ capacity wait in the queue, one pool of Redis connections whatever the concurren
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -25,9 +27,10 @@ def _prompts(n: int) -> list[str]:
 def test_jobs_beyond_capacity_wait_and_all_equal_generate(
     models, redis_server, redis_client, tmp_path, hf_models, tokenizers
 ):
-    """12 jobs on a head with room for 4: they run 4 at a time (never more), and every output equals HF
-    `generate` (greedy, n-gram drafts)."""
-    e = Env("cap4", models, redis_server, redis_client, tmp_path, head_extra=("--concurrency", "4"))
+    """12 jobs on a head with room for 4: their generations run 4 at a time (never more: a job whose generation
+    ended makes room while its result is stored, so RQ's spans of started to ended may overlap a fifth), and every
+    output equals HF `generate` (greedy, n-gram drafts)."""
+    e = Env("cap4", models, redis_server, redis_client, tmp_path, head_extra=("--concurrency", "4"), verbose=True)
     try:
         prompts = _prompts(12)
         reqs = [GenerationRequest(prompt=p, chat_template=False, max_new_tokens=10) for p in prompts]
@@ -37,7 +40,9 @@ def test_jobs_beyond_capacity_wait_and_all_equal_generate(
         for p, v in zip(prompts, views, strict=True):
             assert v.status == "finished", v
             assert v.result["token_ids"] == reference(hf_models["qwen2"], tok, p, 10), p
-        assert 2 <= _most_in_flight(e, ids) <= 4
+        generating = [int(m) for m in re.findall(r"started \((\d+) generating", (tmp_path / "head.log").read_text())]
+        assert len(generating) == 12 and 2 <= max(generating) <= 4  # each counted with its batch, never past 4
+        assert _most_in_flight(e, ids) >= 2
     finally:
         e.close()
 

@@ -67,6 +67,7 @@ class Running:
     execution: Execution
     recorded: threading.Event = field(default_factory=threading.Event)  # its start transaction has run
     started: Started | None = None  # its generation on the step loop, once begun
+    ended: bool = False  # its generation is over (its end is being recorded): its room is the next job's
 
 
 class Dispatcher:
@@ -78,6 +79,7 @@ class Dispatcher:
         self.w, self.capacity = worker, max(capacity, 1)
         self.records = RQRecords(worker)
         self.running: dict[str, Running] = {}
+        self.recording = 0  # of `running`, those whose generation ended: their room is free (`_wait_for_room`)
         self.cond = threading.Condition()
         self.completed = 0
         # jobs whose generation ended: each with its generation (None if it never began) and what failed it, if known
@@ -118,9 +120,15 @@ class Dispatcher:
             self.cond.wait_for(lambda: not self.running, timeout)
 
     def _wait_for_room(self) -> int:
+        """Free room: capacity less the jobs whose generation still runs. A job whose generation ended makes room at
+        once, while its result and RQ's records are written (two round trips: waiting for them left its cache slot
+        empty for three on a WAN, the next job's dequeue included)."""
         with self.cond:
-            self.cond.wait_for(lambda: len(self.running) < self.capacity or self.w._stop_requested, 1.0)
-            return 0 if self.w._stop_requested else self.capacity - len(self.running)
+            self.cond.wait_for(lambda: self._generating() < self.capacity or self.w._stop_requested, 1.0)
+            return 0 if self.w._stop_requested else self.capacity - self._generating()
+
+    def _generating(self) -> int:  # under `cond`: the jobs whose generation has not ended
+        return len(self.running) - self.recording
 
     # --- dequeue, fetch, start --------------------------------------------------------------------------
     def _dequeue(self, n: int, block: bool) -> list[tuple[str, Queue]]:
@@ -186,7 +194,9 @@ class Dispatcher:
             # the jobs start computing while their start transaction travels (their first round needs a round
             # trip of its own anyway); each records how it ended only after that transaction has run
             for run in started:
-                log.info("job %s started (%d in flight)", run.job.id, len(self.running))
+                with self.cond:
+                    generating = self._generating()
+                log.info("job %s started (%d generating, %d in flight)", run.job.id, generating, len(self.running))
                 self._begin(run)
             try:
                 tx.execute()
@@ -206,13 +216,22 @@ class Dispatcher:
             timeout = job.timeout or run.queue.DEFAULT_TIMEOUT
             started = start_generation(self.w.job_context, job, *job.args, timeout_s=timeout, **job.kwargs)
         except BaseException as e:
-            self._ends.put((run, None, exc_info(e)))
+            self._ended(run, None, exc_info(e))
             return
         run.started = started
         if started.future is None:
-            self._ends.put((run, started, None))
+            self._ended(run, started, None)
         else:
-            started.future.add_done_callback(lambda _: self._ends.put((run, started, None)))
+            started.future.add_done_callback(lambda _: self._ended(run, started, None))
+
+    def _ended(self, run: Running, started: Started | None, failed: ExcInfo | None) -> None:
+        """The job's generation is over: its room goes to the next job now; its end is recorded on a finisher."""
+        with self.cond:
+            if not run.ended:
+                run.ended = True
+                self.recording += 1
+                self.cond.notify_all()
+        self._ends.put((run, started, failed))
 
     def _finisher(self) -> None:
         while True:
@@ -298,7 +317,8 @@ class Dispatcher:
         w = self.w
         w.job_context.prefetched.pop(run.job.id, None)  # a job whose function never ran leaves it behind
         with self.cond:
-            self.running.pop(run.job.id, None)
+            if self.running.pop(run.job.id, None) is not None and run.ended:
+                self.recording -= 1
             w.executions.pop(run.execution.id, None)
             self.completed += 1
             self.cond.notify_all()
