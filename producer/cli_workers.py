@@ -217,7 +217,8 @@ def _exit_now() -> None:
     "--concurrency",
     type=click.IntRange(1),
     default=None,
-    help="Most generations in flight at once (default: what the batch slots hold, --slots).",
+    help="Most jobs in flight at once (default: what the batch slots hold, --slots, and a sixteenth more waiting "
+    "for the next slot freed: SHARDFLOW_JOBS__AHEAD).",
 )
 @click.option(
     "--groups",

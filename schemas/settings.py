@@ -58,6 +58,13 @@ class JobSettings(_Group):
     timeout_s: int = Field(3600, description="Longest one job.")
     retries: int = Field(3, description="Automatic retries after a transient failure.")
     retry_intervals_s: list[int] = Field([2, 10, 30], description="Backoff between automatic retries.")
+    ahead: int | None = Field(
+        None,
+        ge=0,
+        description="Jobs a head worker takes beyond its batch slots when --concurrency names none, waiting for a slot "
+        "on its step loop, so that a slot a generation frees is seated at once, not after a dequeue's round trips "
+        "(None: a sixteenth of the slots, at least one).",
+    )
     heartbeat_s: float = Field(2.0, description="Head worker heartbeat period while a job runs.")
     heartbeat_ttl_s: int = Field(8, description="A running job with no heartbeat this long is abandoned.")
     maintenance_s: int = Field(3, description="How often head workers look for abandoned jobs.")

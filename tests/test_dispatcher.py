@@ -97,3 +97,16 @@ def test_a_full_tail_makes_heads_wait_not_fail(models, redis_server, redis_clien
         assert e.r.xlen(Keys(e.prefix).dead_letters) == 0  # "busy" is an answer, not a refused packet
     finally:
         e.close()
+
+
+def test_a_head_takes_a_sixteenth_more_jobs_than_slots_to_seat_freed_ones_at_once(models):
+    """By default a head worker's room is its batch slots and `jobs.ahead` more (a sixteenth, at least one): those
+    wait on the step loop, and a slot a generation frees is seated at once rather than after a dequeue."""
+    from schemas.settings import Settings
+    from workers.head.runtime import HeadRuntime
+
+    ms = models["qwen2"]
+    runtime = HeadRuntime.load(ms.target, (0, 2), settings=Settings(engine={"slots": 32}))
+    assert runtime.engine.slots == 32 and runtime.capacity == 34
+    runtime.settings = Settings(engine={"slots": 32}, jobs={"ahead": 0})
+    assert runtime.capacity == 32

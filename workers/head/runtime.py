@@ -185,9 +185,11 @@ class HeadRuntime:
 
     @property
     def capacity(self) -> int:
-        """Generations this runtime runs at once by default: its engine's batch slots."""
+        """Generations a head worker takes at once by default: its engine's batch slots, and `jobs.ahead` more
+        (default a sixteenth of them) that wait on the step loop for the next slot freed (Schedule.freed)."""
         assert self.engine is not None
-        return self.engine.slots
+        slots, ahead = self.engine.slots, self.settings.jobs.ahead
+        return slots + (max(1, slots // 16) if ahead is None else ahead)
 
     @property
     def context_length(self) -> int | None:

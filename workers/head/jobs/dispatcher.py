@@ -25,7 +25,8 @@ cleanup by heartbeat expiry) and changes how they are written; the writes themse
   the worker and every running job each `heartbeat_s` (`RQRecords.heartbeat`, which also asks whether a job still
   waiting for a cache slot was cancelled), RQ's maintenance each `maintenance_s` (`RQRecords.maintain`).
 
-Capacity (jobs in flight) is the head's `--concurrency`, by default what its batch slots hold.
+Capacity (jobs in flight) is the head's `--concurrency`, by default what its batch slots hold and `jobs.ahead` more (a
+sixteenth), which wait on the step loop for the next slot freed.
 """
 
 from __future__ import annotations

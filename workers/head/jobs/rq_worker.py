@@ -6,8 +6,9 @@ RQ's default worker forks per job, which would lose loaded models and CUDA state
 `SimpleWorker` per head process that (1) runs only allow-listed job functions (RQ would import any name a
 job record holds, so anyone able to write to Redis could run code), (2) uses the JSON serializer (no
 pickle), (3) replaces RQ's one-job-at-a-time loop with its `Dispatcher` (`workers/head/jobs/dispatcher.py`):
-up to `--concurrency` jobs in flight at once (default: what the batch slots hold), each on a thread of
-this process sharing the loaded models, dequeued, started and finished in a few pipelined round trips,
+up to `--concurrency` jobs in flight at once (default: what the batch slots hold and a sixteenth more, which
+wait for the next slot freed), each a generation on the head's step loop (workers/head/loop.py, one thread for
+all of them), dequeued, started and finished in a few pipelined round trips,
 while one housekeeping thread heartbeats the worker and every running job each `heartbeat_s` and runs
 RQ's maintenance each `maintenance_s` (a killed head's jobs are retried within seconds, not minutes);
 a job its user cancelled ends `canceled`, never failed, (4) announces its model so producers can check
@@ -79,7 +80,7 @@ class HeadWorker(SimpleWorker):
         capacity: int | None = None,
         **kwargs: Any,
     ) -> None:
-        """`capacity`: jobs in flight at once (default: what the runtime's batch slots hold)."""
+        """`capacity`: jobs in flight at once (default: `HeadRuntime.capacity`, the batch slots and `jobs.ahead`)."""
         self.names = names or Keys()
         # the runtime's settings (RQ's Worker has a `settings`-free namespace of its own, hence the name)
         self.shardflow_settings = cfg = runtime.settings if runtime is not None else Settings()
