@@ -82,6 +82,18 @@ RANDOM_PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         eos_token_id=151645,
     ),
+    "qwen2.5-32b": dict(  # issue 59's 4-bit shape over four 15 GiB workers
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        eos_token_id=151645,
+    ),
     "qwen2.5-0.5b": dict(
         vocab_size=152064,
         hidden_size=896,
