@@ -20,15 +20,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from producer.options import (
-    draft_quant_opt,
-    dtype_opt,
-    load_worker_plugins,
-    plugins_opt,
-    quant_opt,
-    run_guarded,
-    worker_settings,
-)
+from producer.options import run_guarded, worker_settings
+from producer.worker_options import draft_quant_opt, dtype_opt, load_worker_plugins, plugins_opt, quant_opt
 
 if TYPE_CHECKING:
     from workers.engine.plan import Plan, WorkerPlan

@@ -13,24 +13,26 @@ import click
 from producer.options import (
     CliConfig,
     connection_options,
+    generation_options,
+    layers_option,
+    prefix_opt,
+    redis_opt,
+    request_defaults,
+    run_guarded,
+    worker_settings,
+)
+from producer.worker_options import (
     device_flags,
     device_opt,
     devices_opt,
     draft_quant_opt,
     dtype_opt,
     engine_options,
-    generation_options,
-    layers_option,
     load_worker_plugins,
     plugins_opt,
-    prefix_opt,
     quant_opt,
-    redis_opt,
-    request_defaults,
-    run_guarded,
     threads_opt,
     torch_setup,
-    worker_settings,
 )
 from schemas.keys import Keys
 from schemas.settings import RelaySettings

@@ -177,7 +177,7 @@ def test_a_workers_setup_applies_its_switch_interval(monkeypatch):
     engine.switch_interval_ms; None leaves Python's own."""
     import sys
 
-    from producer.options import torch_setup
+    from producer.worker_options import torch_setup
 
     calls: list[float] = []
     monkeypatch.setattr(sys, "setswitchinterval", calls.append)  # this test process's own is left as it is
