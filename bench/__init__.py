@@ -3,12 +3,14 @@
 the tests never import each other (the import-linter contracts in pyproject.toml).
 
 Entry points:
-- `jobs`: the job path end to end (embedded Redis, real `shardflow tail` and `shardflow head` processes, N jobs
-  through the producer `Client`): aggregate and per-job tokens/s, latency, time to first token, GPU busy, memory,
-  greedy outputs checked. Its parts: `jobs_models` (target, prompts, references), `jobs_requests` (each job's
-  request), `jobs_report` (the figures and jobs.json / jobs.md), `jobs_singles` (the N=1 row), `usage` (GPU and
-  thread sampling), `link` (the emulated link between each worker and Redis: bandwidth on one shared wire, delay,
-  jitter, stalls, named profiles; also runs alone);
+- `jobs`: the job path end to end (embedded Redis, real `shardflow tail`, `shardflow stage` and `shardflow head`
+  processes, N jobs through the producer `Client`): aggregate, steady-state and per-job tokens/s, latency, time to
+  first token, where a round goes, GPU busy, memory, greedy outputs checked. Its parts: `jobs_models` (target,
+  prompts, references), `jobs_requests` (each job's request), `jobs_workers` (worker processes, middle stages, a
+  batch), `jobs_report` (the figures), `jobs_tables` (jobs.json / jobs.md / jobs.png), `jobs_accounting` (where a
+  round goes), `jobs_waves` (steady state, slot gaps), `jobs_singles` (the N=1 row), `usage` (GPU and thread
+  sampling), `link` (the emulated link between each worker and Redis: bandwidth on one shared wire, delay, jitter,
+  stalls, named profiles; also runs alone);
 - `stages`: one group's draft, head and tail alone at B sequences against the floor (`stages_floor`), with the top
   kernels of a stage (`--profile`);
 - `gpu_parity`: greedy parity with HF `generate` on a GPU with CUDA graphs (dtypes, quantized shards);

@@ -107,7 +107,9 @@ case "${part%%:*}" in
       la=${LINK_ARGS:-}; [ "$name" = base ] && la=${BASE_LINK_ARGS:-$la}
       (cd "$dir" && export "${envs[@]}" PYTHONPATH=/tmp/site:$dir LINK_ARGS="$la" && job_path "ab-$i-$name" "$LIMIT" \
         qwen2.5-7b:14:qwen2.5-0.5b "${NS:-256}")
-      grep -E "^\| default" "$OUT/ab-$i-$name.md" 2>/dev/null | head -3 | sed "s/^| default/| $i ${run//|/ }/" >> "$OUT/ab.md"
+      # the first table only (the second, where a round goes, has rows of the same variant)
+      awk '/^\|/ { t = 1; print; next } t { exit }' "$OUT/ab-$i-$name.md" 2>/dev/null | grep -E "^\| default" | head -3 \
+        | sed "s/^| default/| $i ${run//|/ }/" >> "$OUT/ab.md"
     done
     cat "$OUT/ab.md"
     ;;

@@ -1,220 +1,87 @@
-"""The end-to-end job-path benchmark: real `shardflow tail` and `shardflow head` worker processes, an embedded Redis,
-an emulated link between each worker and Redis (bench/link.py: bandwidth, delay, jitter, stalls; by default the
-86 ms WAN to the head only), and batches of N jobs enqueued through the producer `Client`; for each N the aggregate
-and per-job tokens/s, job latency, time to first token, the bytes each way per committed token through each link,
-worker memory and (with --check) greedy outputs against Hugging Face `generate`: how many part from it, and at which
-token each first differs (the table's mismatches column; `first_diff_at` in jobs.json), which is what a lossy wire
-(`--head-args "--wire fp8"`) is to be judged by.
+"""The end-to-end job-path benchmark: real `shardflow tail`, `shardflow stage` (with --stages above 2) and `shardflow
+head` worker processes, an embedded Redis, an emulated link between each worker and Redis (bench/link.py: bandwidth,
+delay, jitter, stalls; by default the 86 ms WAN to the head only), and batches of N jobs enqueued through the producer
+`Client`; for each N the aggregate and per-job tokens/s, the steady state where a batch has more jobs than a head takes
+at once, job latency, time to first token, where a round's milliseconds go, how long a freed slot stood empty, the
+bytes each way per committed token through each link, worker memory and (with --check) greedy outputs against Hugging
+Face `generate`: how many part from it, and at which token each first differs (the table's mismatches column;
+`first_diff_at` in jobs.json), which is what a lossy wire (`--head-args "--wire fp8"`) is to be judged by.
 
     # CPU: tiny random model, n-gram drafter, outputs checked against HF generate
     python -m bench.jobs --tiny --n 1,4,8 --new-tokens 32 --prompt-tokens 32 --check --out /tmp/jobs_tiny
+    # three workers (head 0:1, a middle stage 1:2, tail 2:4), and waves: 6 jobs, 2 at a time
+    python -m bench.jobs --tiny --stages 3 --n 2,6 --new-tokens 16 --prompt-tokens 16 --check \
+        --head-args "--concurrency 2" --out /tmp/jobs_stages
     # SmolLM2-135M-Instruct as the demo runs it (n-gram drafter)
     python -m bench.jobs --smollm --n 1,8 --new-tokens 32 --out /tmp/jobs_smollm
     # the same with 8-bit rows on the wire (lossy): lossless and fp8 heads, outputs checked against HF generate
     python -m bench.jobs --smollm --n 8 --new-tokens 64 --check --variant lossless= --variant "fp8=--wire fp8"
     # any checkpoint; several worker configurations one after another; two notebooks' link, head and tail alike
-    python -m bench.jobs --target DIR --split 14 [--draft DIR] --link notebooks --tail-link notebooks \\
+    python -m bench.jobs --target DIR --split 14 [--draft DIR] --link notebooks --tail-link notebooks \
         --variant default= --variant "c16=--concurrency 16" --variant "c16s32=--concurrency 16 | --slots 32"
+    # four workers at explicit cuts, each 43 ms from Redis (every hop a round trip)
+    python -m bench.jobs --target DIR --cuts 12,24,36 --link wan --tail-link wan --stage-link wan
     # GPU, random weights, synthetic acceptance (the worker plugin bench/synthetic.py)
-    python -m bench.jobs --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b --synthetic 0.78 \\
+    python -m bench.jobs --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b --synthetic 0.78 \
         --head-device cuda:0 --tail-device cuda:1 --dtype bfloat16 --link small-relay
+    # issue 60's long batch: 1,024 jobs on one GPU, 256 in flight: steady state, slot gaps, a round's accounting
+    python -m bench.jobs --target random:qwen2.5-7b --split 14 --draft random:qwen2.5-0.5b --synthetic 0.78 \
+        --head-device cuda:0 --tail-device cuda:0 --dtype bfloat16 --n 1,256,1024
 
-Workers run with their default flags plus --head-args / --tail-args and a variant's own (`--variant NAME=HEAD ARGS[ |
-TAIL ARGS]`, repeatable; each variant starts its own pair of workers, which serve every N in order after a warm-up
-job). The head reaches Redis through its link (`--link SPEC`, default `wan`: 43 ms each way, no cap; it is the far
-machine), the tail through its own (`--tail-link SPEC`, default `none`: local to Redis), each link a proxy process of
-its own with its own wire (bench/link.py: the profiles and the spec syntax, e.g. `notebooks` or
-`wan:mbit=100,jitter_ms=5`; `none`: a direct connection); the producer connects directly. A link's bytes per
-committed token are what its proxy delivered each way while the batch ran (up: worker -> Redis, down: Redis ->
-worker; all of that worker's traffic, RQ's included), over the batch's completion tokens. Writes jobs.json, jobs.md
-and (with matplotlib) jobs.png to --out, worker logs to --out/logs; progress to stderr, the table to stdout.
+Workers run with their default flags plus --head-args / --tail-args / --stage-args and a variant's own (`--variant
+NAME=HEAD ARGS[ | TAIL ARGS]`, repeatable; each variant starts its own workers, which serve every N in order after a
+warm-up job). The layers go to `--stages N` workers (default 2: the head and the tail, the tail from `--split`), split
+evenly, or from the layers `--cuts A,B,..` name (where each worker after the head begins); the N-2 middle stages run
+on the tail's device and are announced before the first job (bench/jobs_workers.py). The head reaches Redis through
+its link (`--link SPEC`, default `wan`: 43 ms each way, no cap; it is the far machine), the tail through its own
+(`--tail-link SPEC`, default `none`: local to Redis), each middle stage through one of its own (`--stage-link SPEC`,
+default: the tail's), each link a proxy process of its own with its own wire (bench/link.py: the profiles and the
+spec syntax, e.g. `notebooks` or `wan:mbit=100,jitter_ms=5`; `none`: a direct connection); the producer connects
+directly. A link's bytes per committed token are what its proxy delivered each way while the batch ran (up: worker
+-> Redis, down: Redis -> worker; all of that worker's traffic, RQ's included), over the batch's completion tokens.
+Writes jobs.json, jobs.md and (with matplotlib) jobs.png to --out, worker logs to --out/logs; progress to stderr, the
+tables to stdout.
 
 Each job has its own sampling seed by default (job i of every N the same one), so the synthetic drafter's accept/reject
 pattern differs from job to job as real traffic's would (`--same-seed`: none, every job rejects the same positions and
 a batch steps in lockstep; greedy outputs do not depend on the seed). For each N the bench samples, while the batch
 runs (bench/usage.py), GPU utilization (nvidia-smi every 200 ms: mean and share of samples >= 50%; skipped with a note
-without nvidia-smi or CUDA workers) and the head's and tail's thread counts (/proc/PID/status; max)."""
+without nvidia-smi or CUDA workers) and the workers' thread counts (/proc/PID/status; max).
+
+Beside the main table, for each N (jobs.json `accounting`, `waves`; jobs.md's second table):
+- where a round goes (bench/jobs_accounting.py): mean ms per round of the draft, the head's forward, the relay (its
+  send, the tail's preparation, the way back, each middle stage's hop), the tail's queue, forward and verification,
+  and the rest of a round's wall time: waiting for the head loop; the worker loops' busy share per phase from the
+  phase lines of their logs that fall in the batch (logged every 10 s: "n/a" for a short batch), GPU busy per role;
+- waves (bench/jobs_waves.py): the steady-state tok/s between the first job's end and the last job's start (next to
+  the whole batch's; "—" where every job started before the first ended) and how long each freed slot stood empty
+  (p50 / max ms, over the jobs that took a freed slot)."""
 
 from __future__ import annotations
 
-import _thread
 import dataclasses
+import itertools
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
 
-from bench.jobs_models import Model, build_prompts, hf_references, resolve_model, say
-from bench.jobs_report import (
-    BatchRun,
-    FirstTokens,
-    git_state,
-    memory_parts,
-    parts_at,
-    per_token,
-    process_memory_gb,
-    summarize,
-    write_outputs,
-)
-from bench.jobs_requests import cycle, draft_dict, job_seed, plugin_args, request, seeds_note
+from bench import jobs_waves
+from bench.jobs_accounting import accounting
+from bench.jobs_models import build_prompts, hf_references, resolve_model, say
+from bench.jobs_report import BatchRun, git_state, memory_parts, process_memory_gb, summarize
+from bench.jobs_requests import cycle, draft_dict, job_seed, request, seeds_note
 from bench.jobs_singles import merge_singles
+from bench.jobs_tables import parts_at, per_token, write_outputs
+from bench.jobs_workers import REPO, Config, Urls, Workers, layer_cuts, run_batch, stage_roles, start_workers
 from bench.link import Counters, Link, SpawnedLink, parse_link, spawn_link
 from bench.usage import Usage, brief
-from producer.client import Client, Followed, JobEnded, TextChunk
-from producer.local import stop_processes, wait_for_tails
-from relay_broker.connection import connect
-from relay_broker.embedded import EmbeddedRedis, child_setup
-from schemas.keys import Keys
-from schemas.requests import DraftSettings, GenerationRequest
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-# --- workers --------------------------------------------------------------------------------------------------
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
-    """`python -m producer ARGS` in a session of its own; it gets SIGTERM if the bench dies (Linux)."""
-    with log.open("ab") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", "producer", "-v", *args],  # -v: the loops' phase lines (info)
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=child_setup(True),
-        )
-
-
-class Watchdog(threading.Thread):
-    """Interrupts the main thread (KeyboardInterrupt) if a worker process exits while the bench runs."""
-
-    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
-        super().__init__(daemon=True, name="watchdog")
-        self.procs, self.died, self.done = procs, "", threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(1.0):
-            for role, p in self.procs.items():
-                if p.poll() is not None and not self.done.is_set():
-                    self.died = f"the {role} worker exited with {p.returncode}"
-                    _thread.interrupt_main()
-                    return
-
-
-@dataclass(frozen=True)
-class Config:
-    """What every variant runs with."""
-
-    kind: str  # drafter of the measured jobs
-    k: int
-    alpha: float | None
-    new: int
-    dtype: str
-    head_device: str
-    tail_device: str
-    timeout: float
-    singles: int  # prompts the N=1 row runs one job at a time
-    seed: int | None  # prompt seed, from which each job's sampling seed comes; None: no seeds (--same-seed)
-
-
-@dataclass(frozen=True)
-class Urls:
-    """Where each side reaches Redis: the producer directly, each worker directly or through its link."""
-
-    producer: str
-    tail: str
-    head: str
-
-
-@dataclass
-class Workers:
-    client: Client
-    head: subprocess.Popen
-    tail: subprocess.Popen
-    logs: dict[str, Path]  # each worker's log file
-
-
-@contextmanager
-def start_workers(
-    model: Model, cfg: Config, name: str, extra: tuple[list[str], list[str]], urls: Urls, logs: Path
-) -> Iterator[Workers]:
-    """A tail and a head worker for one variant, on a queue and key prefix of its own; yields once the tail
-    reads its stream and the head has finished a small warm-up job."""
-    prefix = f"jobs-{name}"
-    common = ["--target", model.target, "--prefix", prefix, "--dtype", cfg.dtype]
-    random_target, synthetic = model.target.startswith("random:"), cfg.alpha is not None
-    tail_args = ["tail", *common, "--layers", f"{model.split}:{model.layers}", "--redis-url", urls.tail]
-    tail_args += ["--device", cfg.tail_device, *plugin_args(synthetic, random_target), *extra[1]]
-    head_args = ["head", *common, "--layers", f"0:{model.split}", "--redis-url", urls.head, "--queue", prefix]
-    head_args += ["--device", cfg.head_device, *(["--draft", model.draft] if model.draft else [])]
-    head_args += [*plugin_args(synthetic, random_target), *extra[0]]
-    for args in (tail_args, head_args):
-        say(f"variant {name}: shardflow {' '.join(shlex.quote(a) for a in args)}")
-    tail = spawn(tail_args, logs / f"{name}-tail.log")
-    head = spawn(head_args, logs / f"{name}-head.log")
-    dog = Watchdog({"tail": tail, "head": head})
-    try:
-        dog.start()
-        r = connect(urls.producer)
-        wait_for_tails(r, Keys(prefix), proc=tail, timeout_s=900)
-        client = Client(r, prefix=prefix, queue=prefix)
-        # warm-up: one short job (not a measured prompt); the synthetic drafter needs references, so none there
-        warm_kind = "none" if synthetic else cfg.kind
-        warm = request([(i * 7 + 3) % model.vocab for i in range(16)], min(8, cfg.new), draft_dict(warm_kind, cfg.k))
-        view = run_batch(client, [warm], 900, "warm-up").views[0]
-        if view.status != "finished":
-            raise click.ClickException(f"warm-up job {view.status}: {view.error}")
-        say(f"variant {name}: workers ready")
-        yield Workers(client, head, tail, {"head": logs / f"{name}-head.log", "tail": logs / f"{name}-tail.log"})
-    except KeyboardInterrupt:
-        if dog.died:
-            raise click.ClickException(f"{dog.died} (see {logs})") from None
-        raise
-    finally:
-        dog.done.set()
-        stop_processes([head, tail], 20.0)
-
-
-def run_batch(client: Client, reqs: list[GenerationRequest], timeout: float, label: str) -> BatchRun:
-    """Enqueue one batch and follow it to the end, noting when each job's first text and end marker arrive."""
-    t0 = time.time()
-    batch = client.enqueue(reqs)
-    run = BatchRun(t0, t0, batch.job_ids, [])
-    watcher = FirstTokens(client.r, client.queue.started_job_registry.key, batch.job_ids)
-    watcher.start()
-    last_note = time.monotonic()
-    for ev in client.follow(batch.job_ids, timeout=timeout):
-        now = time.time()
-        if isinstance(ev, TextChunk):
-            run.first_seen.setdefault(ev.job_id, now)
-            if ev.last:
-                run.final_seen[ev.job_id] = now
-        elif isinstance(ev, JobEnded):
-            say(f"{label}: job {ev.view.job_id} ended {ev.view.status}: {ev.view.error}")
-        elif isinstance(ev, Followed):
-            run.views = ev.views
-        if time.monotonic() - last_note > 10:
-            last_note = time.monotonic()
-            say(f"{label}: {len(run.final_seen)}/{len(reqs)} done, {len(run.first_seen)} streaming, {now - t0:.0f}s")
-    run.t_done = time.time()
-    watcher.done.set()
-    watcher.join()
-    run.meta_seen = dict(watcher.seen)
-    for jid, job in zip(batch.job_ids, client.jobs(batch.job_ids), strict=True):
-        if job is not None and not isinstance(job, str):
-            enq, start, end = (
-                t.timestamp() if t is not None else None for t in (job.enqueued_at, job.started_at, job.ended_at)
-            )
-            run.rq_times[jid] = (enq, start, end)
-    return run
+from relay_broker.embedded import EmbeddedRedis
+from schemas.requests import DraftSettings
 
 
 def link_option(spec: str, hint: str) -> Link | None:
@@ -273,23 +140,28 @@ def measure(
     say(f"variant {name}: N={n} ..." + (f" ({len(reqs)} prompts, one job at a time)" if len(reqs) > n else ""))
     # sampled over the whole batch (N=1: its single jobs one after another)
     before = {role: link.counters() for role, link in links.items()}
-    with Usage({"head": w.head.pid, "tail": w.tail.pid}, [cfg.head_device, cfg.tail_device]) as use:
+    runs: list[BatchRun] = []
+    with Usage({role: p.pid for role, p in w.procs.items()}, [cfg.head_device, cfg.tail_device]) as use:
         if n == 1:
             singles = []
             for i, req in enumerate(reqs):
-                batch = run_batch(w.client, [req], cfg.timeout, f"N=1 #{i}")
-                one = summarize(batch, refs[i : i + 1] if refs else None)
+                runs.append(run_batch(w.client, [req], cfg.timeout, f"N=1 #{i}"))
+                one = summarize(runs[-1], refs[i : i + 1] if refs else None)
                 for d in one.get("mismatch_detail", []):
                     d["index"] = i
                 singles.append(one)
             row = {"variant": name, **merge_singles(singles)}
         else:
-            row = {"variant": name, **summarize(run_batch(w.client, reqs, cfg.timeout, f"N={n}"), refs)}
+            runs.append(run_batch(w.client, reqs, cfg.timeout, f"N={n}"))
+            row = {"variant": name, **summarize(runs[-1], refs)}
     row["link_bytes"] = link_bytes(links, before, row["completion_tokens"])
     row["usage"], row["seeds"] = use.result, "same (none sent)" if cfg.seed is None else "per job"
-    gpu = {"head": cfg.head_device.startswith("cuda"), "tail": cfg.tail_device.startswith("cuda")}
-    row["memory_gb"] = {role: process_memory_gb(p.pid, gpu[role]) for role, p in (("head", w.head), ("tail", w.tail))}
+    devices = cfg.devices()
+    row["memory_gb"] = {role: process_memory_gb(p.pid, devices[role].startswith("cuda")) for role, p in w.procs.items()}
     row["memory_parts_gb"] = {role: memory_parts(path) for role, path in w.logs.items()}
+    results = [v.result for run in runs for v in run.views if v.status == "finished" and v.result]
+    window = (runs[0].t0, runs[-1].t_done)
+    row["accounting"] = accounting(results, w.logs, window, use.result, devices)
     lat, ttft = row["latency_s"], row["ttft_s"]
     gpu_use, threads = brief(use.result)
     say(
@@ -300,15 +172,41 @@ def measure(
         + (f" ({use.result['gpu']['note']})" if use.result["gpu"]["note"] else "")
         + f"; max threads head / tail {threads}"
         + "".join(f"; {role} link B/token up / down {per_token(x)}" for role, x in row["link_bytes"].items())
+        + round_note(row)
     )
     return row
+
+
+def round_note(row: dict) -> str:
+    """A row's round in brief, for the progress line: its wall ms, the rest the head loop kept it waiting, each
+    middle stage's hop, the steady state and how long freed slots stood empty."""
+    r = (row.get("accounting") or {}).get("rounds") or {}
+    steady, gaps = jobs_waves.brief(row)
+    hops = " / ".join(f"{h:.1f}" for h in r.get("hop_ms") or []) or "—"
+    return (
+        f"; round {r.get('round_ms')} ms, of which waiting for the head loop {r.get('head_loop_wait_ms')} ms, hops "
+        f"{hops} ms; steady-state tok/s {steady}; slot empty p50 / max ms {gaps}"
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--tiny", is_flag=True, help="Tiny random Qwen2-shaped model (workers/tiny_models.py), n-gram drafter.")
 @click.option("--smollm", is_flag=True, help="SmolLM2-135M-Instruct as `shardflow demo` runs it, n-gram drafter.")
 @click.option("--target", default=None, help="Target model directory (or random:<preset> with the bench plugin).")
-@click.option("--split", type=int, default=None, help="First layer of the tail (default: half).")
+@click.option(
+    "--split",
+    type=int,
+    default=None,
+    help="First layer of the tail (default: half; two stages only: --cuts or --stages win).",
+)
+@click.option(
+    "--stages",
+    type=click.IntRange(2),
+    default=None,
+    help="Workers the layers are split over, evenly: the head, N-2 middle stages (`shardflow stage`), the tail "
+    "[default: 2, or what --cuts makes].",
+)
+@click.option("--cuts", default=None, help="First layer of each worker after the head (8,16,24: four stages).")
 @click.option("--draft", default=None, help="Draft model for the head (default: none: n-gram drafting).")
 @click.option("--n", "ns", default="1,4,16,64,256", show_default=True, help="Batch sizes, run in this order.")
 @click.option("--prompt-tokens", type=click.IntRange(1), default=128, show_default=True)
@@ -348,13 +246,20 @@ def measure(
     callback=lambda _ctx, _param, spec: link_option(spec, "--tail-link"),
     help="The tail's link to Redis, as --link (none: the tail local to Redis).",
 )
+@click.option(
+    "--stage-link",
+    default=None,
+    callback=lambda _ctx, _param, spec: None if spec is None else (spec, link_option(spec, "--stage-link")),
+    help="Each middle stage's link to Redis (one proxy each), as --link [default: the tail's].",
+)
 @click.option("--head-device", default="cpu", show_default=True)
-@click.option("--tail-device", default="cpu", show_default=True)
+@click.option("--tail-device", default="cpu", show_default=True, help="The tail's device (the middle stages' too).")
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True
 )
 @click.option("--head-args", default="", help="Extra `shardflow head` flags for every variant.")
 @click.option("--tail-args", default="", help="Extra `shardflow tail` flags for every variant.")
+@click.option("--stage-args", default="", help="Extra `shardflow stage` flags for every middle stage.")
 @click.option("--variant", "variants", multiple=True, help="NAME=HEAD ARGS[ | TAIL ARGS] (repeatable).")
 @click.option("--timeout", type=click.FloatRange(1), default=3600, show_default=True, help="Seconds per batch.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt seed (jobs' seeds too).")
@@ -382,6 +287,8 @@ def main(
     smollm: bool,
     target: str | None,
     split: int | None,
+    stages: int | None,
+    cuts: str | None,
     draft: str | None,
     ns: str,
     prompt_tokens: int,
@@ -393,11 +300,13 @@ def main(
     alpha: float | None,
     head_link: Link | None,
     tail_link: Link | None,
+    stage_link: tuple[str, Link | None] | None,
     head_device: str,
     tail_device: str,
     dtype: str,
     head_args: str,
     tail_args: str,
+    stage_args: str,
     variants: tuple[str, ...],
     timeout: float,
     seed: int,
@@ -426,8 +335,12 @@ def main(
         singles = min(max(sizes), 8) if singles is None else singles  # prompts enough for them, below
         jobs = max(*sizes, singles if 1 in sizes else 0)
         job_seeds = None if same_seed else seed
+        at = layer_cuts(model.layers, stages, cuts, split)
         cfg = Config(kind, k, alpha, new_tokens, dtype, head_device, tail_device, timeout, singles, job_seeds)
-        say(f"{model.name}: split {model.split}/{model.layers - model.split}, drafter {kind}, N = {sizes}")
+        cfg = dataclasses.replace(cfg, cuts=at, stage_args=tuple(shlex.split(stage_args)))
+        bounds = [0, *at, model.layers]
+        ranges = ", ".join(f"{a}:{b}" for a, b in itertools.pairwise(bounds))
+        say(f"{model.name}: layers {ranges} over {len(at) + 1} workers, drafter {kind}, N = {sizes}")
         say(seeds_note(same_seed))
         base = build_prompts(model, min(distinct or jobs, jobs), prompt_tokens, seed)
         if len({tuple(p) for p in base}) != len(base):
@@ -435,22 +348,24 @@ def main(
         prompts = cycle(base, jobs)
         refs = cycle(hf_references(model, base, new_tokens, check_device, dtype), jobs) if check else None
         server = stack.enter_context(EmbeddedRedis(die_with_parent=True))
-        links = {
-            role: stack.enter_context(spawn_link(server.port, link))
-            for role, link in (("head", head_link), ("tail", tail_link))
-            if link is not None
-        }
-        for role, link in (("head", head_link), ("tail", tail_link)):
+        st_link = tail_link if stage_link is None else stage_link[1]
+        roles = stage_roles(at)
+        wires = [("head", head_link), *((role, st_link) for role in roles), ("tail", tail_link)]
+        links = {role: stack.enter_context(spawn_link(server.port, link)) for role, link in wires if link is not None}
+        for role, link in wires:
             say(f"{role} <-> Redis: " + (link.describe() if link else "direct"))
         via = {role: f"redis://127.0.0.1:{link.port}/0" for role, link in links.items()}
-        urls = Urls(server.url, via.get("tail", server.url), via.get("head", server.url))
+        stage_urls = tuple(via.get(role, server.url) for role in roles)
+        urls = Urls(server.url, via.get("tail", server.url), via.get("head", server.url), stage_urls)
         settings = {
             "model": model.name, "target": model.target, "split": model.split, "layers": model.layers,
             "draft": model.draft, "drafter": kind, "k": k, "alpha": alpha, "prompt_tokens": prompt_tokens,
             "new_tokens": new_tokens, "ns": sizes, "link": head_link.spec() if head_link else "none",
             "link_settings": dataclasses.asdict(head_link) if head_link else None,
             "tail_link": tail_link.spec() if tail_link else "none",
-            "tail_link_settings": dataclasses.asdict(tail_link) if tail_link else None, "head_device": head_device,
+            "tail_link_settings": dataclasses.asdict(tail_link) if tail_link else None, "stages": len(at) + 1,
+            "cuts": list(at), "stage_link": st_link.spec() if st_link else "none",
+            "stage_args": stage_args, "head_device": head_device,
             "tail_device": tail_device, "dtype": dtype, "check": check, "check_device": check_device,
             "variants": [{"name": n, "head_args": h, "tail_args": t} for n, h, t in runs], "distinct": len(base),
             "singles": singles, "seeds": seeds_note(same_seed),

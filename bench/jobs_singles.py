@@ -41,6 +41,7 @@ def merge_singles(rows: list[dict]) -> dict:
         ties=sum(r.get("ties", 0) for r in rows),
         tie_ulps_max=max((r["tie_ulps_max"] for r in rows if r.get("tie_ulps_max") is not None), default=None),
         mismatch_detail=[d for r in rows for d in r.get("mismatch_detail", [])][:20],
+        waves=None,  # one job at a time: no waves
     )
     for key in DISTS:
         out[key] = dist([r[key]["p50"] for r in rows if r[key]["p50"] is not None])
