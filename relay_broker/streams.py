@@ -103,6 +103,7 @@ class GroupReader:
     settings: Settings = field(default_factory=Settings)  # claim_idle_ms, block_ms, stream caps
     _pending_done: bool = field(default=False, init=False)
     _last_claim: float = field(default=0.0, init=False)
+    _poll_s: float = field(default=0.0, init=False)  # a `poll`'s round trip, averaged (`gather` skips a far Redis)
     _refusals: set[str] = field(default_factory=set, init=False)  # streams whose refused writes were logged
 
     def __post_init__(self) -> None:
@@ -159,9 +160,10 @@ class GroupReader:
 
         The linger polls (`poll`, every GATHER_POLL_S) rather than BLOCKs: Redis times blocked reads out only when
         its event loop wakes, as rarely as every 100 ms at its default `hz` 10, so a 5 ms BLOCK that found nothing
-        held a CPU tail up to 100 ms, and 4 generations in flight ran 7x slower than one at a time."""
-        if not entries or linger_ms <= 0:
-            return entries
+        held a CPU tail up to 100 ms, and 4 generations in flight ran 7x slower than one at a time. A worker whose polls
+        take longer than the linger (its Redis across a WAN: each a round trip) does not linger at all."""
+        if not entries or linger_ms <= 0 or self._poll_s * 1000 > linger_ms:
+            return entries  # a read costs more than the linger (Redis far away): waiting for more would cost more
         deadline, reads = time.monotonic() + 50 * linger_ms / 1000, 0
         held = sum(entry_bytes(fields) for _, _, fields in entries)
         rounds = sum(rounds_in(fields) for _, _, fields in entries)  # a head's group entry: its sessions' rounds
@@ -184,8 +186,9 @@ class GroupReader:
     @transport_retry()
     def poll(self, count: int) -> list[Entry]:
         """New entries, up to `count` (fewer while huge ones come: `budget`), without blocking."""
-        streams = dict.fromkeys(self.streams, ">")
+        streams, t0 = dict.fromkeys(self.streams, ">"), time.monotonic()
         got = self._flatten(self.r.xreadgroup(self.group, self.consumer, streams, count=self.budget.count(count)))
+        self._poll_s += (time.monotonic() - t0 - self._poll_s) / 4  # how long one costs, recently (`gather`)
         self.budget.saw(fields for _, _, fields in got)
         return got
 
