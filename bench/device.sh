@@ -30,6 +30,8 @@
 #   card7 card14   the 16 GB card profile: float16, every worker --gpu-memory 15, NS 1,16, SINGLES 4 prompts
 #             one at a time; 7B-shaped split 14/14 (V7: variants, default fp16=) and 14B-shaped 4-bit 24/24 (V14)
 #   plan      `shardflow plan` for both 16 GB shapes
+#   nstage    N stages on the card (issue 59): 14B-shaped fp16 and 32B-shaped 4-bit over 4 workers of 15 GiB, each
+#             43 ms from Redis, and the plan's memory for both (NAME-plan.txt)
 # What comes back: per run of the job path NAME.json / NAME.md (bench.jobs' jobs.json / jobs.md), NAME-phases.txt
 # (the workers' loop phase lines) and NAME-error-*.log where a worker raised (NAME: jobs, the family preset, gemma4,
 # ab-<i>-<new|base>, card7, card14); ab.md (the ab runs' rows in order), pytest.txt, stages.json / stages.md,
@@ -130,6 +132,21 @@ case "${part%%:*}" in
     HEAD_ARGS="--gpu-memory 15" TAIL_ARGS="--gpu-memory 15" job_path "${part%%:*}" "$LIMIT" "$model" "${NS:-1,16}" \
       --dtype float16 --singles "${SINGLES:-4}" "${vargs[@]}"
     ;;
+  nstage)
+    # issue 59 on one card: every worker --gpu-memory 15 (a T4's worth) and 43 ms from Redis (each its own `wan`
+    # link); 14B-shaped fp16 over 4 workers at the plan's cuts (NS 1,16), 32B-shaped 4-bit over 4 (N 1); then the
+    # plan of both, whose memory columns the workers' "memory:" lines (NAME-phases.txt) are compared with
+    links="--link wan --tail-link wan --stage-link wan"
+    for spec in "n14:qwen2.5-14b:9,23,37:--gpu-memory 15:${NS:-1,16}" "n32:qwen2.5-32b:10,30,50:--gpu-memory 15 --quant 4bit:1"; do
+      IFS=: read -r name preset cuts flags ns <<< "$spec"
+      LINK_ARGS=$links HEAD_ARGS=$flags TAIL_ARGS=$flags job_path "$name" "$LIMIT" "$preset:${cuts%%,*}:qwen2.5-0.5b" "$ns" \
+        --dtype float16 --stages 4 --cuts "$cuts" --stage-args "$flags"
+      quant=none; [[ $flags == *4bit* ]] && quant=4bit
+      python3 -m producer plan --plugin bench.synthetic --target "random:$preset" --draft random:qwen2.5-0.5b \
+        --quant "$quant" --dtype float16 --gpus 15GiB,15GiB,15GiB,15GiB --stages 4 > "$OUT/$name-plan.txt" 2>&1
+      tail -12 "$OUT/$name-plan.txt"
+    done
+    ;;
   plan)
     for m in "random:qwen2.5-7b --quant none" "random:qwen2.5-14b --quant 4bit"; do
       # shellcheck disable=SC2086
@@ -137,7 +154,7 @@ case "${part%%:*}" in
         --dtype float16
     done
     ;;
-  *) echo "unknown part ${part%%:*}: jobs families gemma4 ab stages qparity card7 card14 plan" >&2 ;;
+  *) echo "unknown part ${part%%:*}: jobs families gemma4 ab stages qparity card7 card14 plan nstage" >&2 ;;
 esac
 done
 ls "$OUT"
