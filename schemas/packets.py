@@ -47,7 +47,8 @@ CAPS = RelaySettings()  # the documented caps, for callers that pass none (a wor
 # byte what it was and every version-4 packet still decodes, and a build without codecs refuses a compressed one
 # ("tensors.hidden.codec: Extra inputs are not permitted"). The 8-bit codecs (opt-in, lossy: `relay.wire`) came within 4
 # too: a build before them refuses such a round's header ("Input should be 'raw' or 'zstd-planes'"), only a round's
-# hidden rows may name one, and a raw or lossless round is unchanged.
+# hidden rows may name one, and a raw or lossless round is unchanged. The middle stages' fields (a round's layer,
+# route, hops and hop_ms, a verdict's hops and hop_ms) came within 4 too: a build before them refuses every round.
 PROTOCOL_VERSION = 4
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 ReplyTo = Annotated[str, Field(pattern=r"^head\.[A-Za-z0-9_.:-]{1,160}$")]  # `Keys.head_reply_to`: a head's stream
@@ -60,6 +61,11 @@ TailId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{0,64}$")]
 # other stream): `tail` or `stage:A-B` (the shared stream of the tails, or of the middle stages that run layers
 # A:B), `@ID` added once the session is pinned to that worker
 Hop = Annotated[str, Field(pattern=r"^(tail|stage:[0-9]{1,5}-[0-9]{1,5})(@[A-Za-z0-9_.-]{1,64})?$")]
+# How long a middle stage held a round, in ms (from taking its entry off its stream to handing the round on: its wait
+# in the batch and its forward); a day at most, as a head's reply timeout is
+MAX_HOP_MS = 86_400_000.0
+HopMs = Annotated[float, Field(ge=0, le=MAX_HOP_MS, allow_inf_nan=False)]
+HOP_TIMES = "hop_ms must hold one time per hop"
 
 
 class HeadRef(BaseModel):
@@ -129,6 +135,12 @@ class RoundPacket(BaseModel):
         description="The middle stages it passed through, in order (each adds its id): the tail's verdict names them, "
         "so the head pins the session's later rounds to them.",
     )
+    hop_ms: list[HopMs] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Each middle stage's time with the round in ms, parallel to hops (each stage adds its own): the "
+        "tail's verdict passes them on for the head's timings (`RoundTimings.hop_ms`).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RoundPacket:
@@ -153,6 +165,8 @@ class RoundPacket(BaseModel):
             raise ValueError("a part of a prompt (prefill_more > 0) carries no drafts and is no replay")
         if (self.key is None) != (self.start_pos > 0):
             raise ValueError("a round that opens a session (start_pos 0) carries its key, and no other does")
+        if len(self.hop_ms) != len(self.hops):
+            raise ValueError(HOP_TIMES)
         return self
 
 
@@ -181,7 +195,16 @@ class Verdict(BaseModel):
     finish_reason: FinishReason | None = None
     tail_id: TailId = ""
     hops: list[TailId] = Field(default_factory=list, max_length=16, description="The round's middle stages.")
+    hop_ms: list[HopMs] = Field(
+        default_factory=list, max_length=16, description="Each middle stage's time with the round (ms), as it came."
+    )
     timings: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _hop_times(self) -> Verdict:
+        if len(self.hop_ms) != len(self.hops):
+            raise ValueError(HOP_TIMES)
+        return self
 
 
 class ErrorReply(BaseModel):

@@ -127,6 +127,9 @@ class RoundTimings(BaseModel):
     total_ms: float = 0.0
     head_batch_rounds: int = 0  # rounds in the head's batches that computed this generation's rounds, summed
     tail_batch_rounds: int = 0  # the same for the tail's batches
+    # per middle stage along the route (index i: the i-th), the ms it held the rounds (within relay_ms; empty without
+    # stages); a stage's own clock, as the tail's numbers are, clamped to each round's wait
+    hop_ms: list[float] = Field(default_factory=list)
 
 
 class GenerationResult(BaseModel):

@@ -11,10 +11,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from relay_broker.connection import connect
 from schemas.keys import Keys
-from schemas.requests import DraftSettings, GenerationRequest
+from schemas.requests import DraftSettings, GenerationRequest, GenerationResult
 from tests.conftest import PROMPTS
 from tests.job_env import reference, spawn, tail_args
 
@@ -68,7 +69,8 @@ def chain(models, redis_server, tmp_path):
 @pytest.mark.parametrize("cuts", [[1, 3], [1, 2, 3]], ids=["3 workers", "4 workers"])
 def test_greedy_through_middle_stages_equals_hf_generate(cuts, chain, models, redis_client, hf_models, tokenizers):
     """A head (layers 0:1, a draft model) routes through the announced stages to the tail: six generations at once,
-    each equal to HF generate; each session's later rounds went to the stages and tail its first verdict named."""
+    each equal to HF generate; each session's later rounds went to the stages and tail its first verdict named, and
+    its result times each middle stage (`timings.hop_ms`, one entry a stage)."""
     from workers.head.runtime import HeadRuntime, new_generation
 
     ms = models["qwen2"]
@@ -77,18 +79,22 @@ def test_greedy_through_middle_stages_equals_hf_generate(cuts, chain, models, re
     prompts = PROMPTS[:6]
     gens = []
 
-    def one(p: str) -> list[int]:
+    def one(p: str) -> GenerationResult:
         req = GenerationRequest(prompt=p, max_new_tokens=NEW, chat_template=False, draft=DraftSettings(k=3))
         gen = new_generation(req, runtime, redis_client, names=names)
         gens.append(gen)
-        return gen.run().token_ids
+        return gen.run()
 
     with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(one, prompts))
-    assert got == [reference(hf_models["qwen2"], tokenizers["qwen2"], p, NEW) for p in prompts]
+        results = list(pool.map(one, prompts))
+    want = [reference(hf_models["qwen2"], tokenizers["qwen2"], p, NEW) for p in prompts]
+    assert [r.token_ids for r in results] == want
     stages = [f"stage:{a}-{b}" for a, b in itertools.pairwise(cuts)]
     for gen in gens:  # pinned: each stage's own stream, then the tail's
         assert [h.split("@")[0] for h in gen.hops] == [*stages, "tail"] and all("@" in h for h in gen.hops)
+    for r in results:  # each stage's time with the rounds, summed over them
+        hops = r.timings.hop_ms
+        assert len(hops) == len(stages) and all(0 < h < r.timings.total_ms for h in hops), (hops, r.timings)
 
 
 def test_a_forged_entry_on_a_stage_stream_is_refused(chain, models, redis_client, hf_models, tokenizers):
@@ -147,3 +153,35 @@ def test_a_middle_stage_killed_mid_batch_changes_no_output(chain, models, redis_
         got = [f.result(timeout=120) for f in futures]
     assert got == [reference(hf_models["qwen2"], tokenizers["qwen2"], p, new) for p in prompts]
     assert sum(g.replays for g in gens) >= 1  # the dead replica's sessions were replayed
+
+
+def test_a_gone_heads_sessions_are_freed_at_every_stage(chain, redis_client, hf_models, tmp_path):
+    """A session a head opened through two middle stages and the tail, then left (no close: a SIGKILLed head sends
+    none, and a stage never hears a verdict): once the head's liveness key has expired, as a killed head's does,
+    and the session was silent for the head's reply timeout, every stage frees it as the tail does
+    (workers/tail/liveness.py, which a stage runs as a tail does) and says so in its log."""
+    from schemas.macs import session_key
+    from schemas.packets import HeadRef, encode_round
+    from schemas.requests import SamplingParams
+    from tests.relay_util import announce, open_replies, replies
+
+    names = chain([1, 2, 3])
+    head = HeadRef(name="gone-head", boot="00112233445566aa", reply_timeout_s=1.0)
+    reply_to = Keys.head_reply_to(head.name, head.boot)
+    stream = open_replies(redis_client, names, reply_to)
+    header = dict(session_id="g" * 24, head=head, reply_to=reply_to, round_id=0, start_pos=0, input_ids=[5, 6, 7],
+                  draft_ids=[], sampling=SamplingParams(), eos_token_ids=[], max_new=8, q_kind="none", layer=1,
+                  route=["stage:2-3", "tail"])  # fmt: skip
+    width = hf_models["qwen2"].config.hidden_size
+    announce(redis_client, names, head)
+    _, fields = encode_round(header, {"hidden": torch.randn(3, width)}, session_key())
+    redis_client.xadd(names.stage_shared((1, 2)), fields)
+    assert replies(redis_client, stream, {"g" * 24}), "the round did not reach the tail"
+    # the key expires 3 s on: meanwhile every worker's check (each head_check_s, 1 s) saw it name the session's boot
+    announce(redis_client, names, head, ttl_s=3.0)
+    logs = {"stage 1:2": tmp_path / "s1-0.log", "stage 2:3": tmp_path / "s2-0.log", "tail": tmp_path / "tail.log"}
+    said = "dropped 1 session(s): their head gone-head was silent for over 1s"
+    deadline = time.monotonic() + 30
+    while missing := [w for w, log in logs.items() if said not in log.read_text()]:
+        assert time.monotonic() < deadline, f"{missing} kept the gone head's session"
+        time.sleep(0.2)

@@ -377,7 +377,7 @@ class Generation:
 
     def _account(self, draft: Draft, v: Verdict, spans: tuple[float, ...], free: bool = False, part: int = 0) -> None:
         timings = {k: x for k, x in v.timings.items() if k != "batch"} if part else v.timings
-        add_round(self.t, timings, spans, self.round.sent_wall if self.round else 0.0)
+        add_round(self.t, timings, spans, self.round.sent_wall if self.round else 0.0, v.hop_ms)
         self.drafted += len(draft.tokens)
         self.accepted += v.accepted
         if self.req.draft.adaptive and draft.tokens:

@@ -13,9 +13,16 @@ from schemas.requests import RoundTimings
 MAX_BATCH = 1 << 20  # a tail batch larger than this is not a plausible size: not counted
 
 
-def add_round(t: RoundTimings, timings: dict[str, float], spans: tuple[float, float, float], sent_wall: float) -> None:
+def add_round(
+    t: RoundTimings,
+    timings: dict[str, float],
+    spans: tuple[float, float, float],
+    sent_wall: float,
+    hop_ms: list[float] | None = None,
+) -> None:
     """Add one round: `spans` = (draft, head forward, wait from queueing the round to taking its verdict) in
-    seconds; `sent_wall` = time.time() when the round was queued."""
+    seconds; `sent_wall` = time.time() when the round was queued; `hop_ms`: each middle stage's time (the verdict's,
+    summed per hop into `t.hop_ms`, a part of the relay's)."""
     draft_s, head_s, wait_s = spans
     wait_ms = wait_s * 1000
 
@@ -39,3 +46,7 @@ def add_round(t: RoundTimings, timings: dict[str, float], spans: tuple[float, fl
     if replied is not None:
         t.back_ms += clamp(time.time() * 1000 - replied)
     t.tail_prepare_ms += clamp(timings.get("prepare_ms", 0.0))
+    hops = list(hop_ms or ())
+    t.hop_ms += [0.0] * (len(hops) - len(t.hop_ms))
+    for i, ms in enumerate(hops):
+        t.hop_ms[i] += clamp(ms)

@@ -4,9 +4,10 @@ Run it with `shardflow stage --target MODEL --layers A:B --redis-url URL`. It re
 stream of its layer range (`stage:A-B:requests`, one consumer group for every replica of that range) and later
 rounds from its own, runs its layers over each round's hidden rows (a batch of rounds as one forward), and passes
 the round on to the next hop its route names (schemas/packets.py `RoundPacket.route`: another stage, or the tail),
-sealed again under the session's key, with its own id added to `hops` and its output layer as `layer`. The tail
-answers the head directly, never back through the stages; its verdict names the hops, so the head pins the
-session's later rounds to them.
+sealed again under the session's key, with its own id added to `hops`, the milliseconds it held the round to
+`hop_ms`, and its output layer as `layer`. The tail answers the head directly, never back through the stages; its
+verdict names the hops, so the head pins the session's later rounds to them, and passes their times on (the
+head sums them per hop: `RoundTimings.hop_ms`).
 
 A stage never hears a verdict: it rolls its cache back to the position the session's next round names (the drafts
 the tail rejected). Everything else is the tail's (workers/tail/server.py, which it extends): every round's MAC
@@ -25,7 +26,7 @@ import torch
 
 from relay_broker.streams import Reply, merge_replies
 from schemas.macs import seal
-from schemas.packets import RoundPacket, make_round
+from schemas.packets import MAX_HOP_MS, RoundPacket, make_round
 from workers.engine.numerics import non_finite_error
 from workers.tail.rounds import BatchClock, Prepared, forward_inputs, round_ids
 from workers.tail.server import TailWorker
@@ -94,13 +95,20 @@ class StageWorker(TailWorker):
                 out.append(self._fail_prepared(p, e))
         return out
 
+    def _held_ms(self) -> float:
+        """How long this stage has held the batch being handled: since its entries came off the streams (their wait
+        in the batch, their checks, the forward), to this round's sealing; 0 where no read took them (`handle`)."""
+        taken = self._taken_at_ms
+        return min(max(time.time() * 1000 - taken, 0.0), MAX_HOP_MS) if taken else 0.0  # a clock jump: still sent
+
     def _onward(self, prep: Prepared, hidden: torch.Tensor) -> Reply:
         """The round as the next hop reads it: this stage's hidden rows, its route one hop on, sealed again."""
         p, sess = prep.packet, prep.sess
         if not torch.isfinite(hidden).all():
             raise non_finite_error("hidden states", self.shard.layer_range, self.shard.dtype)
-        header = p.model_dump(exclude={"v", "kind", "key", "tensors", "route", "hops", "layer"})
+        header = p.model_dump(exclude={"v", "kind", "key", "tensors", "route", "hops", "hop_ms", "layer"})
         header |= {"route": p.route[1:], "hops": [*p.hops, self.tail_id], "layer": self.shard.layer_range[1]}
+        header["hop_ms"] = [*p.hop_ms, self._held_ms()]
         tensors = {name: t for name, t in prep.tensors.items() if name != "hidden"} | {"hidden": hidden}
         codec = p.tensors["hidden"].codec
         _, fields = make_round(header, tensors, prep.key, hidden_codec=codec)

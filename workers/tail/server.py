@@ -402,6 +402,7 @@ class TailWorker:
             finish_reason=finish,
             tail_id=self.tail_id,
             hops=p.hops,
+            hop_ms=p.hop_ms,
             timings=timings,
         )
         sess.last_round, sess.last_reply = p.round_id, encode_message(verdict, prep.key)
