@@ -72,6 +72,7 @@ from workers.tail.rounds import (
     round_ids,
 )
 from workers.tail.sessions import TAIL_ID, SessionStore, TailSession, default_tail_id
+from workers.tail.writer import Writer
 
 log = logging.getLogger("shardflow.tail")
 
@@ -133,6 +134,7 @@ class TailWorker:
             dead_stream=self.names.dead_letters,
             settings=cfg,
         )
+        self.writer = Writer(self.reader, cfg, self.clock, self.stop_event.is_set)
 
     role = "tail"
     last = True  # runs the LM head and verifies (a middle stage passes its hidden states on: workers/stage/)
@@ -159,6 +161,7 @@ class TailWorker:
             self.sessions.expire()
             self.heads.sweep(self.sessions)
             self._keepalive()
+        self.writer.close()  # the last batches' replies and acks written before the worker goes
 
     def _lost_redis(self, e: BaseException, wait_s: float) -> None:
         log.warning("tail %s: %s; retrying in %.1fs", self.tail_id, e, wait_s)
@@ -207,9 +210,9 @@ class TailWorker:
         written, dropped = cap.take_counts()
         clock.count("dead letters", written)
         clock.count("dead letters dropped", dropped)
-        # replies (those for one head's stream packed into one entry), acks and dead letters: one round trip
-        with clock("reply"):
-            self.reader.ack_many(self.pack(done), dead_letters=dead)
+        # replies (those for one head's stream packed into one entry), acks and dead letters: one round trip, on the
+        # writer's thread while this loop reads and computes the next batch (workers/tail/writer.py)
+        self.writer.put(self.pack(done), dead)
 
     def pack(self, done: list) -> list:
         """The acks with their replies as they go out (one head's replies in one entry: `merge_replies`)."""
