@@ -36,7 +36,16 @@ from schemas.settings import Settings
 from workers.engine.plan import model_shape, shard_weights
 from workers.engine.runner import Engine, Logits
 from workers.engine.shard import Cache, Shard
-from workers.engine.sizing import SlotPlan, cache_len, cpu_plan, engine_slot_cost, memory_plan, shard_workspace
+from workers.engine.sizing import (
+    SlotPlan,
+    cache_len,
+    cache_modes,
+    cpu_plan,
+    engine_slot_cost,
+    memory_plan,
+    ring_slack,
+    shard_workspace,
+)
 
 log = logging.getLogger("shardflow.engine")
 
@@ -164,17 +173,21 @@ class ChainCache:
 
 
 def chain_plan(shard: ChainShard, settings: Settings, step_tokens: int) -> SlotPlan:
-    """The slots every part holds: engine.slots if set, a CPU's plan on a CPU, else as many as the device that holds
-    the fewest (the parts on one device costed together, its largest workspace kept free)."""
+    """The slots every part holds, as `Engine._plan` sizes one engine's: a CPU's plan on a CPU; engine.slots (or
+    cpu_slots for growing caches) where set; else as many as the device that holds the fewest (the parts on one
+    device costed together, its largest workspace kept free)."""
     max_len = min(cache_len(p, settings) for p in shard.parts)
-    if settings.engine.slots or shard.device.type != "cuda":
-        return cpu_plan(max_len, settings) if not settings.engine.slots else SlotPlan(settings.engine.slots)
+    if shard.device.type != "cuda":
+        return cpu_plan(max_len, settings)
+    if settings.engine.slots or not cache_modes(shard.parts[0], settings.engine)[0]:
+        return SlotPlan(settings.engine.slots or settings.engine.cpu_slots)
     by_device: dict[torch.device, list[Shard]] = {}
     for p in shard.parts:
         by_device.setdefault(p.device, []).append(p)
+    slack = ring_slack(settings, step_tokens, 0)
 
     def cost(parts: list[Shard], n: int) -> int:
-        return sum(engine_slot_cost(p, n, step_tokens, 0) for p in parts)
+        return sum(engine_slot_cost(p, n, step_tokens, 0, slack) for p in parts)
 
     entries = [
         (dev, partial(cost, parts), max(shard_workspace(p, settings) for p in parts))
