@@ -31,6 +31,7 @@ from schemas.requests import GenerationRequest, GenerationResult
 from schemas.settings import Settings
 from workers.engine.chain import ChainShard, WorkerEngine, WorkerShard, make_engine, whole_bytes
 from workers.engine.per_layer import id_limit
+from workers.engine.preflight import same_device
 from workers.engine.runner import Engine
 from workers.engine.shard import Shard, resolve_model_dir
 from workers.engine.sizing import (
@@ -136,7 +137,7 @@ class HeadRuntime:
         (workers/plugins.py)."""
         settings, plugins = settings or Settings(), plugins or Registry()
         dshard = plugins.load_draft(draft, settings.engine) if draft else None
-        beside = dshard is not None and str(dshard.device) == str(torch.device(settings.engine.device))
+        beside = dshard is not None and same_device(str(dshard.device), settings.engine.device)
         dtype = torch.float32 if settings.engine.dtype == "auto" else getattr(torch, settings.engine.dtype)
         # its bytes beside the first device's layers, counted as the preflight counts them (the same cuts)
         extra = whole_bytes(dshard.config, dtype, settings.engine.draft_quant) if beside and dshard is not None else 0
