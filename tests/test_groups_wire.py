@@ -233,20 +233,6 @@ def test_a_round_that_cannot_be_sealed_fails_its_generation_alone(
         assert ids == reference(hf_models["qwen2"], tokenizers["qwen2"], p, 6), p
 
 
-def test_a_reads_transfer_time_counts_from_its_call_or_its_newest_entry():
-    """`read_ms` (workers/tail/rounds.py): entries that waited in Redis count from the read's call; one that came
-    while the read was blocked counts from its own id time; ids without a time count from the call."""
-    from workers.tail.rounds import read_ms
-
-    def entry(entry_id: bytes) -> tuple[bytes, bytes, dict]:
-        return (b"s", entry_id, {})
-
-    assert read_ms([entry(b"900-0"), entry(b"950-1")], 1000.0, 1012.0) == 12.0  # both there before the call
-    assert read_ms([entry(b"1005-0")], 1000.0, 1012.0) == 7.0  # came while the read was blocked
-    assert read_ms([entry(b"x")], 1000.0, 1003.0) == 3.0
-    assert read_ms([], 1000.0, 1500.0) == 0.0
-
-
 def test_groups_unpacked_side_by_side_come_back_in_order_a_bad_one_refused_alone():
     """A tail's batch of entries unpacked on its MAC threads (each group's tensors hashed once): the same rounds in
     the same order as on one thread, a malformed group refused alone, an entry alone passed through."""

@@ -129,13 +129,6 @@ def entries_age_ms(entries: list[Entry]) -> float:
     return sum(ages) / len(ages) if ages else 0.0
 
 
-def read_ms(entries: list[Entry], called_ms: float, returned_ms: float) -> float:
-    """How long a read's entries took from Redis to this process, parsed: from the later of the read's call and
-    its newest entry's id time to the read's return (wall-clock ms, this host's clock beside its Redis)."""
-    times = [ms for _, entry_id, _ in entries if (ms := _entry_ms(entry_id)) is not None]
-    return max(returned_ms - max([called_ms, *times]), 0.0) if entries else 0.0
-
-
 class HostToDevice:
     """A batch's hidden rows (host tensors of one dtype and width, maybe read-only views of their packets' bytes) to
     the device in one copy (never the tensors given) through a pinned staging buffer, kept and grown as batches need

@@ -22,7 +22,7 @@ import torch
 
 from relay_broker.budgets import DeadLetterCap
 from relay_broker.retry import ride_out
-from relay_broker.streams import GroupReader, Reply, merge_replies
+from relay_broker.streams import Entry, GroupReader, Reply, merge_replies
 from schemas.codec import is_lossy
 from schemas.errors import (
     NonFiniteError,
@@ -56,6 +56,7 @@ from workers.speculative.stopping import cut_at_stops
 from workers.speculative.verify import Outcome
 from workers.tail.auth import Authenticator
 from workers.tail.liveness import HeadWatch, keep_alive, session_for
+from workers.tail.prefetch import Prefetch
 from workers.tail.rounds import (
     BatchClock,
     DeadLetter,
@@ -66,7 +67,6 @@ from workers.tail.rounds import (
     forward_inputs,
     log_bad,
     plan_rounds,
-    read_ms,
     reason_of,
     rewind,
     round_ids,
@@ -118,7 +118,6 @@ class TailWorker:
         self._dead: list[DeadLetter] = []
         self.dead_cap = DeadLetterCap(cfg.relay.dead_letter_rate, cfg.relay.dead_letter_burst)
         self._last_keepalive = 0.0
-        self._regroup = False  # recreate the consumer groups before the next read
         self.clock = PhaseClock("tail loop", log)  # where the loop's time goes, logged every 10 s
         self.upload = HostToDevice(shard.device)
         self.auth = Authenticator(self.sessions, cfg.relay)
@@ -135,6 +134,7 @@ class TailWorker:
             settings=cfg,
         )
         self.writer = Writer(self.reader, cfg, self.clock, self.stop_event.is_set)
+        self._prefetch: Prefetch | None = None  # the reads' thread, started by `serve`
 
     role = "tail"
     last = True  # runs the LM head and verifies (a middle stage passes its hidden states on: workers/stage/)
@@ -146,6 +146,7 @@ class TailWorker:
     def serve(self) -> None:
         """Handle packets until `stop_event` is set."""
         log.info("%s %s serving layers %s on %s", self.role, self.tail_id, self.shard.layer_range, self.lanes()[1])
+        self._prefetch = Prefetch(self._read, self.reader.reset, self.stop_event, self.settings, self.tail_id)
         while not self.stop_event.is_set():
             try:  # Redis gone, restarted, full, read-only, ...: ride it out (relay_broker.retry)
                 ride_out(
@@ -165,7 +166,12 @@ class TailWorker:
 
     def _lost_redis(self, e: BaseException, wait_s: float) -> None:
         log.warning("tail %s: %s; retrying in %.1fs", self.tail_id, e, wait_s)
-        self._regroup = True  # a Redis restarted without persistence lost the consumer groups
+
+    def _read(self) -> list[Entry]:
+        """A batch's entries (on the reads' thread: workers/tail/prefetch.py): up to the slots, gathered."""
+        n = self.engine.slots
+        return self.reader.gather(self.reader.read(count=n), slots=n, open_sessions=len(self.sessions),
+                                  linger_ms=self.linger_ms)  # fmt: skip
 
     def _keepalive(self) -> None:
         """Now and then (tail_keepalive_s): this tail's stream kept, dead tails' idle consumers dropped."""
@@ -175,25 +181,22 @@ class TailWorker:
             keep_alive(self.r, self.names, self.tail_id, self.settings)
 
     def _serve_once(self) -> None:
-        if self._regroup:
-            self.reader.reset()
-            self._regroup = False
         clock = self.clock
         clock.maybe_log()
-        called_ms, t0 = time.time() * 1000, time.perf_counter()
-        entries = self.reader.gather(
-            self.reader.read(count=self.engine.slots),
-            slots=self.engine.slots,
-            open_sessions=len(self.sessions),
-            linger_ms=self.linger_ms,
-        )
-        self._queue_ms, self._taken_at_ms = entries_age_ms(entries), time.time() * 1000
-        spent = time.perf_counter() - t0
-        moved = min(read_ms(entries, called_ms, self._taken_at_ms) / 1000, spent)
-        clock.add("wait", spent - moved)  # blocked at Redis; "read": the entries' way from Redis, parsed
-        if not entries:
-            return
-        clock.add("read", moved)
+        assert self._prefetch is not None
+        with clock("wait"):  # for the reads' thread: blocked at Redis, or nothing came
+            entries = self._prefetch.take(self.settings.redis.block_ms / 1000)
+        self._queue_ms, self._taken_at_ms = entries_age_ms(entries), time.time() * 1000  # since Redis had them
+        if entries:
+            try:
+                self._serve_batch(entries)
+            finally:  # computed (or failed), and let go: the reads may go on past a large batch
+                entries = []
+                self._prefetch.finished()
+
+    def _serve_batch(self, entries: list[Entry]) -> None:
+        """A batch's rounds unpacked, checked, computed, and their replies and acks handed to the writer."""
+        clock = self.clock
         with clock("unpack"):
             flat, bad = expand_groups(entries, self.max_packet_bytes, self.auth.shares)  # a group: its rounds
         done: list = [(stream, entry_id, None) for stream, entry_id, _ in bad]
