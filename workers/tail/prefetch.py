@@ -44,7 +44,7 @@ class Prefetch:
         self._queue: queue.Queue[tuple[int, list[Entry]]] = queue.Queue(maxsize=depth)
         self._regroup = False
         self._cv = threading.Condition()
-        self._read, self._taken, self._done = 0, 0, 0  # batches read, taken by the loop, and computed
+        self._made, self._taken, self._done = 0, 0, 0  # batches read, taken by the loop, and computed
         self._big = settings.relay.read_max_bytes // 4  # a batch this large is not read ahead of (memory)
         self._thread = threading.Thread(target=self._run, daemon=True, name="tail-reader")
         self._thread.start()
@@ -92,8 +92,8 @@ class Prefetch:
                 continue
             if not entries:
                 continue
-            self._read += 1
-            seq, big = self._read, sum(entry_bytes(fields) for _, _, fields in entries) > self._big
+            self._made += 1
+            seq, big = self._made, sum(entry_bytes(fields) for _, _, fields in entries) > self._big
             while not self.stop.is_set():
                 try:
                     self._queue.put((seq, entries), timeout=0.5)  # waits while the loop has `depth` batches to take
