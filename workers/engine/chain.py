@@ -97,7 +97,9 @@ def whole_bytes(config: PretrainedConfig, dtype: torch.dtype = torch.float32, qu
 
 
 class ChainShard:
-    """A worker's layers as consecutive `Shard`s on its devices, seen as one shard (the module docstring)."""
+    """A worker's layers as consecutive `Shard`s on its devices, seen by the worker as one shard (the module
+    docstring): what heads and tails read of their shard (config, layer range, dtype, device, LM head, whether its
+    layers take token ids); the parts themselves are run by `EngineChain`'s engines."""
 
     def __init__(self, parts: list[Shard]) -> None:
         if len(parts) < 2:
@@ -108,9 +110,7 @@ class ChainShard:
         self.parts = parts
         self.config = parts[0].config
         self.layer_range = (parts[0].layer_range[0], parts[-1].layer_range[1])
-        self.embed, self.norm, self.lm_head = parts[0].embed, parts[-1].norm, parts[-1].lm_head
-        self.layers = [layer for p in parts for layer in p.layers]
-        self.quant = parts[0].quant
+        self.lm_head = parts[-1].lm_head
 
     @property
     def device(self) -> torch.device:
@@ -125,36 +125,8 @@ class ChainShard:
         return any(p.needs_ids for p in self.parts)
 
     @property
-    def recurrent(self) -> bool:
-        return any(p.recurrent for p in self.parts)
-
-    @property
-    def graphs_reason(self) -> str | None:
-        return next((r for p in self.parts if (r := p.graphs_reason) is not None), None)
-
-    @property
     def attends_in_place(self) -> bool:
         return all(p.attends_in_place for p in self.parts)
-
-    @property
-    def fused(self) -> object | None:
-        return self.parts[0].fused if all(p.fused is not None for p in self.parts) else None
-
-    def weight_bytes(self) -> int:
-        return sum(p.weight_bytes() for p in self.parts)
-
-    def new_cache(self) -> ChainCache:
-        return ChainCache([p.new_cache() for p in self.parts])
-
-    def __call__(
-        self, x: torch.Tensor, start_pos: int, cache: ChainCache, logits_last: int = 0, ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Like `Shard.__call__`: each part's forward in turn on its own cache, the rows moved to its device."""
-        for i, (part, c) in enumerate(zip(self.parts, cache.parts, strict=True)):
-            last = i == len(self.parts) - 1
-            part_ids = ids.to(part.device) if ids is not None and part.needs_ids else None
-            x = part(x.to(part.device), start_pos, c, logits_last if last else 0, ids=part_ids)
-        return x
 
 
 @dataclass
